@@ -1,0 +1,1 @@
+"""eyas: train, tune and serve speculative-decoding drafters."""

@@ -1,0 +1,33 @@
+"""What every drafter provides to the speculative loop (DESIGN.md: the Drafter contract).
+
+A drafter never calls the target. The loop hands it the target's hidden states ("taps", Hugging Face
+``hidden_states`` numbering) for the tokens that entered the target's KV cache, and asks it for a DraftTree.
+
+Shape legend: P prompt tokens, A tokens committed in one cycle, E target hidden size.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from eyas.spec.tree import DraftTree
+
+
+class Drafter(Protocol):
+    name: str
+    target_taps: tuple[int, ...]  # target hidden states this drafter reads; () for drafters that need none
+
+    def begin(self, prompt_ids: list[int], taps: dict[int, torch.Tensor]) -> None:
+        """Start a sequence. taps[l] is [P, E]: the target's state after each prompt token."""
+
+    def propose(self, root_token: int, context_ids: list[int], temperature: float,
+                generator: torch.Generator | None) -> DraftTree:
+        """Draft a tree rooted at ``root_token`` (the last emitted token, not yet in the target's cache).
+
+        context_ids: every token emitted so far, prompt included, ending with root_token. With temperature > 0
+        a drafter that samples sets ``sampled=True`` and ``draft_probs_NV`` on the tree.
+        """
+
+    def commit(self, tokens: list[int], taps: dict[int, torch.Tensor]) -> None:
+        """The root and the accepted drafted tokens entered the target's cache; taps[l] is [A, E] for them."""

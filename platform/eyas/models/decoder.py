@@ -1,0 +1,249 @@
+"""The native target: one dense decoder for the Llama, Qwen2, Qwen3 and Mistral families.
+
+Shape legend: B batch, T new tokens, S attended cache slots, H heads, D head dim, E hidden size, V vocab.
+
+One forward serves prefill, plain decode and tree verification:
+``forward(tokens_BT, positions_BT, cache, mask=None, taps=()) -> (logits_BTV, {tap: hidden_BTE})``.
+Positions are explicit (a tree node sits at prefix_len + depth); ``mask`` says which new tokens each new token
+sees (tree attention); cached slots are always visible. Taps follow Hugging Face's ``hidden_states`` numbering:
+0 is the embedding output, i the output of layer i, and ``num_layers`` the final-normed state the LM head reads.
+
+Tensor parallelism (Megatron-style) is built in: with ``tp.size > 1`` each rank holds 1/tp of the attention heads
+and MLP columns; the o_proj and down_proj are row-parallel and their partial outputs are all-reduced.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eyas.models.cache import KVCache
+from eyas.models.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """This rank's place in a tensor-parallel group (torch.distributed already initialised when size > 1)."""
+    rank: int = 0
+    size: int = 1
+    group: Any = None
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            torch.distributed.all_reduce(x, group=self.group)
+        return x
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """RoPE inverse frequencies, with Llama-3 scaling when the checkpoint asks for it."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling
+    if not scaling:
+        return inv_freq
+    factor = float(scaling["factor"])
+    low_freq_factor = float(scaling.get("low_freq_factor", 1.0))
+    high_freq_factor = float(scaling.get("high_freq_factor", 4.0))
+    old_context = float(scaling.get("original_max_position_embeddings", 8192))
+    low_freq_wavelen = old_context / low_freq_factor
+    high_freq_wavelen = old_context / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    # long wavelengths are slowed by `factor`, short ones kept; the band between is interpolated smoothly
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x_BHTD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor) -> torch.Tensor:
+    cos, sin = cos_BTD.unsqueeze(1), sin_BTD.unsqueeze(1)
+    return x_BHTD * cos + rotate_half(x_BHTD) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, tp: TensorParallel) -> None:
+        super().__init__()
+        if config.num_heads % tp.size or config.num_kv_heads % tp.size:
+            raise ValueError(f"tensor_parallel_size={tp.size} must divide num_heads={config.num_heads} "
+                             f"and num_kv_heads={config.num_kv_heads}")
+        self.layer, self.tp = layer, tp
+        self.num_heads = config.num_heads // tp.size
+        self.num_kv_heads = config.num_kv_heads // tp.size
+        self.head_dim = config.head_dim
+        E, D = config.hidden_size, config.head_dim
+        self.q_proj = nn.Linear(E, self.num_heads * D, bias=config.attention_bias)
+        self.k_proj = nn.Linear(E, self.num_kv_heads * D, bias=config.attention_bias)
+        self.v_proj = nn.Linear(E, self.num_kv_heads * D, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.num_heads * D, E, bias=config.o_proj_bias and tp.rank == 0)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(D, config.rms_norm_eps)
+            self.k_norm = RMSNorm(D, config.rms_norm_eps)
+        self.qk_norm = config.qk_norm
+
+    def forward(self, x_BTE: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor, cache: KVCache,
+                span: int, mask_B1TS: torch.Tensor | None, causal: bool) -> torch.Tensor:
+        B, T, _ = x_BTE.shape
+        q_BHTD = self.q_proj(x_BTE).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+        k_BHTD = self.k_proj(x_BTE).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v_BHTD = self.v_proj(x_BTE).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self.qk_norm:
+            q_BHTD, k_BHTD = self.q_norm(q_BHTD), self.k_norm(k_BHTD)
+        q_BHTD = apply_rope(q_BHTD, cos_BTD, sin_BTD)
+        k_BHTD = apply_rope(k_BHTD, cos_BTD, sin_BTD)
+        cache.write(self.layer, k_BHTD, v_BHTD)
+        k_BHSD, v_BHSD = cache.view(self.layer, span)
+        out_BHTD = F.scaled_dot_product_attention(q_BHTD, k_BHSD, v_BHSD, attn_mask=mask_B1TS,
+                                                  is_causal=causal, enable_gqa=True)
+        out_BTE = self.o_proj(out_BHTD.transpose(1, 2).reshape(B, T, -1))
+        return self.tp.all_reduce(out_BTE)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)); gate/up column-parallel, down row-parallel."""
+
+    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
+        super().__init__()
+        if config.intermediate_size % tp.size:
+            raise ValueError(f"tensor_parallel_size={tp.size} must divide intermediate_size="
+                             f"{config.intermediate_size}")
+        inner = config.intermediate_size // tp.size
+        self.tp = tp
+        self.gate_proj = nn.Linear(config.hidden_size, inner, bias=config.mlp_bias)
+        self.up_proj = nn.Linear(config.hidden_size, inner, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(inner, config.hidden_size, bias=config.mlp_bias and tp.rank == 0)
+
+    def forward(self, x_BTE: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(self.down_proj(F.silu(self.gate_proj(x_BTE)) * self.up_proj(x_BTE)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, tp: TensorParallel) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, layer, tp)
+        self.mlp = MLP(config, tp)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x_BTE, cos_BTD, sin_BTD, cache, span, mask_B1TS, causal) -> torch.Tensor:
+        x_BTE = x_BTE + self.self_attn(self.input_layernorm(x_BTE), cos_BTD, sin_BTD, cache, span, mask_B1TS,
+                                       causal)
+        return x_BTE + self.mlp(self.post_attention_layernorm(x_BTE))
+
+
+class Decoder(nn.Module):
+    """Parameter names mirror Hugging Face's (``model.`` prefix dropped), so checkpoints load by name."""
+
+    def __init__(self, config: ModelConfig, tp: TensorParallel | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.tp = tp or TensorParallel()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, self.tp) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        self._rope_cos: torch.Tensor | None = None
+        self._rope_sin: torch.Tensor | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def new_cache(self, batch_size: int = 1, max_len: int | None = None) -> KVCache:
+        max_len = max_len or self.config.max_position_embeddings
+        return KVCache(self.config.num_layers, batch_size, self.config.num_kv_heads // self.tp.size, max_len,
+                       self.config.head_dim, self.dtype, self.device)
+
+    def rope_tables(self, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin tables over positions [0, num_positions), built once and grown on demand."""
+        if self._rope_cos is None or self._rope_cos.shape[0] < num_positions:
+            size = max(num_positions, self.config.max_position_embeddings)
+            positions = torch.arange(size, device=self.inv_freq.device, dtype=torch.float32)
+            freqs = torch.outer(positions, self.inv_freq.float())
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self._rope_cos, self._rope_sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        return self._rope_cos, self._rope_sin
+
+    def build_mask(self, cache: KVCache, num_new: int, span: int, mask: torch.Tensor | None,
+                   ) -> tuple[torch.Tensor | None, bool]:
+        """Boolean mask_B1TS over cached + new slots (True = attend), or (None, causal) when SDPA needs none."""
+        B = cache.batch_size
+        same_start = len(set(cache.starts)) == 1 and all(l == cache.starts[0] for l in cache.starts)
+        if mask is None and same_start and span == cache.starts[0] + num_new:
+            if num_new == 1:
+                return None, False  # decode: every valid slot is visible
+            if cache.starts[0] == 0:
+                return None, True  # prefill from empty: plain causal
+        if mask is not None and mask.shape[-1] == span:  # a full mask over cached + new slots
+            return mask.reshape(-1, 1, num_new, span).to(torch.bool), False
+        new_BTT = (mask if mask is not None else
+                   torch.ones(num_new, num_new, dtype=torch.bool, device=self.device).tril())
+        new_BTT = new_BTT.to(torch.bool).expand(B, num_new, num_new)
+        full_BTS = torch.zeros(B, num_new, span, dtype=torch.bool, device=self.device)
+        for b, start in enumerate(cache.starts):
+            full_BTS[b, :, :start] = True
+            full_BTS[b, :, start:start + num_new] = new_BTT[b]
+        return full_BTS.unsqueeze(1), False
+
+    def forward(self, tokens_BT: torch.Tensor, positions_BT: torch.Tensor, cache: KVCache,
+                mask: torch.Tensor | None = None, taps: Iterable[int] = (),
+                logits_slice: slice | None = None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Append ``tokens_BT`` to ``cache`` and return (logits_BTV, {tap: hidden_BTE}).
+
+        mask: bool, True = attend. Either [T, T] / [B, T, T] over the new tokens (cached slots always
+        visible) or [B, T, S] over cached + new slots. Default: causal over the new tokens.
+        logits_slice: compute logits only for these new positions (e.g. ``slice(-1, None)`` in prefill).
+        """
+        B, T = tokens_BT.shape
+        assert positions_BT.shape == (B, T), f"positions_BT {tuple(positions_BT.shape)} != tokens {(B, T)}"
+        assert B == cache.batch_size, f"batch {B} != cache batch {cache.batch_size}"
+        taps = tuple(taps)
+        cache.begin(T)
+        span = cache.span(T)
+        mask_B1TS, causal = self.build_mask(cache, T, span, mask)
+        cos_PD, sin_PD = self.rope_tables(int(positions_BT.max()) + 1)
+        cos_BTD, sin_BTD = cos_PD[positions_BT], sin_PD[positions_BT]
+        hidden: dict[int, torch.Tensor] = {}
+        x_BTE = self.embed_tokens(tokens_BT)
+        if 0 in taps:
+            hidden[0] = x_BTE
+        for i, layer in enumerate(self.layers, start=1):
+            x_BTE = layer(x_BTE, cos_BTD, sin_BTD, cache, span, mask_B1TS, causal)
+            if i in taps and i != self.config.num_layers:
+                hidden[i] = x_BTE
+        x_BTE = self.norm(x_BTE)
+        if self.config.num_layers in taps:
+            hidden[self.config.num_layers] = x_BTE
+        cache.finish(T)
+        if logits_slice is not None:
+            x_BTE = x_BTE[:, logits_slice]
+        return self.lm_head(x_BTE), hidden

@@ -1,0 +1,124 @@
+"""Load a Hugging Face checkpoint directory into the native decoder.
+
+A checkpoint is ``config.json`` plus ``model.safetensors`` or a sharded ``model.safetensors.index.json``; the
+tokenizer comes through transformers' AutoTokenizer. Every failure names the file and the problem.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from eyas.models.config import CheckpointError, ModelConfig
+from eyas.models.decoder import Decoder, TensorParallel, rope_inv_freq
+
+FLOAT_DTYPES = {torch.float32, torch.float16, torch.bfloat16, torch.float64}
+
+# Megatron sharding: which dimension of each weight is split across tensor-parallel ranks.
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # split outputs (dim 0, and bias)
+ROW_PARALLEL = ("o_proj", "down_proj")  # split inputs (dim 1); bias kept whole on rank 0 only
+
+
+def checkpoint_files(directory: Path) -> list[Path]:
+    single = directory / "model.safetensors"
+    index = directory / "model.safetensors.index.json"
+    if single.is_file():
+        return [single]
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as err:
+            raise CheckpointError(f"{index}: not a valid safetensors index ({err})") from None
+        files = [directory / name for name in sorted(set(weight_map.values()))]
+        for file in files:
+            if not file.is_file():
+                raise CheckpointError(f"{file}: missing file (listed in {index.name})")
+        return files
+    if (directory / "pytorch_model.bin").is_file():
+        raise CheckpointError(f"{directory / 'pytorch_model.bin'}: pickle checkpoints are not loaded; "
+                              "re-save with save_pretrained(safe_serialization=True)")
+    raise CheckpointError(f"{directory}: missing file (expected model.safetensors or model.safetensors.index.json)")
+
+
+def shard(name: str, tensor: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """This rank's slice of a full weight."""
+    if tp.size == 1:
+        return tensor
+    module = name.split(".")[-2]
+    if module in COLUMN_PARALLEL:
+        return tensor.chunk(tp.size, dim=0)[tp.rank].clone()
+    if module in ROW_PARALLEL and name.endswith("weight"):
+        return tensor.chunk(tp.size, dim=1)[tp.rank].clone()
+    return tensor
+
+
+def read_state_dict(directory: Path, config: ModelConfig, tp: TensorParallel) -> dict[str, torch.Tensor]:
+    state: dict[str, torch.Tensor] = {}
+    for file in checkpoint_files(directory):
+        try:
+            handle = safe_open(str(file), framework="pt")
+        except Exception as err:  # safetensors raises its own error types for corrupt headers
+            raise CheckpointError(f"{file}: cannot read safetensors ({err})") from None
+        with handle:
+            for key in handle.keys():
+                name = key.removeprefix("model.")
+                if name.endswith("rotary_emb.inv_freq"):
+                    continue
+                if tp.rank > 0 and (name.endswith("o_proj.bias") or name.endswith("down_proj.bias")):
+                    continue
+                tensor = handle.get_tensor(key)
+                if tensor.dtype not in FLOAT_DTYPES:
+                    raise CheckpointError(f"{file}: tensor {key} has dtype {tensor.dtype}; eyas loads float "
+                                          "checkpoints (float32/float16/bfloat16), not quantized ones")
+                state[name] = shard(name, tensor, tp)
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    return state
+
+
+def load_target(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                tp: TensorParallel | None = None) -> Decoder:
+    """Build the native decoder from an HF checkpoint directory (one tensor-parallel shard when tp is given)."""
+    directory = Path(path).expanduser()
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory}: checkpoint directory does not exist")
+    config = ModelConfig.from_file(directory / "config.json")
+    tp = tp or TensorParallel()
+    with torch.device("meta"):
+        model = Decoder(config, tp)
+    state = read_state_dict(directory, config, tp)
+    expected = {k: v for k, v in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing:
+        raise CheckpointError(f"{directory}: checkpoint lacks tensors {missing[:5]}{'...' if len(missing) > 5 else ''}"
+                              f" for model_type={config.model_type}")
+    if unexpected:
+        raise CheckpointError(f"{directory}: unexpected tensors {unexpected[:5]}; is config.json from another model?")
+    for name, tensor in state.items():
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise CheckpointError(f"{directory}: shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, "
+                                  f"config.json implies {tuple(expected[name].shape)}")
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.inv_freq = rope_inv_freq(config)  # buffers built on the meta device hold no values
+    model.to(device=device)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def load_tokenizer(path: str | Path):
+    """The checkpoint's tokenizer, through transformers' AutoTokenizer (tokenizer.json or sentencepiece)."""
+    from transformers import AutoTokenizer
+
+    directory = Path(path).expanduser()
+    try:
+        return AutoTokenizer.from_pretrained(str(directory))
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{directory}: cannot load a tokenizer ({err})") from None
