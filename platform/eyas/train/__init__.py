@@ -1,0 +1,1 @@
+"""Drafter training without Ray: data regeneration, datasets, target features, losses, one training step."""
