@@ -137,7 +137,7 @@ def chain(root_token: int, tokens: Sequence[int], probs_KV: torch.Tensor | None 
     if probs_KV is not None:
         if probs_KV.dim() != 2 or probs_KV.shape[0] != num_drafted:
             raise ValueError(f"chain: probs_KV has shape {tuple(probs_KV.shape)}, expected ({num_drafted}, V)")
-        draft_probs_NV = torch.cat([torch.zeros_like(probs_KV[:1]), probs_KV])
+        draft_probs_NV = torch.cat([probs_KV.new_zeros(1, probs_KV.shape[1]), probs_KV])
     if scores is None:
         conf_K = (probs_KV[torch.arange(num_drafted), tokens_N[1:].to(probs_KV.device)].float().cpu()
                   if probs_KV is not None else torch.ones(num_drafted))
