@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         target = load_target(target_path)
         tokenizer = load_tokenizer(target_path)
         prompt_ids = (parse_prompt_ids(args.prompt_ids) if args.prompt_ids
-                      else tokenizer.encode(args.prompt, add_special_tokens=False))
+                      else tokenizer.encode(args.prompt))
         drafter = build_drafter(target, spec)
         eos = set(target.config.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None
                                                   else set())

@@ -66,11 +66,11 @@ def _draft_lm(target: Decoder, spec: SpecConfig):
 
 
 def _trained(target: Decoder, spec: SpecConfig, default_tree: str):
-    from eyas.drafters.registry import load_drafter
-
     if not spec.drafter:
         raise ConfigError(f"spec.method={spec.method} needs a trained drafter: set spec.drafter (or --drafter) to "
                           "a checkpoint directory or models:/NAME@ALIAS")
+    from eyas.drafters.registry import load_drafter
+
     return load_drafter(spec.drafter, target, tree=spec.tree or default_tree, depth=spec.depth, top_k=spec.top_k,
                         num_nodes=spec.num_nodes)
 

@@ -1,0 +1,62 @@
+"""Shared fixtures: small Hugging Face checkpoints built in seconds, so no test needs a model hub."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def build_random_checkpoint(out_dir: Path, tokenizer_dir: Path | None = None, num_layers: int = 3,
+                            hidden_size: int = 48, seed: int = 0) -> Path:
+    """A random-weight LlamaForCausalLM + a BPE tokenizer trained on a slice of the corpus, saved HF-style."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from eyas.tokenizer import TokenizerConfig, build_tokenizer, load_tokenizer
+
+    if tokenizer_dir is None:
+        tokenizer = build_tokenizer(TokenizerConfig(vocab_size=320, max_chars=40_000), out_dir)
+    else:
+        tokenizer = load_tokenizer(tokenizer_dir)
+        tokenizer.save_pretrained(str(out_dir))
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                         num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=512, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                         tie_word_embeddings=False)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():  # a sharper random model: greedy continuations repeat, so drafters get accepted
+        model.lm_head.weight.mul_(8.0)
+    model.save_pretrained(str(out_dir))
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def random_checkpoint(tmp_path_factory) -> Path:
+    return build_random_checkpoint(tmp_path_factory.mktemp("random-target"))
+
+
+@pytest.fixture(scope="session")
+def random_draft_checkpoint(tmp_path_factory, random_checkpoint) -> Path:
+    return build_random_checkpoint(tmp_path_factory.mktemp("random-draft"), tokenizer_dir=random_checkpoint,
+                                   num_layers=1, seed=1)
+
+
+@pytest.fixture()
+def eyas_home(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("EYAS_HOME", str(tmp_path / "eyas-home"))
+    return tmp_path / "eyas-home"
+
+
+@pytest.fixture()
+def mlflow_uri(tmp_path, monkeypatch) -> str:
+    uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    return uri
+
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

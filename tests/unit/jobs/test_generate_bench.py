@@ -1,0 +1,56 @@
+"""jobs.generate and jobs.bench end to end on a random-weight checkpoint (Ray-free, seconds)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from jobs import bench, generate
+
+
+def test_generate_json_matches_across_methods(random_checkpoint, random_draft_checkpoint, capsys):
+    outputs = {}
+    for method, extra in (("vanilla", []), ("ngram", []), ("draft-lm", ["--draft-model",
+                                                                         str(random_draft_checkpoint)])):
+        code = generate.main(["--target", str(random_checkpoint), "--method", method, *extra, "--prompt",
+                              "def add(a, b):\n    return", "--max-new-tokens", "24", "--json"])
+        assert code == 0
+        outputs[method] = json.loads(capsys.readouterr().out)
+    assert outputs["ngram"]["token_ids"] == outputs["vanilla"]["token_ids"]
+    assert outputs["draft-lm"]["token_ids"] == outputs["vanilla"]["token_ids"]
+    assert outputs["draft-lm"]["stats"]["cycles"] > 0 and outputs["draft-lm"]["stats"]["tau"] >= 1.0
+
+
+def test_generate_reports_bad_input(random_checkpoint, tmp_path, capsys):
+    assert generate.main(["--target", str(tmp_path / "nope"), "--prompt", "x"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert generate.main(["--target", str(random_checkpoint), "--method", "eagle3", "--prompt", "x"]) == 2
+    assert "needs a trained drafter" in capsys.readouterr().err
+    assert generate.main(["--target", str(random_checkpoint), "--method", "bogus", "--prompt", "x"]) == 2
+    assert "spec.method" in capsys.readouterr().err
+
+
+def test_bench_writes_schema_and_figure(random_checkpoint, random_draft_checkpoint, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ("import os\n", "class A:\n", "x = [1, 2,")))
+    out = tmp_path / "bench.json"
+    code = bench.main(["--target", str(random_checkpoint), "--draft-model", str(random_draft_checkpoint),
+                       "--methods", "vanilla,hf,hf-assisted,hf-prompt-lookup,ngram,draft-lm,eagle3",
+                       "--prompts-file", str(prompts), "--max-new-tokens", "16", "--out", str(out)])
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert set(report) == {"commit", "machine", "config", "results"}
+    rows = {r["method"]: r for r in report["results"]}
+    assert set(rows) == {"vanilla", "hf", "hf-assisted", "hf-prompt-lookup", "ngram", "draft-lm"}
+    assert "eagle3" in report["config"]["skipped"]  # no trained drafter in this EYAS_HOME
+    assert rows["vanilla"]["speedup"] == 1.0 and rows["vanilla"]["tau"] is None
+    assert rows["draft-lm"]["tau"] >= 1.0 and rows["hf"]["tau"] is None
+    for row in rows.values():
+        assert row["num_prompts"] == 3 and row["new_tokens"] > 0 and row["tokens_per_s"] > 0
+    assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_bench_rejects_bad_prompts_file(random_checkpoint, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("not json\n")
+    assert bench.main(["--target", str(random_checkpoint), "--prompts-file", str(bad)]) == 2
