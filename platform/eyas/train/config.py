@@ -1,0 +1,207 @@
+"""Configs of drafter training: ``DataConfig`` (jobs.generate_data) and ``TrainConfig`` (jobs.train_drafter).
+
+Each YAML file in ``jobs/configs/data-*.yaml`` is a ``DataConfig``; each ``<family>-*.yaml`` is a ``TrainConfig``
+(nested sections are the dataclasses below). Paths may use ``$EYAS_HOME``; a bare name (no ``/``) is looked up
+under ``$EYAS_HOME/targets/`` (targets) or ``$EYAS_HOME/data/`` (data sets).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from eyas.config import eyas_home, require, resolve_path
+
+SUITES = ("all", "code", "prose")
+
+
+def target_path(target: str) -> Path:
+    """``target-tiny`` -> ``$EYAS_HOME/targets/target-tiny``; a path (with ``/``) is used as is."""
+    return resolve_path(target) if "/" in target else eyas_home() / "targets" / target
+
+
+def data_path(data: str) -> Path:
+    """``data-tiny`` -> ``$EYAS_HOME/data/data-tiny``; a path (with ``/``) is used as is."""
+    return resolve_path(data) if "/" in data else eyas_home() / "data" / data
+
+
+def _name(value: str, field_name: str) -> None:
+    require(bool(value) and "/" not in value and not value.startswith("."), field_name, value,
+            "must be a plain name (it becomes a directory under $EYAS_HOME)")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """``jobs.generate_data``: prompts -> target responses -> parquet shards under ``$EYAS_HOME/data/<name>/``.
+
+    source=regenerate: train prompts (eyas.corpus) continued by the target itself, so the drafter learns the
+    target's own distribution (EAGLE-3, DFlash, Medusa-2 practice). source=corpus: fixed raw-text chunks of the
+    train documents, as EAGLE-1 trained on a fixed data set.
+    """
+
+    name: str
+    target: str = "target-tiny"
+    source: Literal["regenerate", "corpus"] = "regenerate"
+    suite: str = "all"               # prompts / documents: code, prose or all
+    num_prompts: int = 512           # train sequences (prompts regenerated, or corpus chunks)
+    num_heldout_prompts: int = 32    # held-out sequences (from held-out files / topics) for evaluation
+    max_prompt_tokens: int = 128     # longer prompts are skipped
+    max_new_tokens: int = 128        # response budget per prompt (regenerate)
+    chunk_tokens: int = 256          # tokens per chunk (corpus)
+    temperature: float = 0.0         # 0 = greedy responses
+    top_p: float = 1.0
+    seed: int = 0
+    batch_size: int = 8              # prompts per batched target forward
+    shard_size: int = 64             # sequences per parquet shard (the unit a rerun skips or redoes)
+    num_workers: int = 0             # Ray actors; 0 = one per CPU (one per GPU with use_gpu)
+    use_gpu: bool = False
+
+    def __post_init__(self) -> None:
+        _name(self.name, "name")
+        require(self.suite in SUITES, "suite", self.suite, f"must be one of {list(SUITES)}")
+        for key in ("num_prompts", "max_prompt_tokens", "max_new_tokens", "chunk_tokens", "batch_size",
+                    "shard_size"):
+            require(getattr(self, key) >= 1, key, getattr(self, key), "must be >= 1")
+        require(self.num_heldout_prompts >= 0, "num_heldout_prompts", self.num_heldout_prompts, "must be >= 0")
+        require(self.temperature >= 0, "temperature", self.temperature, "must be >= 0 (0 = greedy)")
+        require(0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]")
+        require(self.num_workers >= 0, "num_workers", self.num_workers, "must be >= 0 (0 = one per CPU/GPU)")
+
+    def content_key(self) -> dict[str, Any]:
+        """The fields that decide what a shard holds: a rerun may only reuse shards written under the same key."""
+        return {"target": str(target_path(self.target)), "source": self.source, "suite": self.suite,
+                "max_prompt_tokens": self.max_prompt_tokens, "max_new_tokens": self.max_new_tokens,
+                "chunk_tokens": self.chunk_tokens, "temperature": self.temperature, "top_p": self.top_p,
+                "seed": self.seed, "shard_size": self.shard_size}
+
+
+@dataclass(frozen=True)
+class DrafterSection:
+    """Which drafter to train: a registry family, one of its presets, and field overrides on top."""
+
+    type: str = "eagle3"                     # eagle1 | eagle3 | medusa | dflash (registry names)
+    preset: str | None = "tiny"              # the family's named preset; null = the family config's defaults
+    config: dict[str, Any] = field(default_factory=dict)  # family config fields over the preset
+    target_taps: tuple[int, ...] | None = None  # tap layers (HF hidden_states numbering); null = family default
+
+    def __post_init__(self) -> None:
+        require(bool(self.type), "drafter.type", self.type, "must name a drafter family (eagle1, eagle3, ...)")
+        require(self.target_taps is None or all(t >= 0 for t in self.target_taps), "drafter.target_taps",
+                self.target_taps, "tap layers are >= 0 (0 = embeddings, i = output of layer i)")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    warmup_steps: int = 0
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    min_lr_ratio: float = 0.1        # cosine / linear decay to lr * min_lr_ratio at the last step
+    grad_clip: float = 1.0           # max gradient norm; 0 = off
+
+    def __post_init__(self) -> None:
+        require(self.lr > 0, "optim.lr", self.lr, "must be > 0")
+        require(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, "must be >= 0")
+        require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "optim.betas", self.betas,
+                "must be two numbers in [0, 1)")
+        require(self.warmup_steps >= 0, "optim.warmup_steps", self.warmup_steps, "must be >= 0")
+        require(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
+        require(self.grad_clip >= 0, "optim.grad_clip", self.grad_clip, "must be >= 0 (0 = off)")
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    """The training loop (the ``train:`` section)."""
+
+    num_epochs: int = 1
+    batch_size: int = 4              # sequences per worker per step
+    max_len: int = 256               # tokens per sequence; longer sequences are cut
+    max_steps: int | None = None     # stop after this many steps in total (null = all epochs)
+    seed: int = 0
+    eval_every: int = 20             # steps between held-out evaluations (acc_j, simulated tau)
+    eval_sequences: int = 16         # held-out sequences in the evaluation batch
+    log_every: int = 5               # steps between logged training losses
+    checkpoint_every: int | None = None  # checkpoint every N steps too (always at each epoch end)
+    feature_cache: Literal["none", "memory", "disk"] = "none"  # reuse target features across epochs
+    fail_at_step: int | None = None  # testing: rank `fail_rank` dies once at this step (a marker file guards)
+    fail_rank: int = 1
+
+    def __post_init__(self) -> None:
+        for key in ("num_epochs", "batch_size", "max_len", "eval_every", "eval_sequences", "log_every"):
+            require(getattr(self, key) >= 1, f"train.{key}", getattr(self, key), "must be >= 1")
+        require(self.max_steps is None or self.max_steps >= 1, "train.max_steps", self.max_steps,
+                "must be >= 1 or null")
+        require(self.checkpoint_every is None or self.checkpoint_every >= 1, "train.checkpoint_every",
+                self.checkpoint_every, "must be >= 1 or null")
+        require(self.fail_at_step is None or self.fail_at_step >= 1, "train.fail_at_step", self.fail_at_step,
+                "must be >= 1 or null")
+
+
+@dataclass(frozen=True)
+class ScalingSection:
+    num_workers: int = 2
+    use_gpu: bool = False            # NCCL on GPU, gloo on CPU
+    cpus_per_worker: int = 1         # also each worker's torch thread count
+    strategy: Literal["ddp", "zero1", "zero2"] = "ddp"  # DDP, or DeepSpeed ZeRO stage 1 / 2
+    max_failures: int = 1            # worker failures to recover from (from the last checkpoint)
+    num_to_keep: int | None = 2      # Ray Train checkpoints kept
+    storage_path: str = "$EYAS_HOME/ray_results"
+
+    def __post_init__(self) -> None:
+        require(self.num_workers >= 1, "scaling.num_workers", self.num_workers, "must be >= 1")
+        require(self.cpus_per_worker >= 1, "scaling.cpus_per_worker", self.cpus_per_worker, "must be >= 1")
+        require(self.max_failures >= -1, "scaling.max_failures", self.max_failures, "must be >= -1 (-1 = forever)")
+        require(self.num_to_keep is None or self.num_to_keep >= 1, "scaling.num_to_keep", self.num_to_keep,
+                "must be >= 1 or null (keep all)")
+
+
+@dataclass(frozen=True)
+class MeasureConfig:
+    """tau measured at each epoch end by running eyas generate with the drafter on held-out prompts."""
+
+    num_prompts: int = 4             # 0 = skip the measurement
+    max_new_tokens: int = 32
+    suite: str = "all"
+    tree: str | None = None          # tree shape; null = the family's default
+    depth: int = 5
+    top_k: int = 4
+    num_nodes: int = 24
+
+    def __post_init__(self) -> None:
+        require(self.num_prompts >= 0, "measure.num_prompts", self.num_prompts, "must be >= 0")
+        require(self.suite in SUITES, "measure.suite", self.suite, f"must be one of {list(SUITES)}")
+        for key in ("max_new_tokens", "depth", "top_k", "num_nodes"):
+            require(getattr(self, key) >= 1, f"measure.{key}", getattr(self, key), "must be >= 1")
+
+
+@dataclass(frozen=True)
+class TrackingConfig:
+    enabled: bool = True             # MLflow logging (rank 0 only)
+    experiment: str = "eyas-drafters"
+    register: bool = True            # register the final drafter as model `name`
+    alias: str = "latest"            # moved to the new version: models:/<name>@<alias>
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """``jobs.train_drafter``: one YAML file per family and size in ``jobs/configs/``."""
+
+    name: str                        # output: $EYAS_HOME/drafters/<name>, MLflow model <name>
+    target: str = "target-tiny"      # target checkpoint: a name under $EYAS_HOME/targets or a path
+    data: str = "data-tiny"          # generate_data output: a name under $EYAS_HOME/data or a path
+    drafter: DrafterSection = field(default_factory=DrafterSection)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: LoopConfig = field(default_factory=LoopConfig)
+    scaling: ScalingSection = field(default_factory=ScalingSection)
+    measure: MeasureConfig = field(default_factory=MeasureConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+    def __post_init__(self) -> None:
+        _name(self.name, "name")
+        require(self.train.fail_at_step is None or self.train.fail_rank < self.scaling.num_workers,
+                "train.fail_rank", self.train.fail_rank, f"must be < scaling.num_workers={self.scaling.num_workers}")
+
+    @property
+    def output_dir(self) -> Path:
+        return eyas_home() / "drafters" / self.name

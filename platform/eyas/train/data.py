@@ -1,0 +1,316 @@
+"""Drafter training data: regeneration by the target, parquet shards, batches per worker, cached target features.
+
+Shape legend: B batch (sequences), P prompt tokens (left-padded), S cache slots, T tokens, E hidden size, V vocab.
+
+On disk (written by ``jobs.generate_data``)::
+
+    $EYAS_HOME/data/<name>/data.json                 what produced the shards (content key, counts)
+    $EYAS_HOME/data/<name>/train/shard-00000.parquet  prompt_ids, response_ids, loss_mask (one row per sequence)
+    $EYAS_HOME/data/<name>/heldout/shard-00000.parquet
+
+``loss_mask`` covers prompt + response: 1 where the token is one the drafter should learn to predict (the
+response), 0 on the prompt. Training reads every shard of a split into memory (drafter data sets are small next to
+the target features computed from them) and each worker takes a deterministic slice of a per-epoch permutation, so
+a resumed run can skip exactly the batches it already trained on (``DataPosition``).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+
+from eyas.models.decoder import Decoder
+from eyas.spec.verify import process_logits
+from eyas.train.features import TargetFeatures, TrainBatch, target_features
+
+SPLITS = ("train", "heldout")
+COLUMNS = ("prompt_ids", "response_ids", "loss_mask")
+
+
+# ---------------------------------------------------------------- regeneration (the target answers prompts)
+
+
+@torch.inference_mode()
+def regenerate(target: Decoder, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+               eos_token_ids: Sequence[int] = (), temperature: float = 0.0, top_p: float = 1.0,
+               generator: torch.Generator | None = None) -> list[list[int]]:
+    """The target's continuation of every prompt, batched: prompts are left-padded and masked out.
+
+    Rows stop at their first EOS (kept) or at ``max_new_tokens``. Greedy when temperature is 0; otherwise
+    each token is sampled from process_logits(temperature, top_p) with ``generator``.
+
+    Left padding, for prompts [a1 a2 a3] and [b1]:   tokens  a1 a2 a3 | n1 ...    positions 0 1 2 | 3 ...
+                                                      0  0  b1 | m1 ...              0 0 0 | 1 ...
+    A real token attends to real tokens at or before it (mask over cached + new slots); a pad token attends only
+    to itself, so no row of the attention is empty (an all-masked row would turn into NaN keys/values).
+    """
+    assert prompts and all(len(p) > 0 for p in prompts), "regenerate: every prompt needs at least one token"
+    B, P = len(prompts), max(len(p) for p in prompts)
+    S = P + max_new_tokens
+    device = target.device
+    pad_B = torch.tensor([P - len(p) for p in prompts], device=device)
+    tokens_BP = torch.zeros(B, P, dtype=torch.long, device=device)
+    valid_BS = torch.zeros(B, S, dtype=torch.bool, device=device)
+    for b, prompt in enumerate(prompts):
+        tokens_BP[b, P - len(prompt):] = torch.as_tensor(list(prompt), device=device)
+        valid_BS[b, P - len(prompt):P] = True
+    positions_BP = (torch.arange(P, device=device)[None] - pad_B[:, None]).clamp(min=0)
+    causal_PP = torch.ones(P, P, dtype=torch.bool, device=device).tril()
+    eye_PP = torch.eye(P, dtype=torch.bool, device=device)
+    mask_BPP = (causal_PP[None] & valid_BS[:, None, :P]) | eye_PP[None]
+    cache = target.new_cache(B, S)
+    logits_BTV, _ = target(tokens_BP, positions_BP, cache, mask=mask_BPP, logits_slice=slice(-1, None))
+
+    eos = set(eos_token_ids)
+    out: list[list[int]] = [[] for _ in range(B)]
+    done = [False] * B
+    for step in range(max_new_tokens):
+        next_B = _pick(logits_BTV[:, -1], temperature, top_p, generator)
+        for b, token in enumerate(next_B.tolist()):
+            if not done[b]:
+                out[b].append(token)
+                done[b] = token in eos
+        if all(done) or step + 1 == max_new_tokens:
+            break
+        valid_BS[:, P + step] = True
+        positions_B1 = (P + step - pad_B)[:, None]
+        logits_BTV, _ = target(next_B[:, None], positions_B1, cache, mask=valid_BS[:, None, :P + step + 1])
+    return out
+
+
+def _pick(logits_BV: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None
+          ) -> torch.Tensor:
+    if temperature == 0:
+        return logits_BV.argmax(-1)
+    probs_BV = process_logits(logits_BV.float(), temperature, top_p)
+    return torch.multinomial(probs_BV, 1, generator=generator)[:, 0]
+
+
+def response_row(prompt_ids: Sequence[int], response_ids: Sequence[int]) -> dict[str, list[int]]:
+    """One parquet row: the drafter learns the response tokens, never the prompt."""
+    return {"prompt_ids": list(prompt_ids), "response_ids": list(response_ids),
+            "loss_mask": [0] * len(prompt_ids) + [1] * len(response_ids)}
+
+
+def corpus_chunks(stream: Sequence[int], chunk_tokens: int, num_chunks: int) -> list[dict[str, list[int]]]:
+    """Rows from consecutive ``chunk_tokens`` windows of a packed token stream (EAGLE-1's fixed data): every token
+    but the first (which has no left context) is a prediction target."""
+    rows = []
+    for start in range(0, len(stream) - chunk_tokens + 1, chunk_tokens):
+        if len(rows) == num_chunks:
+            break
+        chunk = list(stream[start:start + chunk_tokens])
+        rows.append({"prompt_ids": [], "response_ids": chunk, "loss_mask": [0] + [1] * (len(chunk) - 1)})
+    return rows
+
+
+# ---------------------------------------------------------------- shards
+
+
+def shard_path(directory: Path, split: str, index: int) -> Path:
+    return Path(directory) / split / f"shard-{index:05d}.parquet"
+
+
+def num_shards(num_sequences: int, shard_size: int) -> int:
+    return -(-num_sequences // shard_size)
+
+
+def write_shard(path: Path, rows: list[dict[str, list[int]]]) -> None:
+    """Write atomically (temp file + rename), so a killed job never leaves a half shard that a rerun would skip."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    schema = pa.schema([("prompt_ids", pa.list_(pa.int32())), ("response_ids", pa.list_(pa.int32())),
+                        ("loss_mask", pa.list_(pa.int8()))])
+    for row in rows:
+        assert len(row["loss_mask"]) == len(row["prompt_ids"]) + len(row["response_ids"]), "loss_mask length"
+    table = pa.Table.from_pylist(rows, schema=schema)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    pq.write_table(table, tmp)
+    tmp.replace(path)
+
+
+def read_rows(directory: Path, split: str) -> list[dict[str, list[int]]]:
+    """Every row of ``split``, shards in order. A missing split is an error that says how to build it."""
+    import pyarrow.parquet as pq
+
+    files = sorted((Path(directory) / split).glob("shard-*.parquet"))
+    if not files:
+        raise FileNotFoundError(f"{Path(directory) / split}: no parquet shards; build the data set first, e.g. "
+                                f"`python -m jobs.generate_data --config jobs/configs/data-tiny.yaml`")
+    rows: list[dict[str, list[int]]] = []
+    for file in files:
+        rows += pq.read_table(file, columns=list(COLUMNS)).to_pylist()
+    return rows
+
+
+# ---------------------------------------------------------------- batches
+
+
+def collate(rows: Sequence[dict[str, list[int]]], max_len: int, pad_id: int = 0) -> TrainBatch:
+    """Right-pad prompt + response to the longest row (cut at ``max_len``)."""
+    seqs = [(row["prompt_ids"] + row["response_ids"])[:max_len] for row in rows]
+    masks = [row["loss_mask"][:max_len] for row in rows]
+    T = max(len(s) for s in seqs)
+    input_ids_BT = torch.full((len(rows), T), pad_id, dtype=torch.long)
+    loss_mask_BT = torch.zeros(len(rows), T, dtype=torch.long)
+    valid_BT = torch.zeros(len(rows), T, dtype=torch.long)
+    for b, (seq, mask) in enumerate(zip(seqs, masks)):
+        input_ids_BT[b, :len(seq)] = torch.as_tensor(seq)
+        loss_mask_BT[b, :len(seq)] = torch.as_tensor(mask)
+        valid_BT[b, :len(seq)] = 1
+    return TrainBatch(input_ids_BT=input_ids_BT, loss_mask_BT=loss_mask_BT, valid_BT=valid_BT)
+
+
+@dataclass(frozen=True)
+class DataPosition:
+    """Where training stands: the next batch to run is batch ``batch`` of epoch ``epoch`` (both from 0)."""
+
+    epoch: int = 0
+    batch: int = 0
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, int]) -> "DataPosition":
+        return cls(int(raw["epoch"]), int(raw["batch"]))
+
+
+class SequenceDataset:
+    """One split of a generated data set, with deterministic per-epoch, per-rank batches."""
+
+    def __init__(self, directory: str | Path, split: str = "train", max_len: int = 256, pad_id: int = 0,
+                 limit: int | None = None) -> None:
+        if split not in SPLITS:
+            raise ValueError(f"split={split!r}: must be one of {list(SPLITS)}")
+        self.directory, self.split, self.max_len, self.pad_id = Path(directory), split, max_len, pad_id
+        self.rows = read_rows(self.directory, split)[:limit]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def batch(self, indices: Sequence[int]) -> TrainBatch:
+        return collate([self.rows[i] for i in indices], self.max_len, self.pad_id)
+
+    def epoch_indices(self, epoch: int, seed: int, rank: int, world_size: int, batch_size: int
+                      ) -> list[list[int]]:
+        """This rank's batches of sequence indices in ``epoch``.
+
+        One permutation per (seed, epoch), shared by all ranks; rank r takes positions r, r + W, r + 2W, ... of
+        the first W * floor(N / W) entries, so every rank runs the same number of steps (a collective per step
+        must not wait for a rank that has run out). E.g. N=10, W=2, perm [3 7 0 9 4 1 8 2 6 5]:
+        rank 0 -> [3 0 4 8 6], rank 1 -> [7 9 1 2 5]; batch_size 2 -> [[3 0] [4 8] [6]].
+        """
+        per_rank = len(self) // world_size
+        if per_rank == 0:
+            raise ValueError(f"{self.directory / self.split}: {len(self)} sequences cannot feed {world_size} "
+                             f"workers; generate more data or lower scaling.num_workers")
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+        order = torch.randperm(len(self), generator=generator)[: per_rank * world_size]
+        mine = order[rank::world_size].tolist()
+        return [mine[i:i + batch_size] for i in range(0, per_rank, batch_size)]
+
+    def num_batches(self, world_size: int, batch_size: int) -> int:
+        return -(-(len(self) // world_size) // batch_size)
+
+    def batches(self, epoch: int, seed: int, rank: int, world_size: int, batch_size: int, start: int = 0
+                ) -> Iterator[tuple[list[int], TrainBatch]]:
+        """(sequence indices, batch) from batch ``start`` of ``epoch`` on (resume skips what was trained)."""
+        for indices in self.epoch_indices(epoch, seed, rank, world_size, batch_size)[start:]:
+            yield indices, self.batch(indices)
+
+
+# ---------------------------------------------------------------- target features, optionally cached
+
+
+def feature_cache_key(target_dir: Path, taps: Sequence[int], max_len: int) -> str:
+    """Names a cache of features: same target weights, taps and cut length -> same key."""
+    target_dir = Path(target_dir)
+    stamp = [str(target_dir.resolve()), sorted(taps), max_len]
+    for file in sorted(target_dir.glob("*.safetensors")) + [target_dir / "config.json"]:
+        if file.is_file():
+            stat = file.stat()
+            stamp.append([file.name, stat.st_size, stat.st_mtime_ns])
+    return hashlib.sha256(json.dumps(stamp).encode()).hexdigest()[:16]
+
+
+class FeatureCache:
+    """The frozen target's features per sequence, computed once and reused in later epochs.
+
+    mode "none": computed for every batch (online). "memory": kept per sequence in this worker. "disk": also written
+    to ``directory/<index>.safetensors`` (atomic rename), so other workers, later epochs and resumed runs read them
+    instead of running the target. Logits are not stored: they are the target's LM head on the final-normed state
+    (tap ``num_layers``), which is stored with the requested taps and costs one small matmul to re-derive.
+    """
+
+    def __init__(self, target: Decoder, taps: Sequence[int], mode: str = "none", directory: Path | None = None
+                 ) -> None:
+        if mode not in ("none", "memory", "disk"):
+            raise ValueError(f"feature cache mode {mode!r}: must be none, memory or disk")
+        if mode == "disk" and directory is None:
+            raise ValueError("feature cache mode 'disk' needs a directory")
+        self.target, self.taps, self.mode = target, tuple(taps), mode
+        self.stored_taps = tuple(sorted(set(self.taps) | {target.config.num_layers}))
+        self.directory = Path(directory) if directory is not None else None
+        self.memory: dict[int, dict[int, torch.Tensor]] = {}
+        self.hits = self.misses = 0
+        if self.directory is not None:
+            self.directory.mkdir(parents=True, exist_ok=True)
+
+    def features(self, indices: Sequence[int], batch: TrainBatch) -> TargetFeatures:
+        if self.mode == "none":
+            return target_features(self.target, batch.input_ids_BT, self.taps)
+        lengths = batch.valid_BT.sum(-1).tolist()
+        rows = [self._lookup(i) for i in indices]
+        missing = [b for b, row in enumerate(rows) if row is None]
+        self.hits += len(rows) - len(missing)
+        self.misses += len(missing)
+        if missing:
+            T = max(lengths[b] for b in missing)
+            computed = target_features(self.target, batch.input_ids_BT[missing, :T], self.stored_taps)
+            for j, b in enumerate(missing):
+                rows[b] = {t: computed.taps[t][j, :lengths[b]].clone() for t in self.stored_taps}
+                self._store(indices[b], rows[b])
+        return self._assemble(rows, batch.input_ids_BT.shape[1])
+
+    def _assemble(self, rows: list[dict[int, torch.Tensor] | None], T: int) -> TargetFeatures:
+        taps: dict[int, torch.Tensor] = {}
+        for t in self.stored_taps:
+            first = rows[0][t]
+            out_BTE = first.new_zeros(len(rows), T, first.shape[-1])
+            for b, row in enumerate(rows):
+                out_BTE[b, :row[t].shape[0]] = row[t]
+            taps[t] = out_BTE
+        with torch.no_grad():
+            logits_BTV = self.target.lm_head(taps[self.target.config.num_layers])
+        return TargetFeatures(taps={t: taps[t] for t in self.taps}, logits_BTV=logits_BTV)
+
+    def _lookup(self, index: int) -> dict[int, torch.Tensor] | None:
+        if index in self.memory:
+            return self.memory[index]
+        if self.directory is not None:
+            file = self.directory / f"{index:08d}.safetensors"
+            if file.is_file():
+                from safetensors.torch import load_file
+
+                row = {int(k): v.to(self.target.device) for k, v in load_file(str(file)).items()}
+                self.memory[index] = row
+                return row
+        return None
+
+    def _store(self, index: int, row: dict[int, torch.Tensor]) -> None:
+        self.memory[index] = row
+        if self.directory is not None:
+            from safetensors.torch import save_file
+
+            file = self.directory / f"{index:08d}.safetensors"
+            tmp = file.with_name(f".{file.name}.{os.getpid()}.tmp")
+            save_file({str(t): v.contiguous().cpu() for t, v in row.items()}, str(tmp))
+            tmp.replace(file)

@@ -1,0 +1,191 @@
+"""A Ray-free training step: optimizer and schedule, one update, held-out evaluation, resumable state.
+
+Every drafter family's model computes ``training_loss(batch, features) -> (loss, metrics)`` with per-position
+top-1 acceptance ``acc_1..acc_K`` in the metrics (drafters/__init__.py). ``LossModule`` makes that call the
+module's ``forward`` so DDP and DeepSpeed, which hook ``forward``, see it. The same ``train_step`` serves a plain
+module and a DDP-wrapped one; ``engine_step`` serves a DeepSpeed engine (which owns clipping and the schedule).
+
+Simulated acceptance length (papers.md, metrics): with acc_j the rate at which draft position j is right given the
+earlier positions were, a chain of K drafts accepts on average  sum_k prod_{j<=k} acc_j  tokens; adding the bonus
+token gives a training-time estimate of tau. E.g. acc = [0.8, 0.5, 0.5] -> 0.8 + 0.4 + 0.2 = 1.4, sim_tau 2.4.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import torch
+from torch import nn
+
+from eyas.train.config import OptimConfig
+from eyas.train.features import TargetFeatures, TrainBatch
+
+ACC_KEY = re.compile(r"^acc_(\d+)$")
+TRAINER_STATE = "trainer.pt"   # optimizer + scheduler (DDP / single process)
+STATE_FILE = "state.json"      # step, data position, last metrics
+
+
+class LossModule(nn.Module):
+    """``forward(batch, features) = drafter.training_loss(batch, features)``; parameters are the drafter's."""
+
+    def __init__(self, drafter: nn.Module) -> None:
+        super().__init__()
+        self.drafter = drafter
+
+    def forward(self, batch: TrainBatch, features: TargetFeatures):
+        return self.drafter.training_loss(batch, features)
+
+
+def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def build_optimizer(model: nn.Module, optim: OptimConfig) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters; matrices decay, norms and biases (1-D) do not."""
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not params:
+        raise ValueError(f"{type(model).__name__} has no trainable parameters")
+    decay = [p for _, p in params if p.ndim >= 2]
+    no_decay = [p for _, p in params if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": optim.weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return torch.optim.AdamW(groups, lr=optim.lr, betas=tuple(optim.betas))
+
+
+def lr_factor(step: int, optim: OptimConfig, total_steps: int) -> float:
+    """Multiplier of ``optim.lr`` before update ``step`` (from 0): linear warmup, then the decay schedule."""
+    if step < optim.warmup_steps:
+        return (step + 1) / optim.warmup_steps
+    if optim.schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - optim.warmup_steps) / max(1, total_steps - optim.warmup_steps))
+    shape = 0.5 * (1 + math.cos(math.pi * progress)) if optim.schedule == "cosine" else 1.0 - progress
+    return optim.min_lr_ratio + (1 - optim.min_lr_ratio) * shape
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, optim: OptimConfig, total_steps: int
+                    ) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, optim, total_steps))
+
+
+def as_floats(metrics: Mapping[str, Any]) -> dict[str, float]:
+    out = {}
+    for key, value in metrics.items():
+        if isinstance(value, torch.Tensor):
+            if value.numel() != 1:
+                continue
+            value = value.item()
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[key] = float(value)
+    return out
+
+
+def train_step(model: nn.Module, batch: TrainBatch, features: TargetFeatures, optimizer: torch.optim.Optimizer,
+               scheduler: torch.optim.lr_scheduler.LRScheduler | None = None, grad_clip: float = 0.0
+               ) -> dict[str, float]:
+    """One update of ``model`` (a LossModule, possibly DDP-wrapped); returns the batch's loss and metrics."""
+    model.train()
+    loss, metrics = model(batch, features)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if grad_clip > 0:
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    else:
+        grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params if p.grad is not None]))
+    lr = optimizer.param_groups[0]["lr"]
+    optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
+    return {**as_floats(metrics), "loss": float(loss.detach()), "lr": lr, "grad_norm": float(grad_norm)}
+
+
+def engine_step(engine: Any, batch: TrainBatch, features: TargetFeatures) -> dict[str, float]:
+    """One update through a DeepSpeed engine (it clips, steps the optimizer and the schedule)."""
+    engine.train()
+    lr = engine.get_lr()[0]
+    loss, metrics = engine(batch, features)
+    engine.backward(loss)
+    engine.step()
+    grad_norm = engine.get_global_grad_norm()
+    out = {**as_floats(metrics), "loss": float(loss.detach()), "lr": lr}
+    if grad_norm is not None:
+        out["grad_norm"] = float(grad_norm)
+    return out
+
+
+# ---------------------------------------------------------------- evaluation
+
+
+def acceptance_curve(metrics: Mapping[str, float]) -> list[float]:
+    """[acc_1, acc_2, ...] from a metrics dict (positions in order)."""
+    found = sorted((int(m.group(1)), value) for key, value in metrics.items() if (m := ACC_KEY.match(key)))
+    return [value for _, value in found]
+
+
+def simulated_accept_length(acc: Iterable[float]) -> float:
+    """sum_k prod_{j<=k} acc_j: expected accepted drafts of a chain (module docstring)."""
+    total, survive = 0.0, 1.0
+    for rate in acc:
+        survive *= rate
+        total += survive
+    return total
+
+
+@torch.no_grad()
+def evaluate(drafter: nn.Module, batches: Iterable[tuple[TrainBatch, TargetFeatures]]) -> dict[str, float]:
+    """Held-out loss and acc_j averaged over ``batches`` (weighted by loss tokens), plus the simulated length."""
+    was_training = drafter.training
+    drafter.eval()
+    sums: dict[str, float] = {}
+    weight = 0.0
+    for batch, features in batches:
+        loss, metrics = drafter.training_loss(batch, features)
+        w = float(batch.loss_mask_BT.sum()) or 1.0
+        for key, value in {**as_floats(metrics), "loss": float(loss)}.items():
+            sums[key] = sums.get(key, 0.0) + w * value
+        weight += w
+    drafter.train(was_training)
+    if not weight:
+        raise ValueError("evaluate: no held-out batches")
+    out = {key: value / weight for key, value in sums.items()}
+    acc = acceptance_curve(out)
+    out["sim_accept_len"] = simulated_accept_length(acc)
+    out["sim_tau"] = 1.0 + out["sim_accept_len"]
+    return out
+
+
+# ---------------------------------------------------------------- resumable state (plain torch / DDP)
+
+
+def save_trainer_state(directory: Path, optimizer: torch.optim.Optimizer,
+                       scheduler: torch.optim.lr_scheduler.LRScheduler | None, state: Mapping[str, Any]) -> None:
+    """``trainer.pt`` (optimizer + scheduler) and ``state.json`` (step, data position, ...) into ``directory``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    torch.save({"optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict() if scheduler is not None else None}, directory / TRAINER_STATE)
+    write_state(directory, state)
+
+
+def load_trainer_state(directory: Path, optimizer: torch.optim.Optimizer,
+                       scheduler: torch.optim.lr_scheduler.LRScheduler | None) -> dict[str, Any]:
+    saved = torch.load(directory / TRAINER_STATE, map_location="cpu", weights_only=False)
+    optimizer.load_state_dict(saved["optimizer"])
+    if scheduler is not None and saved["scheduler"] is not None:
+        scheduler.load_state_dict(saved["scheduler"])
+    return read_state(directory)
+
+
+def write_state(directory: Path, state: Mapping[str, Any]) -> None:
+    (directory / STATE_FILE).write_text(json.dumps(dict(state), indent=2, sort_keys=True))
+
+
+def read_state(directory: Path) -> dict[str, Any]:
+    file = directory / STATE_FILE
+    if not file.is_file():
+        raise FileNotFoundError(f"{file}: missing; not a drafter training checkpoint")
+    return json.loads(file.read_text())

@@ -1,0 +1,107 @@
+"""Training data: batched regeneration equals plain greedy generation, shards, per-rank batches, feature caching."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eyas.models import load_target
+from eyas.spec.generate import generate
+from eyas.train.data import (DataPosition, FeatureCache, SequenceDataset, collate, corpus_chunks, regenerate,
+                             response_row, shard_path, write_shard)
+from eyas.train.features import target_features
+
+
+@pytest.fixture(scope="module")
+def target(random_checkpoint):
+    torch.manual_seed(0)
+    return load_target(random_checkpoint)
+
+
+def test_batched_regeneration_equals_greedy_generate(target):
+    prompts = [[0, 5, 9, 31, 7, 100], [0, 17], [0, 3, 3, 8, 250, 12, 60, 61, 90], [0, 44, 45]]
+    batched = regenerate(target, prompts, max_new_tokens=12)
+    for prompt, got in zip(prompts, batched):
+        assert got == generate(target, prompt, 12).token_ids
+
+
+def test_regeneration_stops_each_row_at_eos(target):
+    prompts = [[0, 5, 9, 31], [0, 17, 40]]
+    free = regenerate(target, prompts, max_new_tokens=10)
+    eos = free[0][3]  # pretend the 4th token of row 0 is EOS
+    stopped = regenerate(target, prompts, max_new_tokens=10, eos_token_ids=[eos])
+    assert stopped[0] == free[0][:free[0].index(eos) + 1]
+    row1 = free[1][:free[1].index(eos) + 1] if eos in free[1] else free[1]
+    assert stopped[1] == row1
+
+
+def test_sampled_regeneration_is_seeded(target):
+    prompts = [[0, 5, 9], [0, 17]]
+    runs = [regenerate(target, prompts, 8, temperature=1.0, generator=torch.Generator().manual_seed(3))
+            for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
+def test_collate_pads_right_and_cuts():
+    rows = [response_row([0, 1, 2], [7, 8]), response_row([0], [9, 9, 9, 9, 9, 9])]
+    batch = collate(rows, max_len=5, pad_id=2)
+    assert batch.input_ids_BT.tolist() == [[0, 1, 2, 7, 8], [0, 9, 9, 9, 9]]
+    assert batch.loss_mask_BT.tolist() == [[0, 0, 0, 1, 1], [0, 1, 1, 1, 1]]
+    assert batch.valid_BT.tolist() == [[1] * 5, [1] * 5]
+    short = collate(rows[:1] + [response_row([0], [4])], max_len=16, pad_id=2)
+    assert short.input_ids_BT[1].tolist() == [0, 4, 2, 2, 2] and short.valid_BT[1].tolist() == [1, 1, 0, 0, 0]
+
+
+def test_corpus_chunks():
+    rows = corpus_chunks(list(range(10)), chunk_tokens=4, num_chunks=5)
+    assert [r["response_ids"] for r in rows] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert rows[0]["loss_mask"] == [0, 1, 1, 1]
+
+
+@pytest.fixture()
+def dataset_dir(tmp_path):
+    rows = [response_row([0, i], [i + 1] * (1 + i % 4)) for i in range(22)]
+    write_shard(shard_path(tmp_path, "train", 0), rows[:10])
+    write_shard(shard_path(tmp_path, "train", 1), rows[10:])
+    return tmp_path
+
+
+def test_shards_read_back_in_order(dataset_dir):
+    data = SequenceDataset(dataset_dir, "train")
+    assert len(data) == 22 and data.rows[13]["prompt_ids"] == [0, 13]
+    with pytest.raises(FileNotFoundError, match="generate_data"):
+        SequenceDataset(dataset_dir, "heldout")
+
+
+def test_ranks_get_disjoint_equal_batches_and_resume_skips(dataset_dir):
+    data = SequenceDataset(dataset_dir, "train")
+    per_rank = [data.epoch_indices(epoch=0, seed=1, rank=r, world_size=3, batch_size=3) for r in range(3)]
+    flat = [sorted(i for b in batches for i in b) for batches in per_rank]
+    assert [len(f) for f in flat] == [7, 7, 7]  # 22 // 3, the remainder dropped
+    assert not set(flat[0]) & set(flat[1]) and not set(flat[1]) & set(flat[2])
+    assert data.num_batches(3, 3) == len(per_rank[0]) == 3
+    assert per_rank[0] == data.epoch_indices(0, 1, 0, 3, 3)  # deterministic
+    assert per_rank[0] != data.epoch_indices(1, 1, 0, 3, 3)  # reshuffled each epoch
+    resumed = [idx for idx, _ in data.batches(0, 1, 0, 3, 3, start=2)]
+    assert resumed == per_rank[0][2:]
+    assert DataPosition.from_dict(DataPosition(2, 5).to_dict()) == DataPosition(2, 5)
+
+
+@pytest.mark.parametrize("mode", ["memory", "disk"])
+def test_feature_cache_matches_online(target, dataset_dir, tmp_path, mode):
+    data = SequenceDataset(dataset_dir, "train")
+    taps = (1, target.config.num_layers)
+    cache = FeatureCache(target, taps, mode, tmp_path / "features" if mode == "disk" else None)
+    for _ in range(2):
+        for indices in ([0, 5, 7], [5, 21]):
+            batch = data.batch(indices)
+            online = target_features(target, batch.input_ids_BT, taps)
+            cached = cache.features(indices, batch)
+            valid = batch.valid_BT.bool()
+            for t in taps:
+                torch.testing.assert_close(cached.taps[t][valid], online.taps[t][valid], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(cached.logits_BTV[valid], online.logits_BTV[valid], atol=1e-4, rtol=1e-4)
+    assert cache.misses == 4 and cache.hits == 6
+    if mode == "disk":  # a fresh cache (another worker, a resumed run) reads the files
+        fresh = FeatureCache(target, taps, "disk", tmp_path / "features")
+        fresh.features([0, 21], data.batch([0, 21]))
+        assert fresh.hits == 2 and fresh.misses == 0

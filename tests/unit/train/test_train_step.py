@@ -1,0 +1,142 @@
+"""The Ray-free training step: schedule, loss falls, evaluation, resumable optimizer state, configs."""
+from __future__ import annotations
+
+import math
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel  # noqa: F401  (import check: DDP wraps LossModule)
+
+from eyas.config import ConfigError, load_config
+from eyas.models import Decoder, ModelConfig
+from eyas.spec.generate import generate
+from eyas.train.config import DataConfig, OptimConfig, TrainConfig
+from eyas.train.data import collate, response_row
+from eyas.train.features import TrainBatch, target_features
+from eyas.train.step import (LossModule, acceptance_curve, build_optimizer, build_scheduler, evaluate,
+                             load_trainer_state, lr_factor, save_trainer_state, simulated_accept_length,
+                             train_step)
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+class ToyDrafter(nn.Module):
+    """Two heads on the target's final state: head k predicts the token k+1 steps ahead (a Medusa in miniature)."""
+
+    def __init__(self, hidden: int, vocab: int, tap: int) -> None:
+        super().__init__()
+        self.tap = tap
+        self.heads = nn.ModuleList(nn.Linear(hidden, vocab) for _ in range(2))
+
+    def training_loss(self, batch: TrainBatch, features):
+        h_BTE = features.taps[self.tap]
+        loss, metrics = 0.0, {}
+        for k, head in enumerate(self.heads, start=1):
+            logits_BTV = head(h_BTE[:, :-k])
+            labels_BT = batch.input_ids_BT[:, k:]
+            mask_BT = batch.loss_mask_BT[:, k:].float() * batch.valid_BT[:, k:].float()
+            ce_BT = nn.functional.cross_entropy(logits_BTV.transpose(1, 2), labels_BT, reduction="none")
+            loss = loss + (ce_BT * mask_BT).sum() / mask_BT.sum().clamp(min=1)
+            hit_BT = (logits_BTV.argmax(-1) == labels_BT).float()
+            metrics[f"acc_{k}"] = ((hit_BT * mask_BT).sum() / mask_BT.sum().clamp(min=1)).detach()
+        return loss, metrics
+
+
+def tiny_target() -> Decoder:
+    torch.manual_seed(0)
+    config = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3,
+                         num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=256)
+    target = Decoder(config).eval().requires_grad_(False)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(8.0)  # sharper: greedy continuations repeat, so they can be learned
+    return target
+
+
+def regenerated(target: Decoder, num_rows: int, seed: int) -> TrainBatch:
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(num_rows):
+        prompt = [rng.randrange(64) for _ in range(rng.randrange(3, 8))]
+        rows.append(response_row(prompt, generate(target, prompt, 16).token_ids))
+    return collate(rows, max_len=64)
+
+
+def test_lr_schedule():
+    optim = OptimConfig(lr=1.0, warmup_steps=4, schedule="cosine", min_lr_ratio=0.1)
+    factors = [lr_factor(s, optim, total_steps=20) for s in range(20)]
+    assert factors[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert all(a >= b for a, b in zip(factors[3:], factors[4:]))
+    assert factors[-1] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 15 / 16)))
+    assert lr_factor(100, OptimConfig(schedule="constant"), 20) == 1.0
+    assert lr_factor(20, OptimConfig(schedule="linear", min_lr_ratio=0.0), 20) == 0.0
+
+
+def test_simulated_accept_length():
+    assert simulated_accept_length([0.8, 0.5, 0.5]) == pytest.approx(1.4)
+    assert simulated_accept_length([]) == 0.0
+    assert acceptance_curve({"acc_2": 0.5, "acc_10": 0.1, "acc_1": 0.9, "loss": 3.0}) == [0.9, 0.5, 0.1]
+
+
+def test_loss_falls_and_evaluation_reports_acceptance():
+    target = tiny_target()
+    tap = target.config.num_layers
+    train_batch, heldout = regenerated(target, 6, seed=0), regenerated(target, 3, seed=1)
+    train_features = target_features(target, train_batch.input_ids_BT, (tap,))
+    heldout_features = target_features(target, heldout.input_ids_BT, (tap,))
+    torch.manual_seed(0)
+    drafter = ToyDrafter(32, 64, tap)
+    model = LossModule(drafter)
+    optim = OptimConfig(lr=3e-2, warmup_steps=2)
+    optimizer = build_optimizer(model, optim)
+    scheduler = build_scheduler(optimizer, optim, total_steps=40)
+    before = evaluate(drafter, [(heldout, heldout_features)])
+    losses = [train_step(model, train_batch, train_features, optimizer, scheduler, grad_clip=1.0)["loss"]
+              for _ in range(40)]
+    after = evaluate(drafter, [(heldout, heldout_features)])
+    assert losses[-1] < 0.5 * losses[0]
+    assert after["loss"] < before["loss"] and after["acc_1"] > before["acc_1"]
+    assert after["sim_accept_len"] == pytest.approx(after["acc_1"] + after["acc_1"] * after["acc_2"])
+    assert after["sim_tau"] == pytest.approx(1 + after["sim_accept_len"])
+
+
+def test_trainer_state_round_trip(tmp_path):
+    torch.manual_seed(0)
+    model = LossModule(ToyDrafter(8, 16, 1))
+    optim = OptimConfig(lr=1e-2, warmup_steps=3)
+    optimizer = build_optimizer(model, optim)
+    scheduler = build_scheduler(optimizer, optim, 10)
+    batch = collate([response_row([1, 2], [3, 4, 5])], 16)
+    features = type("F", (), {"taps": {1: torch.randn(1, 5, 8)}})()
+    for _ in range(2):
+        train_step(model, batch, features, optimizer, scheduler)
+    save_trainer_state(tmp_path, optimizer, scheduler, {"step": 2, "position": {"epoch": 0, "batch": 2}})
+    optimizer2 = build_optimizer(model, optim)
+    scheduler2 = build_scheduler(optimizer2, optim, 10)
+    state = load_trainer_state(tmp_path, optimizer2, scheduler2)
+    assert state["step"] == 2 and scheduler2.last_epoch == scheduler.last_epoch
+    assert optimizer2.param_groups[0]["lr"] == pytest.approx(optimizer.param_groups[0]["lr"])
+    exp_avg = [s["exp_avg"] for s in optimizer.state_dict()["state"].values()]
+    exp_avg2 = [s["exp_avg"] for s in optimizer2.state_dict()["state"].values()]
+    assert all(torch.equal(a, b) for a, b in zip(exp_avg, exp_avg2))
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "jobs" / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_job_configs_load(path):
+    if path.name.startswith("data-"):
+        load_config(DataConfig, path)
+    elif path.name.split("-")[0] in ("eagle1", "eagle3", "medusa", "dflash"):
+        load_config(TrainConfig, path)
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ConfigError, match="scaling.strategy"):
+        load_config(TrainConfig, overrides=["name=x", "scaling.strategy=zero3"])
+    with pytest.raises(ConfigError, match="optim.lr"):
+        load_config(TrainConfig, overrides=["name=x", "optim.lr=-1"])
+    with pytest.raises(ConfigError, match="unknown key"):
+        load_config(TrainConfig, overrides=["name=x", "train.epochs=3"])
+    with pytest.raises(ConfigError, match="source"):
+        load_config(DataConfig, overrides=["name=d", "source=web"])
