@@ -1,0 +1,444 @@
+"""Continuous batching for the speculative loop: several sequences share one draft -> verify -> commit cycle.
+
+Shape legend: B batch rows (live sequences), T new tokens per row in one forward (the largest tree; smaller trees
+are padded), N tree nodes of one row (root included), S cache slots, V vocab, E hidden size.
+
+Each row keeps its own accepted length and its own KV length: row b's tree sits at cache slots [len_b, len_b + N_b)
+and positions len_b + depth, whatever the other rows hold. One cycle:
+
+  limit = schedule.max_draft_nodes(B)        load-adaptive speculation: smaller trees, down to none, as B grows
+  tree_b = prune(drafter_b.propose(root_b), limit)                                          (leader only)
+  tokens_BT, positions_BT, mask_BTT = pack_trees(...)   padding: token 0 that attends only to itself
+  logits_BTV, taps = target(tokens_BT, positions_BT, cache rows [0, B), mask_BTT)        one forward, all rows
+  accepted_b = verify(tree_b, logits_BTV[b, :N_b])                                         (leader only)
+  cache.keep(accepted nodes per row)          per-row rollback: rejected branches leave nothing behind
+  drafter_b.commit(root + accepted, taps on the path); emit accepted + bonus; finished rows leave
+
+Requests join at cycle boundaries (each prefilled into the next free cache row) and leave when finished or
+cancelled. Live rows always occupy cache rows [0, B): a leaving row's slot is filled by moving the last row into
+it, so a cycle's forward runs on exactly B rows, never on idle capacity.
+
+Tensor parallelism (SPMD): every rank runs this same engine on its shard of the target, with the same commands in
+the same order, so their collectives line up. Only the leader (rank 0) holds drafters and sampling generators: it
+drafts, verifies and samples, and ``channel.share`` broadcasts its decisions (first tokens, tree shapes, accepted
+paths) to the other ranks, which apply them as given. Why rank 0 alone and not a drafter replica per rank:
+  - every rank must feed the target the very same tree, or the ranks' forwards (and their all-reduces) diverge;
+    replicas would have to draft bit-identically (same floats, same sampling RNG state) on every rank, forever, and
+    one mismatch hangs or corrupts the replica. A broadcast makes agreement true by construction.
+  - the broadcast is two small messages per cycle (B trees of <= max_tree_nodes ints, then B accepted paths), next
+    to the 2 * num_layers all-reduces of hidden states the target forward already does;
+  - the drafter's weights and its per-sequence state live once, not tp times; the target's final hidden states
+    (its taps) are all-reduced, so rank 0 already sees exactly what a single-GPU drafter would.
+The cost is that ranks > 0 idle while rank 0 drafts, which replicas would not save either: they would draft the
+same tree at the same time.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Protocol, Sequence
+
+import torch
+
+from eyas.models.cache import KVCache
+from eyas.models.decoder import Decoder
+from eyas.spec.generate import SamplingParams, judged_nodes, make_generator, pick_token, truncate_at_stop
+from eyas.spec.stats import SpecStats
+from eyas.spec.tree import DraftTree, chain
+from eyas.spec.verify import Accepted, process_logits, verify_greedy, verify_sampling
+
+DEFAULT_MAX_TREE_NODES = 64  # a cycle's tree (root included) never exceeds this; also the context room it needs
+
+
+# ---------------------------------------------------------------- configuration
+
+
+@dataclass(frozen=True)
+class SpeculationSchedule:
+    """Load-adaptive speculation: the most drafted nodes (root excluded) one sequence's tree may have per cycle,
+    as a function of the batch size.
+
+    ``max_draft_nodes_by_batch`` maps a batch size to a limit; a batch of B uses the entry with the largest key
+    <= B. A limit of None keeps the drafter's full tree, 0 turns speculation off (plain decoding). Example: {1: None,
+    4: 8, 8: 0} drafts full trees alone, at most 8 nodes per sequence from 4 sequences, none from 8: at high load
+    the target forward is compute-bound and every rejected node costs real throughput (EAGLE-3 falls below 1x).
+    """
+
+    max_draft_nodes_by_batch: dict[int, int | None] = field(default_factory=lambda: {1: None})
+
+    def __post_init__(self) -> None:
+        table: dict[int, int | None] = {}
+        for key, value in dict(self.max_draft_nodes_by_batch).items():
+            size = int(key) if isinstance(key, str) and key.strip().isdigit() else key
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ValueError(f"speculation_by_batch: key {key!r} must be a batch size >= 1")
+            limit = None if value in (None, "full") else value
+            if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+                raise ValueError(f"speculation_by_batch[{size}]={value!r}: must be null/'full' (the drafter's "
+                                 f"whole tree), 0 (no speculation) or a positive number of drafted nodes")
+            table[size] = limit
+        if 1 not in table:
+            raise ValueError(f"speculation_by_batch {dict(self.max_draft_nodes_by_batch)} needs an entry for "
+                             f"batch size 1")
+        object.__setattr__(self, "max_draft_nodes_by_batch", dict(sorted(table.items())))
+
+    def max_draft_nodes(self, batch_size: int) -> int | None:
+        limit = None
+        for size, value in self.max_draft_nodes_by_batch.items():
+            if size > batch_size:
+                break
+            limit = value
+        return limit
+
+
+@dataclass(frozen=True)
+class SequenceRequest:
+    request_id: str
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams = SamplingParams()
+
+
+@dataclass
+class StepOutput:
+    """What one step did for one sequence: tokens emitted this step (stop token included when hit)."""
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" (EOS) or "length" (max_new_tokens), when finished
+    stats: SpecStats | None = None  # the whole request's, when finished
+
+
+class Channel(Protocol):
+    """How the leader's decisions reach every rank: ``share(value)`` returns the leader's value on every rank."""
+    is_leader: bool
+
+    def share(self, value: Any) -> Any: ...
+
+
+class LocalChannel:
+    """One rank: nothing to share."""
+    is_leader = True
+
+    def share(self, value: Any) -> Any:
+        return value
+
+
+# ---------------------------------------------------------------- trees and cache rows
+
+
+def prune(tree: DraftTree, max_drafted: int) -> DraftTree:
+    """The tree cut to at most ``max_drafted`` drafted nodes (root kept), still a tree, nodes relabelled in order.
+
+    Deterministic trees keep their highest-V nodes (ties: lower index): V never grows along a path, so those form a
+    connected subtree (the same rule as EAGLE-2's rerank). Sampled trees keep their first nodes in index order
+    instead: choosing among i.i.d. samples by their values would bias the draft and break lossless verification;
+    for a chain this is a prefix, exactly a shorter draft.
+    """
+    num_drafted = tree.num_nodes - 1
+    if num_drafted <= max_drafted:
+        return tree
+    if max_drafted <= 0:
+        return chain(int(tree.tokens_list[0]), [])
+    keep = list(range(max_drafted + 1))
+    if not tree.sampled:
+        scores = tree.scores_N.tolist()
+        best = sorted(range(1, tree.num_nodes), key=lambda i: (-scores[i], i))[:max_drafted]
+        candidate = [0, *sorted(best)]
+        kept = set(candidate)
+        if all(tree.parents_list[i] in kept for i in candidate[1:]):
+            keep = candidate
+    new_id = {old: new for new, old in enumerate(keep)}
+    parents = [-1] + [new_id[tree.parents_list[i]] for i in keep[1:]]
+    index = torch.tensor(keep, dtype=torch.long)
+    probs = tree.draft_probs_NV[index.to(tree.draft_probs_NV.device)] if tree.draft_probs_NV is not None else None
+    return DraftTree(tree.tokens_N[index.to(tree.tokens_N.device)], torch.tensor(parents, dtype=torch.long),
+                     tree.scores_N[index.to(tree.scores_N.device)], probs, tree.sampled)
+
+
+def pack_trees(plan: Sequence[tuple[Sequence[int], Sequence[int]]], lengths: Sequence[int],
+               device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One forward's inputs for B ragged trees: plan[b] = (tokens, parents) of row b's tree (node 0 = root).
+
+    Returns tokens_BT, positions_BT (row b's node i at lengths[b] + depth_i) and mask_BTT (True = attend: each node
+    sees itself and its ancestors; a padding slot sees only itself, so no softmax row is empty), or None for the
+    mask when every tree is a bare root (plain decoding). Example, trees of 3 and 1 nodes, T = 3:
+        row 0: tokens [r0, a, b], parents [-1, 0, 0]    mask [[1,0,0],[1,1,0],[1,0,1]]
+        row 1: tokens [r1, 0, 0] (2 padding slots)      mask [[1,0,0],[0,1,0],[0,0,1]]
+    """
+    B = len(plan)
+    T = max(len(tokens) for tokens, _ in plan)
+    tokens_BT = torch.zeros(B, T, dtype=torch.long)
+    positions_BT = torch.tensor(list(lengths), dtype=torch.long)[:, None].repeat(1, T)
+    mask_BTT = torch.eye(T, dtype=torch.bool).repeat(B, 1, 1)
+    for b, (tokens, parents) in enumerate(plan):
+        depth = [0] * len(tokens)
+        for i in range(1, len(tokens)):
+            parent = parents[i]
+            depth[i] = depth[parent] + 1
+            mask_BTT[b, i] |= mask_BTT[b, parent]
+        tokens_BT[b, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        positions_BT[b, :len(tokens)] += torch.tensor(depth, dtype=torch.long)
+    mask = mask_BTT.to(device) if T > 1 else None
+    return tokens_BT.to(device), positions_BT.to(device), mask
+
+
+def cache_rows(cache: KVCache, start: int, stop: int, lengths: Sequence[int]) -> KVCache:
+    """A KVCache over rows [start, stop) of ``cache`` that shares its storage (writes land in ``cache``), with the
+    given per-row lengths. The engine keeps the true lengths itself and reads them back after each forward."""
+    view = object.__new__(KVCache)
+    view.k_LBHSD = cache.k_LBHSD[:, start:stop]
+    view.v_LBHSD = cache.v_LBHSD[:, start:stop]
+    view.max_len = cache.max_len
+    view.lengths = list(lengths)
+    view.starts = list(lengths)
+    return view
+
+
+# ---------------------------------------------------------------- the engine
+
+
+@dataclass
+class _Row:
+    request: SequenceRequest
+    length: int = 0  # cache slots of this row holding committed tokens
+    out: list[int] = field(default_factory=list)  # emitted tokens
+    new: list[int] = field(default_factory=list)  # emitted this step, not yet reported
+    drafter: Any = None
+    generator: torch.Generator | None = None
+    stats: SpecStats = field(default_factory=SpecStats)
+    finish_reason: str | None = None
+
+
+class BatchEngine:
+    """Continuous-batching speculative generation on one target (one tensor-parallel rank of it).
+
+    ``step(joins, leaves)`` is one scheduling round: drop the cancelled ``leaves`` (request ids), prefill the
+    ``joins`` into free rows, run one draft -> verify -> commit cycle over every live row, and return a StepOutput
+    per sequence that emitted tokens or finished. Finished sequences leave the batch at the end of the step.
+
+    drafter_factory: builds one drafter (None: vanilla decoding); the leader builds ``capacity`` of them up front,
+    one per row, since drafters hold per-sequence state. max_len: cache slots per row (the context limit).
+    """
+
+    def __init__(self, target: Decoder, capacity: int, max_len: int | None = None,
+                 drafter_factory: Callable[[], Any] | None = None,
+                 schedule: SpeculationSchedule = SpeculationSchedule(), eos_token_ids: Iterable[int] = (),
+                 max_tree_nodes: int = DEFAULT_MAX_TREE_NODES, channel: Channel | None = None) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity={capacity}: need at least one batch row")
+        if max_tree_nodes < 1:
+            raise ValueError(f"max_tree_nodes={max_tree_nodes}: must be >= 1 (the root)")
+        self.target = target
+        self.capacity = capacity
+        self.max_len = max_len or target.config.max_position_embeddings
+        self.schedule = schedule
+        self.eos = set(eos_token_ids)
+        self.channel = channel or LocalChannel()
+        self.leader = self.channel.is_leader
+        self.speculative = drafter_factory is not None
+        self.max_tree_nodes = max_tree_nodes if self.speculative else 1
+        self.cache = target.new_cache(capacity, self.max_len)
+        self.rows: list[_Row] = []
+        self.free_drafters: list[Any] = []
+        self.taps: tuple[int, ...] = ()
+        if self.speculative and self.leader:
+            self.free_drafters = [drafter_factory() for _ in range(capacity)]
+            self.taps = tuple(sorted({l for d in self.free_drafters for l in d.target_taps}))
+
+    # -- admission -------------------------------------------------------
+
+    @property
+    def num_free(self) -> int:
+        return self.capacity - len(self.rows)
+
+    def context_room(self, prompt_len: int) -> int:
+        """The most new tokens a prompt of this length may ask for: the tree of the last cycle must fit too."""
+        return self.max_len - prompt_len - self.max_tree_nodes
+
+    def check_request(self, request: SequenceRequest) -> None:
+        vocab = self.target.config.vocab_size
+        if not request.prompt_ids:
+            raise ValueError(f"request {request.request_id}: the prompt is empty; give at least one token")
+        if any(not 0 <= t < vocab for t in request.prompt_ids):
+            raise ValueError(f"request {request.request_id}: prompt token ids must lie in [0, {vocab})")
+        if request.max_new_tokens <= 0:
+            raise ValueError(f"request {request.request_id}: max_new_tokens={request.max_new_tokens} must be > 0")
+        room = self.context_room(len(request.prompt_ids))
+        if request.max_new_tokens > room:
+            raise ValueError(f"request {request.request_id}: prompt ({len(request.prompt_ids)} tokens) + "
+                             f"max_new_tokens ({request.max_new_tokens}) does not fit the context of "
+                             f"{self.max_len} tokens ({self.max_tree_nodes} reserved for a draft tree)")
+
+    # -- one round -------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self, joins: Sequence[SequenceRequest] = (), leaves: Iterable[str] = ()) -> list[StepOutput]:
+        for request in joins:
+            self.check_request(request)
+        ids = [r.request.request_id for r in self.rows] + [r.request_id for r in joins]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"duplicate request ids among {ids}")
+        leaving = set(leaves)
+        for i in reversed(range(len(self.rows))):
+            if self.rows[i].request.request_id in leaving:
+                self._release(i)
+        if len(joins) > self.num_free:
+            raise ValueError(f"{len(joins)} requests cannot join: {self.num_free} of {self.capacity} rows free")
+        outputs: list[StepOutput] = []
+        if joins:
+            self._admit(joins)
+            outputs += self._collect_finished()
+        if self.rows:
+            self._cycle()
+        outputs += [self._output(row) for row in self.rows if row.new or row.finish_reason]
+        for i in reversed(range(len(self.rows))):
+            if self.rows[i].finish_reason:
+                self._release(i)
+        return outputs
+
+    def _admit(self, joins: Sequence[SequenceRequest]) -> None:
+        """Prefill each joining prompt into the next free row; the leader picks (and shares) each first token."""
+        device = self.target.device
+        firsts = []
+        new_rows = []
+        for request in joins:
+            row = _Row(request)
+            b = len(self.rows)
+            self.rows.append(row)
+            new_rows.append(row)
+            view = cache_rows(self.cache, b, b + 1, [0])
+            prompt_1T = torch.tensor([request.prompt_ids], device=device)
+            positions_1T = torch.arange(len(request.prompt_ids), device=device)[None]
+            logits_1TV, hidden = self.target(prompt_1T, positions_1T, view, taps=self.taps,
+                                             logits_slice=slice(-1, None))
+            row.length = view.lengths[0]
+            if self.leader:
+                row.generator = make_generator(request.sampling, device)
+                firsts.append(pick_token(logits_1TV[0, -1], request.sampling, row.generator))
+                if self.speculative:
+                    row.drafter = self.free_drafters.pop()
+                    t = time.perf_counter()
+                    row.drafter.begin(list(request.prompt_ids), {l: h[0] for l, h in hidden.items()})
+                    row.stats.draft_s += time.perf_counter() - t
+        firsts = self.channel.share(firsts if self.leader else None)
+        for row, token in zip(new_rows, firsts):
+            self._emit(row, [token])
+
+    def _cycle(self) -> None:
+        """One draft -> verify -> commit cycle over every live row."""
+        rows = self.rows
+        trees: list[DraftTree] = []
+        plan = None
+        t0 = time.perf_counter()
+        if self.leader:
+            limit = self.schedule.max_draft_nodes(len(rows)) if self.speculative else 0
+            trees = [self._draft(row, limit) for row in rows]
+            plan = [(tree.tokens_list, tree.parents_list) for tree in trees]
+        t1 = time.perf_counter()
+        plan = self.channel.share(plan)
+        view = cache_rows(self.cache, 0, len(rows), [row.length for row in rows])
+        tokens_BT, positions_BT, mask_BTT = pack_trees(plan, view.lengths, self.target.device)
+        logits_BTV, hidden = self.target(tokens_BT, positions_BT, view, mask=mask_BTT, taps=self.taps)
+        verdicts = None
+        t2 = time.perf_counter()
+        if self.leader:
+            verdicts = []
+            for b, (row, tree) in enumerate(zip(rows, trees)):
+                accepted = self._verify(row, tree, logits_BTV[b, :tree.num_nodes])
+                verdicts.append((accepted.nodes, accepted.committed))
+                self._commit(row, tree, accepted, {l: h[b] for l, h in hidden.items()})
+                row.stats.verify_s += t2 - t1
+        t3 = time.perf_counter()
+        verdicts = self.channel.share(verdicts)
+        view.keep([nodes for nodes, _ in verdicts])
+        for row, (_, committed), length in zip(rows, verdicts, view.lengths):
+            row.length = length
+            self._emit(row, committed)
+        if self.leader:
+            for row in rows:  # drafting and commit time is shared by the batch
+                row.stats.draft_s += (t1 - t0 + t3 - t2) / len(rows)
+
+    def _draft(self, row: _Row, limit: int | None) -> DraftTree:
+        root = row.out[-1]
+        if row.drafter is None or limit == 0:
+            return chain(root, [])
+        tree = row.drafter.propose(root, list(row.request.prompt_ids) + row.out, row.request.sampling.temperature,
+                                   row.generator)
+        cap = self.max_tree_nodes - 1 if limit is None else min(limit, self.max_tree_nodes - 1)
+        return prune(tree, cap)
+
+    def _verify(self, row: _Row, tree: DraftTree, logits_NV: torch.Tensor) -> Accepted:
+        sampling = row.request.sampling
+        if sampling.greedy:
+            return verify_greedy(tree, logits_NV)
+        probs_NV = process_logits(logits_NV.float(), sampling.temperature, sampling.top_p, sampling.top_k)
+        return verify_sampling(tree, probs_NV, row.generator)
+
+    def _commit(self, row: _Row, tree: DraftTree, accepted: Accepted, hidden: dict[int, torch.Tensor]) -> None:
+        """The leader advances the row's drafter on the target's taps at the accepted path and records the cycle.
+        Cycles whose tree load-adaptation emptied still count: tau is tokens per target forward for the request."""
+        if row.drafter is None:
+            return
+        path = torch.as_tensor(accepted.nodes, device=self.target.device)
+        row.drafter.commit([tree.tokens_list[0]] + accepted.tokens, {l: h[path] for l, h in hidden.items()})
+        judged_depth, judged = judged_nodes(tree, accepted.nodes)
+        row.stats.record_cycle(accepted.num_accepted, judged_depth, judged, tree.num_nodes - 1)
+
+    # -- bookkeeping -----------------------------------------------------
+
+    def _emit(self, row: _Row, tokens: list[int]) -> None:
+        budget = row.request.max_new_tokens
+        out, stopped = truncate_at_stop(row.out + tokens, self.eos, budget)
+        row.new += out[len(row.out):]
+        row.out = out
+        if stopped:
+            row.finish_reason = "stop"
+        elif len(out) >= budget:
+            row.finish_reason = "length"
+
+    def _output(self, row: _Row) -> StepOutput:
+        new, row.new = row.new, []
+        stats = None
+        if row.finish_reason and self.leader:
+            stats = row.stats
+            stats.new_tokens = len(row.out)
+        return StepOutput(row.request.request_id, new, row.finish_reason is not None, row.finish_reason, stats)
+
+    def _collect_finished(self) -> list[StepOutput]:
+        outputs = [self._output(row) for row in self.rows if row.finish_reason]
+        for i in reversed(range(len(self.rows))):
+            if self.rows[i].finish_reason:
+                self._release(i)
+        return outputs
+
+    def _release(self, i: int) -> None:
+        """Free row i: the last row moves into its cache slot, so live rows stay [0, B)."""
+        row = self.rows[i]
+        last = len(self.rows) - 1
+        if i != last:
+            moved = self.rows[last]
+            length = moved.length
+            self.cache.k_LBHSD[:, i, :, :length] = self.cache.k_LBHSD[:, last, :, :length]
+            self.cache.v_LBHSD[:, i, :, :length] = self.cache.v_LBHSD[:, last, :, :length]
+            self.rows[i] = moved
+        self.rows.pop()
+        if row.drafter is not None:
+            self.free_drafters.append(row.drafter)
+
+    def active_request_ids(self) -> list[str]:
+        return [row.request.request_id for row in self.rows]
+
+    def run(self, requests: Sequence[SequenceRequest]) -> dict[str, tuple[list[int], StepOutput]]:
+        """Serve ``requests`` to completion, joining as rows free up: {request_id: (tokens, final output)}.
+        A convenience for tests and offline use (single rank)."""
+        pending = list(requests)
+        tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
+        done: dict[str, tuple[list[int], StepOutput]] = {}
+        while pending or self.rows:
+            joins, pending = pending[:self.num_free], pending[self.num_free:]
+            for out in self.step(joins):
+                tokens[out.request_id] += out.new_token_ids
+                if out.finished:
+                    done[out.request_id] = (tokens[out.request_id], out)
+        return done

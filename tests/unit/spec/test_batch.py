@@ -1,0 +1,195 @@
+"""The continuous-batching speculative loop (eyas.spec.batch) and its tensor-parallel form (eyas.spec.tp).
+
+Every batched sequence must come out exactly as it would alone: greedy equals `generate` token for token for every
+drafter, load-adaptive schedule and join/leave pattern; seeded sampling equals seeded `generate` (same random
+draws in the same order). Tensor parallelism over two gloo processes reproduces tp=1: logits within 1e-4, greedy
+outputs token for token.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from eyas.methods import SpecConfig, build_drafter
+from eyas.models import load_target, load_tokenizer
+from eyas.spec.batch import (BatchEngine, SequenceRequest, SpeculationSchedule, pack_trees, prune)
+from eyas.spec.generate import SamplingParams, generate
+from eyas.spec.tp import BroadcastChannel, free_port, init_tensor_parallel, shutdown_tensor_parallel
+from eyas.spec.tree import DraftTree, chain
+
+PROMPTS = ["def add(a, b):\n    return", "import os\nimport sys\n", "The quick brown fox", "class A:\n    def",
+           "for i in range(10):\n"]
+NUM_NEW = 32
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: threads only fight over the shared cores
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def setup(random_checkpoint):
+    target = load_target(random_checkpoint)
+    tokenizer = load_tokenizer(random_checkpoint)
+    return target, [tokenizer.encode(p) for p in PROMPTS], set(target.config.eos_token_ids)
+
+
+def spec_for(method: str, draft_dir) -> SpecConfig:
+    return SpecConfig(method=method, draft_model=str(draft_dir) if method == "draft-lm" else None)
+
+
+# ---------------------------------------------------------------- pieces
+
+
+def test_schedule_picks_largest_key_at_or_below_batch():
+    schedule = SpeculationSchedule({1: None, "4": 8, 8: 0})
+    assert [schedule.max_draft_nodes(b) for b in (1, 3, 4, 7, 8, 64)] == [None, None, 8, 8, 0, 0]
+    assert SpeculationSchedule({1: "full"}).max_draft_nodes(5) is None
+    for bad in ({2: None}, {1: -1}, {0: None, 1: None}, {1: 2.5}):
+        with pytest.raises(ValueError, match="speculation_by_batch"):
+            SpeculationSchedule(bad)
+
+
+def test_prune_keeps_best_connected_nodes():
+    #        0
+    #      /   \
+    #     1(.6) 2(.3)
+    #     |      |
+    #     3(.5)  4(.2)
+    tree = DraftTree(torch.tensor([9, 1, 2, 3, 4]), torch.tensor([-1, 0, 0, 1, 2]),
+                     torch.tensor([1.0, 0.6, 0.3, 0.5, 0.2]))
+    small = prune(tree, 2)
+    assert small.tokens_list == [9, 1, 3] and small.parents_list == [-1, 0, 1]
+    assert prune(tree, 3).tokens_list == [9, 1, 2, 3]
+    assert prune(tree, 10) is tree
+    assert prune(tree, 0).tokens_list == [9]
+    probs_KV = torch.full((3, 5), 0.2)
+    sampled = chain(9, [4, 4, 1], probs_KV=probs_KV, sampled=True)
+    cut = prune(sampled, 2)
+    assert cut.tokens_list == [9, 4, 4] and cut.sampled and cut.draft_probs_NV.shape == (3, 5)
+
+
+def test_pack_trees_pads_ragged_trees():
+    tokens_BT, positions_BT, mask_BTT = pack_trees([([7, 1, 2], [-1, 0, 0]), ([8], [-1])], [5, 2], "cpu")
+    assert tokens_BT.tolist() == [[7, 1, 2], [8, 0, 0]]
+    assert positions_BT.tolist() == [[5, 6, 6], [2, 2, 2]]
+    assert mask_BTT.int().tolist() == [[[1, 0, 0], [1, 1, 0], [1, 0, 1]], [[1, 0, 0], [0, 1, 0], [0, 0, 1]]]
+    assert pack_trees([([7], [-1]), ([8], [-1])], [1, 4], "cpu")[2] is None
+
+
+# ---------------------------------------------------------------- the engine
+
+
+@pytest.mark.parametrize("method", ["vanilla", "ngram", "draft-lm"])
+@pytest.mark.parametrize("schedule", [{1: None}, {1: None, 2: 3, 3: 0}])
+def test_batched_greedy_equals_single_generate(setup, random_draft_checkpoint, method, schedule):
+    target, prompts, eos = setup
+    spec = spec_for(method, random_draft_checkpoint)
+    expected = [generate(target, ids, NUM_NEW, drafter=build_drafter(target, spec), eos_token_ids=eos).token_ids
+                for ids in prompts]
+    factory = (lambda: build_drafter(target, spec)) if method != "vanilla" else None
+    engine = BatchEngine(target, capacity=3, max_len=256, drafter_factory=factory,
+                         schedule=SpeculationSchedule(schedule), eos_token_ids=eos)
+    done = engine.run([SequenceRequest(str(i), ids, NUM_NEW) for i, ids in enumerate(prompts)])
+    for i, want in enumerate(expected):
+        tokens, final = done[str(i)]
+        assert tokens == want, f"{method} request {i}"
+        assert final.finished and final.finish_reason == ("stop" if want[-1] in eos else "length")
+        if method == "vanilla":
+            assert final.stats.tau is None
+        else:
+            assert final.stats.cycles > 0 and final.stats.tau >= 1.0
+    assert engine.rows == [] and len(engine.free_drafters) == (3 if factory else 0)
+
+
+def test_joins_and_leaves_between_cycles(setup):
+    target, prompts, eos = setup
+    spec = SpecConfig(method="ngram")
+    expected = {i: generate(target, ids, NUM_NEW, drafter=build_drafter(target, spec), eos_token_ids=eos).token_ids
+                for i, ids in enumerate(prompts)}
+    engine = BatchEngine(target, capacity=4, max_len=256, drafter_factory=lambda: build_drafter(target, spec),
+                         eos_token_ids=eos)
+    requests = [SequenceRequest(str(i), ids, NUM_NEW) for i, ids in enumerate(prompts)]
+    got: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    finished = set()
+    schedule = {0: ([requests[0], requests[1]], []), 2: ([requests[2]], []), 3: ([], ["1"]),
+                5: ([requests[3], requests[4]], [])}
+    for step in range(200):
+        joins, leaves = schedule.get(step, ([], []))
+        for out in engine.step(joins, leaves):
+            got[out.request_id] += out.new_token_ids
+            if out.finished:
+                finished.add(out.request_id)
+        if step > 5 and not engine.rows:
+            break
+    assert "1" not in finished and got["1"] == expected[1][:len(got["1"])]  # cancelled mid-way: a clean prefix
+    for i in (0, 2, 3, 4):
+        assert got[str(i)] == expected[i]
+    assert engine.num_free == 4 and len(engine.free_drafters) == 4
+
+
+def test_seeded_sampling_equals_single_generate(setup, random_draft_checkpoint):
+    target, prompts, eos = setup
+    spec = spec_for("draft-lm", random_draft_checkpoint)
+    sampling = [SamplingParams(temperature=0.8, top_p=0.9, seed=11 + i) for i in range(3)]
+    expected = [generate(target, prompts[i], NUM_NEW, drafter=build_drafter(target, spec), sampling=sampling[i],
+                         eos_token_ids=eos).token_ids for i in range(3)]
+    engine = BatchEngine(target, capacity=3, max_len=256, drafter_factory=lambda: build_drafter(target, spec),
+                         eos_token_ids=eos)
+    done = engine.run([SequenceRequest(str(i), prompts[i], NUM_NEW, sampling[i]) for i in range(3)])
+    assert [done[str(i)][0] for i in range(3)] == expected
+
+
+def test_first_token_can_finish_and_bad_requests_are_refused(setup):
+    target, prompts, eos = setup
+    engine = BatchEngine(target, capacity=2, max_len=64, eos_token_ids=eos)
+    outputs = engine.step([SequenceRequest("a", prompts[0], 1)])
+    assert [(o.request_id, len(o.new_token_ids), o.finish_reason) for o in outputs] == [("a", 1, "length")]
+    assert engine.rows == []
+    vocab = target.config.vocab_size
+    for request, match in ((SequenceRequest("b", [], 4), "empty"), (SequenceRequest("c", [vocab], 4), "token ids"),
+                           (SequenceRequest("d", [1] * 60, 8), "context"), (SequenceRequest("e", [1], 0), "> 0")):
+        with pytest.raises(ValueError, match=match):
+            engine.step([request])
+    assert engine.rows == []
+
+
+# ---------------------------------------------------------------- tensor parallel
+
+
+def _tp_rank(rank: int, size: int, port: int, checkpoint: str, prompts: list[list[int]], out_file: str) -> None:
+    torch.set_num_threads(1)
+    tp = init_tensor_parallel(rank, size, "127.0.0.1", port, "cpu", timeout_s=60)
+    try:
+        target = load_target(checkpoint, tp=tp)
+        cache = target.new_cache(1, 128)
+        logits, _ = target(torch.tensor([prompts[0]]), torch.arange(len(prompts[0]))[None], cache)
+        spec = SpecConfig(method="ngram")
+        engine = BatchEngine(target, capacity=3, max_len=256, drafter_factory=lambda: build_drafter(target, spec),
+                             schedule=SpeculationSchedule({1: None, 3: 2}), eos_token_ids=target.config.eos_token_ids,
+                             channel=BroadcastChannel(tp, "cpu"))
+        done = engine.run([SequenceRequest(str(i), ids, NUM_NEW) for i, ids in enumerate(prompts)])
+        if rank == 0:
+            torch.save({"logits": logits, "tokens": {k: v[0] for k, v in done.items()}}, out_file)
+    finally:
+        shutdown_tensor_parallel()
+
+
+@pytest.mark.timeout(180)
+def test_tp2_equals_tp1(setup, random_checkpoint, tmp_path):
+    target, prompts, eos = setup
+    out_file = str(tmp_path / "tp2.pt")
+    mp.spawn(_tp_rank, args=(2, free_port(), str(random_checkpoint), prompts, out_file), nprocs=2, join=True)
+    tp2 = torch.load(out_file)
+    cache = target.new_cache(1, 128)
+    logits, _ = target(torch.tensor([prompts[0]]), torch.arange(len(prompts[0]))[None], cache)
+    torch.testing.assert_close(tp2["logits"], logits, atol=1e-4, rtol=0)
+    spec = SpecConfig(method="ngram")
+    engine = BatchEngine(target, capacity=3, max_len=256, drafter_factory=lambda: build_drafter(target, spec),
+                         schedule=SpeculationSchedule({1: None, 3: 2}), eos_token_ids=eos)
+    done = engine.run([SequenceRequest(str(i), ids, NUM_NEW) for i, ids in enumerate(prompts)])
+    assert tp2["tokens"] == {k: v[0] for k, v in done.items()}
