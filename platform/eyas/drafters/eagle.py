@@ -1,0 +1,380 @@
+"""EAGLE machinery shared by EAGLE-1 (eagle1.py) and EAGLE-3 (eagle3.py): the one-layer drafter, training-time
+unrolling with its attention mask, and the tree-drafting inference wrapper.
+
+Shape legend: B batch, T tokens, S attended key slots, P tree nodes run in one call, E target hidden size,
+I attention input width (E or 2E), H heads, D head dim, V target vocab, X the drafter's output vocab.
+
+Indexing. Drafter index i pairs the token one step ahead with the state at i: input (embed(t_{i+1}), h_i) at rope
+position i, and its output predicts t_{i+2}. h_i is the target's state at step 0 (EAGLE-1: the final-normed feature;
+EAGLE-3: the fused low/mid/high taps) and the drafter's own output afterwards. Step j >= 1 of an unroll anchored at
+index i (the real prefix ends at index i) reads (embed(t_{i+1+j}), out^{j-1}_i), sits at rope position i + j and
+predicts t_{i+2+j}: exactly the depth-(j+1) node of a chain drafted with a real prefix ending at index i.
+
+Training-time test (EAGLE-3 TTT): the keys of all steps are laid out step-major, column m*T + k = step m, index k.
+Step j's query at index i sees what inference would hold in the drafter's cache at that node:
+  step-0 keys at indices k <= i (the committed prefix, built from real target states)
+  the keys of steps 1..j at index i (its own ancestors in the draft chain, itself included)
+(the "causal + diagonal" pattern of the reference implementation; see ``ttt_attention_mask``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eyas.config import require
+from eyas.drafters.trees import TreeConfig, grow_tree
+from eyas.models.cache import KVCache
+from eyas.models.config import ModelConfig
+from eyas.models.decoder import MLP, Decoder, RMSNorm, TensorParallel, apply_rope, rope_inv_freq
+from eyas.spec.tree import DraftTree, PartialTree
+
+KV = tuple[torch.Tensor, torch.Tensor]  # (k_BHSD, v_BHSD)
+
+
+@dataclass(frozen=True)
+class DraftLayerConfig:
+    """The drafter's decoder layer; None takes the target's value (EAGLE's reference copies the target's)."""
+    intermediate_size: int | None = None
+    num_heads: int | None = None
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("intermediate_size", "num_heads", "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            require(value is None or value >= 1, f"layer.{name}", value, "must be >= 1 (or null: the target's)")
+
+    def model_config(self, target: ModelConfig) -> ModelConfig:
+        """A one-layer ModelConfig: the target's width, rope and norm eps, with this layer's overrides."""
+        num_heads = self.num_heads or target.num_heads
+        num_kv_heads = self.num_kv_heads or (target.num_kv_heads if num_heads == target.num_heads else num_heads)
+        require(num_heads % num_kv_heads == 0, "layer.num_kv_heads", num_kv_heads,
+                f"must divide num_heads={num_heads}")
+        return ModelConfig(model_type="llama", vocab_size=target.vocab_size, hidden_size=target.hidden_size,
+                           intermediate_size=self.intermediate_size or target.intermediate_size, num_layers=1,
+                           num_heads=num_heads, num_kv_heads=num_kv_heads,
+                           head_dim=self.head_dim or target.head_dim,
+                           max_position_embeddings=target.max_position_embeddings, rms_norm_eps=target.rms_norm_eps,
+                           rope_theta=target.rope_theta, rope_scaling=target.rope_scaling)
+
+
+class DraftAttention(nn.Module):
+    """GQA self-attention whose keys are the given past keys plus the new tokens' own (no cache object: training
+    concatenates the unrolled steps' keys, inference passes a view of the drafter's KV cache)."""
+
+    def __init__(self, config: ModelConfig, in_dim: int) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.q_proj = nn.Linear(in_dim, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(in_dim, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(in_dim, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+
+    def forward(self, x_BTI: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor, past: KV | None,
+                mask_B1TS: torch.Tensor | None) -> tuple[torch.Tensor, KV]:
+        """mask_B1TS: bool over past + new keys (True = attend); None means plain causal over new keys only."""
+        B, T, _ = x_BTI.shape
+        q_BHTD = self.q_proj(x_BTI).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+        k_BHTD = self.k_proj(x_BTI).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v_BHTD = self.v_proj(x_BTI).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q_BHTD, k_BHTD = apply_rope(q_BHTD, cos_BTD, sin_BTD), apply_rope(k_BHTD, cos_BTD, sin_BTD)
+        k_BHSD = k_BHTD if past is None else torch.cat([past[0], k_BHTD], dim=2)
+        v_BHSD = v_BHTD if past is None else torch.cat([past[1], v_BHTD], dim=2)
+        assert mask_B1TS is not None or past is None, "attending past keys needs an explicit mask"
+        out_BHTD = F.scaled_dot_product_attention(q_BHTD, k_BHSD, v_BHSD, attn_mask=mask_B1TS,
+                                                  is_causal=mask_B1TS is None, enable_gqa=True)
+        return self.o_proj(out_BHTD.transpose(1, 2).reshape(B, T, -1)), (k_BHTD, v_BHTD)
+
+
+class DraftLayer(nn.Module):
+    """One Llama decoder layer. two_stream (EAGLE-3): attention reads concat(norm(embed), norm(hidden)), so q/k/v
+    take 2E inputs, and the residual stream is the hidden state; otherwise (EAGLE-1) a plain pre-norm layer."""
+
+    def __init__(self, config: ModelConfig, two_stream: bool) -> None:
+        super().__init__()
+        E = config.hidden_size
+        self.two_stream = two_stream
+        self.input_layernorm = RMSNorm(E, config.rms_norm_eps)
+        if two_stream:
+            self.hidden_norm = RMSNorm(E, config.rms_norm_eps)
+        self.self_attn = DraftAttention(config, 2 * E if two_stream else E)
+        self.post_attention_layernorm = RMSNorm(E, config.rms_norm_eps)
+        self.mlp = MLP(config, TensorParallel())
+
+    def forward(self, x_BTE: torch.Tensor, embed_BTE: torch.Tensor | None, cos_BTD: torch.Tensor,
+                sin_BTD: torch.Tensor, past: KV | None, mask_B1TS: torch.Tensor | None) -> tuple[torch.Tensor, KV]:
+        if self.two_stream:
+            attn_in_BTI = torch.cat([self.input_layernorm(embed_BTE), self.hidden_norm(x_BTE)], dim=-1)
+        else:
+            attn_in_BTI = self.input_layernorm(x_BTE)
+        attn_BTE, kv = self.self_attn(attn_in_BTI, cos_BTD, sin_BTD, past, mask_B1TS)
+        x_BTE = x_BTE + attn_BTE
+        return x_BTE + self.mlp(self.post_attention_layernorm(x_BTE)), kv
+
+
+@dataclass
+class FrozenTarget:
+    """The target's embedding and LM head, used but never trained or saved (a plain object, so nn.Module does not
+    register them as submodules)."""
+    embed: nn.Embedding
+    lm_head: nn.Linear
+    norm: RMSNorm
+
+
+class EagleModel(nn.Module):
+    """What EAGLE-1 and EAGLE-3 share; a family defines ``target_taps``, ``initial_hidden``, ``step``,
+    ``draft_probs`` and ``training_loss``.
+
+    step(tokens_BT, hidden_BTE, positions_BT, past, mask_B1TS) -> (hidden_out_BTE, logits_BTX, new (k, v)):
+    one drafter pass; hidden_out is both the state fed to the next draft step and what the logits are read from.
+    """
+
+    drafter_type: str = ""
+
+    def __init__(self, config, target: Decoder, two_stream: bool) -> None:
+        super().__init__()
+        self.config = config
+        self.target_config = target.config
+        self.layer_config = config.layer.model_config(target.config)
+        self.frozen = FrozenTarget(target.embed_tokens, target.lm_head, target.norm)
+        self.layer = DraftLayer(self.layer_config, two_stream)
+        self.register_buffer("inv_freq", rope_inv_freq(self.layer_config), persistent=False)
+
+    def place_like(self, target: Decoder) -> None:
+        """Move to the target's device and dtype (families call this last in __init__); rope stays float32."""
+        self.to(device=target.device, dtype=target.dtype)
+        self.inv_freq = self.inv_freq.float()
+
+    target_taps: tuple[int, ...] = ()
+    draft_vocab: list[int] | None = None  # a reduced output vocabulary (EAGLE-3), as target token ids
+
+    def embed(self, tokens_BT: torch.Tensor) -> torch.Tensor:
+        return F.embedding(tokens_BT, self.frozen.embed.weight.detach())
+
+    def target_logits(self, hidden_BTE: torch.Tensor) -> torch.Tensor:
+        """The target's frozen LM head: gradients reach the input, never the weight."""
+        return F.linear(hidden_BTE, self.frozen.lm_head.weight.detach())
+
+    def rope(self, positions_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs_BTd = positions_BT.to(self.inv_freq.dtype)[..., None] * self.inv_freq
+        emb_BTD = torch.cat([freqs_BTd, freqs_BTd], dim=-1)
+        dtype = self.layer.input_layernorm.weight.dtype
+        return emb_BTD.cos().to(dtype), emb_BTD.sin().to(dtype)
+
+    def add_noise(self, hidden_BTE: torch.Tensor, scale: float) -> torch.Tensor:
+        """EAGLE's training noise: U(-0.5, 0.5) * scale on the input states, in training mode only."""
+        if not self.training or scale == 0:
+            return hidden_BTE
+        return hidden_BTE + (torch.rand_like(hidden_BTE) - 0.5) * scale
+
+
+# ---- training-time unrolling ---------------------------------------------------------------------------------
+
+def ttt_attention_mask(num_tokens: int, num_steps: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """bool [num_steps*T, num_steps*T], step-major on both axes (row j*T + i = step j, index i; column m*T + k):
+    True where step j at index i attends key (m, k): m == 0 and k <= i (the real prefix), or 1 <= m <= j and
+    k == i (its own draft chain). Step j's rows only look at columns < (j+1)*T.
+
+    Example T = 3, steps = 2 (rows: step 1):   step-0 keys   step-1 keys
+                                     index 0:  1 0 0         1 0 0
+                                     index 1:  1 1 0         0 1 0
+                                     index 2:  1 1 1         0 0 1
+    """
+    T = num_tokens
+    causal_TT = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+    diagonal_TT = torch.eye(T, dtype=torch.bool, device=device)
+    mask = torch.zeros(num_steps * T, num_steps * T, dtype=torch.bool, device=device)
+    for j in range(num_steps):
+        mask[j * T:(j + 1) * T, :T] = causal_TT
+        for m in range(1, j + 1):
+            mask[j * T:(j + 1) * T, m * T:(m + 1) * T] = diagonal_TT
+    return mask
+
+
+def shift_left(x_BT: torch.Tensor, n: int) -> torch.Tensor:
+    """x[:, i + n] at index i, zero-padded at the end: the value n steps ahead. [a, b, c, d], 2 -> [c, d, 0, 0]."""
+    out = torch.zeros_like(x_BT)
+    if n < x_BT.shape[1]:
+        out[:, :x_BT.shape[1] - n] = x_BT[:, n:]
+    return out
+
+
+def unroll(model: EagleModel, input_ids_BT: torch.Tensor, hidden_BTE: torch.Tensor, num_steps: int,
+           num_grad_steps: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Run the drafter ``num_steps`` times over the sequence (step j reads step j-1's output; module docstring).
+    Returns [(hidden_out_BTE, logits_BTX)] per step; steps >= num_grad_steps run without gradient (metrics only).
+    Index i of step j is valid when i + 1 + j < T; other indices hold padding and must be masked by the caller."""
+    B, T = input_ids_BT.shape
+    assert hidden_BTE.shape[:2] == (B, T), f"hidden {tuple(hidden_BTE.shape)} vs tokens {(B, T)}"
+    num_grad_steps = num_steps if num_grad_steps is None else num_grad_steps
+    mask_all = ttt_attention_mask(T, num_steps, input_ids_BT.device)
+    positions_BT = torch.arange(T, device=input_ids_BT.device).expand(B, T)
+    past: KV | None = None
+    outputs = []
+    for j in range(num_steps):
+        mask_11TS = None if j == 0 else mask_all[j * T:(j + 1) * T, :(j + 1) * T][None, None]
+        with torch.set_grad_enabled(torch.is_grad_enabled() and j < num_grad_steps):
+            hidden_BTE, logits_BTX, (k_BHTD, v_BHTD) = model.step(shift_left(input_ids_BT, 1 + j), hidden_BTE,
+                                                                  positions_BT + j, past, mask_11TS)
+        past = (k_BHTD, v_BHTD) if past is None else (torch.cat([past[0], k_BHTD], 2), torch.cat([past[1], v_BHTD], 2))
+        outputs.append((hidden_BTE, logits_BTX))
+    return outputs
+
+
+def masked_mean(values_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+    mask_BT = mask_BT.to(values_BT.dtype)
+    return (values_BT * mask_BT).sum() / mask_BT.sum().clamp(min=1)
+
+
+def scalar(x: torch.Tensor) -> float:
+    """A metric value (detached: metrics never carry gradients)."""
+    return float(x.detach())
+
+
+def soft_cross_entropy(logits_BTX: torch.Tensor, target_probs_BTX: torch.Tensor, mask_BT: torch.Tensor
+                       ) -> torch.Tensor:
+    """Masked mean over positions of -sum_x p_target(x) log q(x)."""
+    return masked_mean(-(target_probs_BTX * logits_BTX.float().log_softmax(-1)).sum(-1), mask_BT)
+
+
+def step_mask(batch, offset: int) -> torch.Tensor:
+    """Where the token ``offset`` positions ahead is one to learn (loss_mask and valid), shifted to index i."""
+    return shift_left((batch.loss_mask_BT * batch.valid_BT).to(torch.float32), offset)
+
+
+# ---- inference -------------------------------------------------------------------------------------------------
+
+@dataclass
+class _Node:
+    slot: int | None  # the node's K/V slot in the drafter cache (None: the root, whose entry is committed)
+    hidden_E: torch.Tensor  # the drafter output at this node: the state its children read
+    probs_V: torch.Tensor  # the draft distribution over the target vocab for its children
+
+
+class EagleDrafter:
+    """Drafter protocol (base.py) for EAGLE-1 and EAGLE-3 models, with chain / static / dynamic / best-first trees.
+
+    The drafter's KV cache holds the committed entries (index k: real token t_{k+1} with the target state at k).
+    The newest target state waits in ``_pending`` until its next token (the root) is known; ``propose`` runs all
+    pending entries in one call, then grows the tree: ``expand`` runs the not-yet-run parents in one call, each
+    node attending the committed prefix and its own ancestors (tree attention over the drafter cache). The tree
+    slots are dropped afterwards, so the cache again ends at the committed prefix.
+    """
+
+    def __init__(self, model: EagleModel, tree: TreeConfig, name: str | None = None,
+                 max_len: int | None = None) -> None:
+        self.model = model.eval()
+        self.tree = tree
+        self.name = name or model.drafter_type
+        self.target_taps = tuple(model.target_taps)
+        self.max_len = max_len or model.target_config.max_position_embeddings
+        self.cache: KVCache | None = None
+        self._pending_hidden_AE: torch.Tensor | None = None
+        self._pending_next: list[int] = []  # the known next tokens of all pending entries but the last
+        self._nodes: dict[int, _Node] = {}
+        self._num_committed = 0
+        self._root_position = 0
+
+    @property
+    def num_committed(self) -> int:
+        return self._num_committed
+
+    @torch.no_grad()
+    def begin(self, prompt_ids: list[int], taps: dict[int, torch.Tensor]) -> None:
+        config = self.model.layer_config
+        weight = self.model.layer.input_layernorm.weight
+        self.cache = KVCache(1, 1, config.num_kv_heads, self.max_len + self.tree.max_expanded, config.head_dim,
+                             weight.dtype, weight.device)
+        self._num_committed = 0
+        self._pending_hidden_AE = self.model.initial_hidden(taps)
+        self._pending_next = list(prompt_ids[1:])
+        assert len(self._pending_next) + 1 == self._pending_hidden_AE.shape[0], "one tap row per prompt token"
+
+    @torch.no_grad()
+    def propose(self, root_token: int, context_ids: list[int], temperature: float = 0.0,
+                generator: torch.Generator | None = None) -> DraftTree:
+        """Deterministic top-k trees at any temperature (verification accepts them exactly): temperature and
+        generator are not used."""
+        self.advance(root_token)
+        tree = grow_tree(self.tree, root_token, self.expand)
+        self._rollback()
+        return tree
+
+    @torch.no_grad()
+    def commit(self, tokens: list[int], taps: dict[int, torch.Tensor]) -> None:
+        assert self._pending_hidden_AE is None, "commit without a propose for the previous root"
+        self._rollback()
+        self._pending_hidden_AE = self.model.initial_hidden(taps)
+        self._pending_next = list(tokens[1:])  # tokens[0] is the root, already paired with the previous state
+
+    @torch.no_grad()
+    def advance(self, root_token: int) -> None:
+        """Commit every pending entry (their next tokens end with the root) and compute the root's draft state."""
+        assert self.cache is not None and self._pending_hidden_AE is not None, "call begin() first"
+        hidden_AE, self._pending_hidden_AE = self._pending_hidden_AE, None
+        tokens = self._pending_next + [root_token]
+        A, C = len(tokens), self._num_committed
+        device = hidden_AE.device
+        mask_AS = torch.ones(A, C + A, dtype=torch.bool, device=device)
+        mask_AS[:, C:] = torch.ones(A, A, dtype=torch.bool, device=device).tril()
+        positions_A = torch.arange(C, C + A, device=device)
+        out_AE, probs_AV = self._run(torch.tensor(tokens, device=device), hidden_AE, positions_A, mask_AS)
+        self._num_committed = C + A
+        self._root_position = C + A - 1
+        self._nodes = {0: _Node(None, out_AE[-1], probs_AV[-1])}
+
+    @torch.no_grad()
+    def expand(self, parent_ids: list[int], partial: PartialTree) -> torch.Tensor:
+        """probs_PV: the draft distribution for the children of each parent (running those not yet run)."""
+        todo = [n for n in dict.fromkeys(parent_ids) if n not in self._nodes]
+        if todo:
+            self._run_nodes(todo, partial)
+        return torch.stack([self._nodes[n].probs_V for n in parent_ids])
+
+    def _run_nodes(self, nodes: list[int], partial: PartialTree) -> None:
+        assert self.cache is not None
+        S, C, P = self.cache.lengths[0], self._num_committed, len(nodes)
+        device = self._nodes[0].hidden_E.device
+        mask_PS = torch.zeros(P, S + P, dtype=torch.bool, device=device)
+        mask_PS[:, :C] = True
+        for row, node in enumerate(nodes):
+            for ancestor in partial.path(node)[1:-1]:
+                mask_PS[row, self._nodes[ancestor].slot] = True
+            mask_PS[row, S + row] = True
+        tokens_P = torch.tensor([partial.tokens[n] for n in nodes], device=device)
+        hidden_PE = torch.stack([self._nodes[partial.parents[n]].hidden_E for n in nodes])
+        positions_P = torch.tensor([self._root_position + partial.depth[n] for n in nodes], device=device)
+        out_PE, probs_PV = self._run(tokens_P, hidden_PE, positions_P, mask_PS)
+        for row, node in enumerate(nodes):
+            self._nodes[node] = _Node(S + row, out_PE[row], probs_PV[row])
+
+    def _run(self, tokens_P: torch.Tensor, hidden_PE: torch.Tensor, positions_P: torch.Tensor,
+             mask_PS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One drafter pass over P new entries appended to the cache; returns (hidden_out_PE, probs_PV)."""
+        assert self.cache is not None
+        S, P = self.cache.lengths[0], tokens_P.shape[0]
+        past = self.cache.view(0, S) if S else None
+        out_1PE, logits_1PX, (k_1HPD, v_1HPD) = self.model.step(tokens_P[None], hidden_PE[None], positions_P[None],
+                                                                past, mask_PS[None, None])
+        self.cache.begin(P)
+        self.cache.write(0, k_1HPD, v_1HPD)
+        self.cache.finish(P)
+        return out_1PE[0], self.model.draft_probs(logits_1PX[0])
+
+    def _rollback(self) -> None:
+        """Drop the tree's slots: the cache ends at the committed prefix again."""
+        if self.cache is not None:
+            self.cache.truncate(0, self._num_committed)
+        self._nodes = {}
+
+
+def check_taps(taps: Iterable[int], num_layers: int, field: str) -> tuple[int, ...]:
+    taps = tuple(int(t) for t in taps)
+    for t in taps:
+        require(0 <= t <= num_layers, field, taps, f"tap layers must lie in [0, {num_layers}] (HF hidden_states "
+                                                  "numbering: 0 = embeddings, num_layers = final-normed)")
+    return taps

@@ -1,0 +1,101 @@
+"""EAGLE-1 (arXiv 2401.15077): extrapolate the target's top-layer feature one step, conditioned on the next token.
+
+Shape legend: B batch, T tokens, E target hidden size, V target vocab.
+
+Input at index i: concat(embed(t_{i+1}), f_i) -> Linear(2E -> E) -> one decoder layer -> predicted f_{i+1}, whose
+tokens come from the target's frozen LM head. f is the target's final-normed state (tap ``num_layers``, what the
+LM head reads). The target's embedding and LM head are frozen, neither trained nor saved.
+
+Loss at index i (the token t_{i+2} it predicts must be a response token):
+  reg_weight * SmoothL1(f_pred_{i+1}, f_{i+1}) + cls_weight * CE(LMHead(f_pred_{i+1}), p_target(. | t_<=i+1))
+The classification target is the target's full distribution at position i+1 (soft CE, as in the reference), which
+on regenerated greedy data puts its mode on the data token, and carries more signal than the argmax alone.
+Uniform noise U(-0.5, 0.5) * noise_scale is added to the input features in training. ``ttt_steps > 1`` optionally
+unrolls the drafter on its own predicted features too (EAGLE-3's training-time test, weights step_decay^j);
+acc_1..acc_K (K = max(ttt_steps, metric_steps)) are top-1 agreements with the target at each unrolled step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eyas.config import require
+from eyas.drafters.eagle import (KV, DraftLayerConfig, EagleModel, masked_mean, scalar, shift_left,
+                                 soft_cross_entropy, step_mask, unroll)
+from eyas.models.decoder import Decoder
+from eyas.train.features import TargetFeatures, TrainBatch
+
+
+@dataclass(frozen=True)
+class Eagle1Config:
+    layer: DraftLayerConfig = field(default_factory=DraftLayerConfig)
+    noise_scale: float = 0.2  # amplitude of the uniform input-feature noise (training only)
+    reg_weight: float = 1.0  # SmoothL1 feature regression
+    cls_weight: float = 0.1  # soft CE against the target's distribution
+    ttt_steps: int = 1  # unrolled training steps; 1 = the original EAGLE-1 objective
+    step_decay: float = 0.8  # weight of unrolled step j: step_decay ** j
+    metric_steps: int = 4  # steps unrolled (without gradient beyond ttt_steps) to report acc_1..acc_K
+
+    def __post_init__(self) -> None:
+        require(self.noise_scale >= 0, "noise_scale", self.noise_scale, "must be >= 0")
+        require(self.reg_weight >= 0, "reg_weight", self.reg_weight, "must be >= 0")
+        require(self.cls_weight >= 0, "cls_weight", self.cls_weight, "must be >= 0")
+        require(self.reg_weight + self.cls_weight > 0, "cls_weight", self.cls_weight,
+                "reg_weight and cls_weight cannot both be 0")
+        require(self.ttt_steps >= 1, "ttt_steps", self.ttt_steps, "must be >= 1")
+        require(0 < self.step_decay <= 1, "step_decay", self.step_decay, "must be in (0, 1]")
+        require(self.metric_steps >= 1, "metric_steps", self.metric_steps, "must be >= 1")
+
+
+class Eagle1Model(EagleModel):
+    drafter_type = "eagle1"
+
+    def __init__(self, config: Eagle1Config, target: Decoder, draft_vocab: list[int] | None = None) -> None:
+        if draft_vocab is not None:
+            raise ValueError("EAGLE-1 reads tokens through the target's LM head: it has no draft vocabulary "
+                             "(draft_vocab must be null)")
+        super().__init__(config, target, two_stream=False)
+        E = target.config.hidden_size
+        self.target_taps = (target.config.num_layers,)
+        self.fc = nn.Linear(2 * E, E, bias=True)
+        self.place_like(target)
+
+    def initial_hidden(self, taps: dict[int, torch.Tensor]) -> torch.Tensor:
+        return taps[self.target_config.num_layers]
+
+    def step(self, tokens_BT: torch.Tensor, hidden_BTE: torch.Tensor, positions_BT: torch.Tensor,
+             past: KV | None, mask_B1TS: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, KV]:
+        x_BTE = self.fc(torch.cat([self.embed(tokens_BT), hidden_BTE.to(self.fc.weight.dtype)], dim=-1))
+        cos_BTD, sin_BTD = self.rope(positions_BT)
+        feature_BTE, kv = self.layer(x_BTE, None, cos_BTD, sin_BTD, past, mask_B1TS)
+        return feature_BTE, self.target_logits(feature_BTE), kv
+
+    def draft_probs(self, logits_XV: torch.Tensor) -> torch.Tensor:
+        return logits_XV.float().softmax(-1)
+
+    def training_loss(self, batch: TrainBatch, features: TargetFeatures) -> tuple[torch.Tensor, dict[str, float]]:
+        config = self.config
+        feature_BTE = features.taps[self.target_config.num_layers].detach()
+        num_steps = max(config.ttt_steps, config.metric_steps)
+        steps = unroll(self, batch.input_ids_BT, self.add_noise(feature_BTE, config.noise_scale), num_steps,
+                       config.ttt_steps)
+        loss = feature_BTE.new_zeros((), dtype=torch.float32)
+        metrics: dict[str, float] = {}
+        for j, (pred_BTE, logits_BTV) in enumerate(steps):
+            mask_BT = step_mask(batch, 2 + j)  # step j at index i predicts t_{i+2+j}
+            target_logits_BTV = shift_left(features.logits_BTV, 1 + j)
+            agree_BT = (logits_BTV.argmax(-1) == target_logits_BTV.argmax(-1)).float()
+            metrics[f"acc_{j + 1}"] = scalar(masked_mean(agree_BT, mask_BT))
+            if j >= config.ttt_steps:
+                continue
+            reg = masked_mean(F.smooth_l1_loss(pred_BTE.float(), shift_left(feature_BTE, 1 + j).float(),
+                                               reduction="none").mean(-1), mask_BT)
+            cls = soft_cross_entropy(logits_BTV, target_logits_BTV.float().softmax(-1), mask_BT)
+            loss = loss + config.step_decay ** j * (config.reg_weight * reg + config.cls_weight * cls)
+            if j == 0:
+                metrics["reg_loss"], metrics["cls_loss"] = scalar(reg), scalar(cls)
+        metrics["loss"] = scalar(loss)
+        return loss, metrics

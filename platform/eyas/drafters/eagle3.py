@@ -1,0 +1,146 @@
+"""EAGLE-3 (arXiv 2503.01840): multi-layer fusion, no feature loss, training-time test, reduced draft vocabulary.
+
+Shape legend: B batch, T tokens, E target hidden size, V target vocab, X draft vocab.
+
+Step 0 at index i reads concat(low, mid, high target states at i) -> Linear(3E -> E) with embed(t_{i+1}); the one
+decoder layer's attention reads concat(norm(embed), norm(hidden)) (q/k/v take 2E) and its residual stream is the
+hidden state; logits = own LM head (over the draft vocabulary) of norm(output). Step j >= 1 reads its own output of
+step j-1 (training-time test, TTT; the mask and indexing are in eagle.py), at training exactly as at inference.
+
+Loss: sum_j step_decay^j * CE_j, where CE_j at index i is the soft cross-entropy against the target's distribution
+for t_{i+2+j}, restricted to the draft vocabulary and renormalised; indices whose target argmax lies outside the
+draft vocabulary are masked (the reference's choice: the drafter cannot propose that token anyway). No feature loss.
+
+Draft vocabulary: the ``draft_vocab_size`` most frequent target tokens of the training data (``build_draft_vocab``),
+kept as d2t (draft index -> target token id, ascending ids) and saved in the checkpoint's config.json.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from eyas.config import require
+from eyas.drafters.eagle import (KV, DraftLayerConfig, EagleModel, check_taps, masked_mean, scalar, shift_left,
+                                 soft_cross_entropy, step_mask, unroll)
+from eyas.models.decoder import Decoder, RMSNorm
+from eyas.train.features import TargetFeatures, TrainBatch
+
+
+def eagle3_taps(num_layers: int) -> tuple[int, int, int]:
+    """Low / mid / high tap layers (HF hidden_states numbering). The reference's (2, N/2, N-3) when those are
+    distinct and increasing (N >= 7); on shallower targets (1, N/2, N-1), never the final-normed N itself."""
+    if num_layers < 1:
+        raise ValueError(f"num_layers={num_layers}: a target needs at least one layer")
+    low, mid, high = 2, num_layers // 2, num_layers - 3
+    if low < mid < high:
+        return low, mid, high
+    return 1, max(1, num_layers // 2), max(1, num_layers - 1)
+
+
+def build_draft_vocab(token_counts_V: torch.Tensor, size: int) -> torch.Tensor:
+    """d2t: the ``size`` most frequent token ids (ties: lower id first), as a long tensor in ascending id order.
+
+    token_counts_V: counts per target token id, e.g. ``torch.bincount(ids[loss_mask > 0], minlength=V)``."""
+    if token_counts_V.dim() != 1:
+        raise ValueError(f"token_counts must be 1-D over the target vocabulary, got {tuple(token_counts_V.shape)}")
+    if not 1 <= size <= token_counts_V.numel():
+        raise ValueError(f"draft_vocab_size={size}: must be in [1, {token_counts_V.numel()}] (the target vocab)")
+    order_V = torch.sort(-token_counts_V.double(), stable=True).indices  # descending count, lower id on ties
+    return order_V[:size].sort().values.long()
+
+
+@dataclass(frozen=True)
+class Eagle3Config:
+    layer: DraftLayerConfig = field(default_factory=DraftLayerConfig)
+    taps: tuple[int, ...] | None = None  # target tap layers fused at step 0; None = eagle3_taps(num_layers)
+    draft_vocab_size: int | None = None  # None = the full target vocabulary
+    ttt_steps: int = 7  # training-time-test steps
+    step_decay: float = 0.8  # weight of step j: step_decay ** j
+    noise_scale: float = 0.0  # uniform noise on the fused input states (training only)
+
+    def __post_init__(self) -> None:
+        require(self.taps is None or len(self.taps) >= 1, "taps", self.taps, "needs at least one tap layer")
+        require(self.draft_vocab_size is None or self.draft_vocab_size >= 1, "draft_vocab_size",
+                self.draft_vocab_size, "must be >= 1 (or null: the full vocabulary)")
+        require(self.ttt_steps >= 1, "ttt_steps", self.ttt_steps, "must be >= 1")
+        require(0 < self.step_decay <= 1, "step_decay", self.step_decay, "must be in (0, 1]")
+        require(self.noise_scale >= 0, "noise_scale", self.noise_scale, "must be >= 0")
+
+
+class Eagle3Model(EagleModel):
+    drafter_type = "eagle3"
+
+    def __init__(self, config: Eagle3Config, target: Decoder, draft_vocab: Sequence[int] | torch.Tensor | None = None
+                 ) -> None:
+        super().__init__(config, target, two_stream=True)
+        num_layers, E, V = target.config.num_layers, target.config.hidden_size, target.config.vocab_size
+        self.target_taps = check_taps(config.taps or eagle3_taps(num_layers), num_layers, "taps")
+        d2t_X = self._check_vocab(config, draft_vocab, V)
+        self.draft_vocab = None if draft_vocab is None else d2t_X.tolist()
+        self.register_buffer("d2t", d2t_X, persistent=False)  # draft index -> target id (saved in config.json)
+        t2d_V = torch.full((V,), -1, dtype=torch.long)
+        t2d_V[d2t_X] = torch.arange(d2t_X.numel())
+        self.register_buffer("t2d", t2d_V, persistent=False)  # target id -> draft index, -1 outside
+        self.fc = nn.Linear(len(self.target_taps) * E, E, bias=False)
+        self.norm = RMSNorm(E, target.config.rms_norm_eps)
+        self.lm_head = nn.Linear(E, d2t_X.numel(), bias=False)
+        with torch.no_grad():  # start from the target's own readout, restricted to the draft vocabulary
+            self.norm.weight.copy_(target.norm.weight)
+            self.lm_head.weight.copy_(target.lm_head.weight[d2t_X.to(target.device)])
+        self.place_like(target)
+
+    @staticmethod
+    def _check_vocab(config: Eagle3Config, draft_vocab, vocab_size: int) -> torch.Tensor:
+        if draft_vocab is None:
+            if config.draft_vocab_size not in (None, vocab_size):
+                raise ValueError(f"draft_vocab_size={config.draft_vocab_size} needs a draft vocabulary: build it "
+                                 f"with build_draft_vocab(token_counts, {config.draft_vocab_size})")
+            return torch.arange(vocab_size)
+        d2t_X = torch.as_tensor(draft_vocab, dtype=torch.long).cpu()
+        if d2t_X.dim() != 1 or d2t_X.numel() == 0 or d2t_X.unique().numel() != d2t_X.numel():
+            raise ValueError("draft_vocab must be a non-empty list of distinct target token ids")
+        if int(d2t_X.min()) < 0 or int(d2t_X.max()) >= vocab_size:
+            raise ValueError(f"draft_vocab holds ids outside the target vocabulary [0, {vocab_size})")
+        if config.draft_vocab_size is not None and d2t_X.numel() != config.draft_vocab_size:
+            raise ValueError(f"draft_vocab has {d2t_X.numel()} ids but draft_vocab_size={config.draft_vocab_size}")
+        return d2t_X
+
+    def initial_hidden(self, taps: dict[int, torch.Tensor]) -> torch.Tensor:
+        fused_TF = torch.cat([taps[layer] for layer in self.target_taps], dim=-1)
+        return self.fc(fused_TF.to(self.fc.weight.dtype))
+
+    def step(self, tokens_BT: torch.Tensor, hidden_BTE: torch.Tensor, positions_BT: torch.Tensor,
+             past: KV | None, mask_B1TS: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, KV]:
+        cos_BTD, sin_BTD = self.rope(positions_BT)
+        out_BTE, kv = self.layer(hidden_BTE, self.embed(tokens_BT), cos_BTD, sin_BTD, past, mask_B1TS)
+        return out_BTE, self.lm_head(self.norm(out_BTE)), kv
+
+    def draft_probs(self, logits_XX: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits [..., X] -> probabilities over the target vocabulary [..., V] (0 outside)."""
+        probs = logits_XX.float().softmax(-1)
+        full = probs.new_zeros(*probs.shape[:-1], self.target_config.vocab_size)
+        full[..., self.d2t] = probs
+        return full
+
+    def training_loss(self, batch: TrainBatch, features: TargetFeatures) -> tuple[torch.Tensor, dict[str, float]]:
+        config = self.config
+        taps = {layer: features.taps[layer].detach() for layer in self.target_taps}
+        hidden_BTE = self.add_noise(self.initial_hidden(taps), config.noise_scale)
+        loss = hidden_BTE.new_zeros((), dtype=torch.float32)
+        metrics: dict[str, float] = {}
+        for j, (_, logits_BTX) in enumerate(unroll(self, batch.input_ids_BT, hidden_BTE, config.ttt_steps)):
+            target_logits_BTV = shift_left(features.logits_BTV, 1 + j).float()
+            target_draft_BT = self.t2d[target_logits_BTV.argmax(-1)]  # -1: outside the draft vocabulary
+            learn_BT = step_mask(batch, 2 + j)
+            ce = soft_cross_entropy(logits_BTX, target_logits_BTV[..., self.d2t].softmax(-1),
+                                    learn_BT * (target_draft_BT >= 0))
+            loss = loss + config.step_decay ** j * ce
+            # acceptance counts out-of-vocabulary targets as misses: the drafter can never propose them
+            agree_BT = (logits_BTX.argmax(-1) == target_draft_BT).float()
+            metrics[f"acc_{j + 1}"] = scalar(masked_mean(agree_BT, learn_BT))
+            metrics[f"ce_{j + 1}"] = scalar(ce)
+        metrics["loss"] = scalar(loss)
+        return loss, metrics

@@ -1,0 +1,129 @@
+"""Medusa-1: K independent heads on the target's last hidden state, head k guessing the token k+1 steps past the
+next one.
+
+Shape legend: B batch, T tokens, K heads, E target hidden size, V target vocab.
+
+Head k (0-based) at position i reads the final-normed target state h_i (tap ``num_layers``) and predicts t_{i+2+k}:
+  p_k = softmax(LMHead(h + SiLU(W_k h)))   (``num_res_layers`` such residual blocks per head)
+Choice: the LM head is the target's own, shared and frozen. The Medusa paper gives each head its own copy
+initialised from the LM head; sharing keeps a head at E*E parameters instead of E*(E + V) (for a 128k vocabulary
+and E = 4096, 17M instead of 540M per head), trains faster and keeps checkpoints small. W_k starts at zero, so every
+head starts out predicting what the target predicts for the next token.
+
+Loss: sum_k step_decay^k * soft CE(p_k, target distribution for t_{i+2+k}) over positions whose token t_{i+2+k} is a
+response token; acc_{k+1} is head k's top-1 agreement with the target's argmax.
+
+Inference: the heads are read once per cycle on the state that predicted the root. A tree node at depth d takes
+its candidates from head d-1's top-k, whatever its parent: the static tree (or chain / dynamic / best-first) is
+built from products of the heads' probabilities, through the same builders as EAGLE.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eyas.config import require
+from eyas.drafters.eagle import masked_mean, scalar, shift_left, soft_cross_entropy, step_mask
+from eyas.drafters.trees import TreeConfig, grow_tree
+from eyas.models.decoder import Decoder
+from eyas.spec.tree import EAGLE_DEFAULT, DraftTree, PartialTree
+from eyas.train.features import TargetFeatures, TrainBatch
+
+
+@dataclass(frozen=True)
+class MedusaConfig:
+    num_heads: int = 4  # K: the deepest token a tree can draft
+    num_res_layers: int = 1  # residual SiLU blocks per head
+    step_decay: float = 0.8  # loss weight of head k: step_decay ** k
+
+    def __post_init__(self) -> None:
+        require(self.num_heads >= 1, "num_heads", self.num_heads, "must be >= 1")
+        require(self.num_res_layers >= 1, "num_res_layers", self.num_res_layers, "must be >= 1")
+        require(0 < self.step_decay <= 1, "step_decay", self.step_decay, "must be in (0, 1]")
+
+
+class ResBlock(nn.Module):
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size)
+        nn.init.zeros_(self.linear.weight)  # the head starts as the identity: the target's next-token readout
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + F.silu(self.linear(x))
+
+
+class MedusaModel(nn.Module):
+    drafter_type = "medusa"
+    draft_vocab = None
+
+    def __init__(self, config: MedusaConfig, target: Decoder, draft_vocab: list[int] | None = None) -> None:
+        super().__init__()
+        if draft_vocab is not None:
+            raise ValueError("Medusa reads tokens through the target's LM head: draft_vocab must be null")
+        self.config = config
+        self.target_config = target.config
+        self.target_taps = (target.config.num_layers,)
+        self.lm_head = (target.lm_head,)  # in a tuple: shared and frozen, not registered, not saved
+        E = target.config.hidden_size
+        self.heads = nn.ModuleList(nn.Sequential(*(ResBlock(E) for _ in range(config.num_res_layers)))
+                                   for _ in range(config.num_heads))
+        self.to(device=target.device, dtype=target.dtype)
+
+    def head_logits(self, hidden_XE: torch.Tensor) -> torch.Tensor:
+        """[..., E] -> [..., K, V]: every head's logits."""
+        weight_VE = self.lm_head[0].weight.detach()
+        return torch.stack([F.linear(head(hidden_XE), weight_VE) for head in self.heads], dim=-2)
+
+    def training_loss(self, batch: TrainBatch, features: TargetFeatures) -> tuple[torch.Tensor, dict[str, float]]:
+        logits_BTKV = self.head_logits(features.taps[self.target_config.num_layers].detach())
+        loss = logits_BTKV.new_zeros((), dtype=torch.float32)
+        metrics: dict[str, float] = {}
+        for k in range(self.config.num_heads):
+            mask_BT = step_mask(batch, 2 + k)  # head k at position i predicts t_{i+2+k}
+            target_logits_BTV = shift_left(features.logits_BTV, 1 + k).float()
+            ce = soft_cross_entropy(logits_BTKV[:, :, k], target_logits_BTV.softmax(-1), mask_BT)
+            loss = loss + self.config.step_decay ** k * ce
+            agree_BT = (logits_BTKV[:, :, k].argmax(-1) == target_logits_BTV.argmax(-1)).float()
+            metrics[f"acc_{k + 1}"] = scalar(masked_mean(agree_BT, mask_BT))
+            metrics[f"ce_{k + 1}"] = scalar(ce)
+        metrics["loss"] = scalar(loss)
+        return loss, metrics
+
+
+class MedusaDrafter:
+    """Drafter protocol (base.py): the heads read the target state that predicted the root."""
+
+    def __init__(self, model: MedusaModel, tree: TreeConfig, name: str | None = None) -> None:
+        num_heads = model.config.num_heads
+        if tree.mode == "static" and tree.shape is None:  # EAGLE-1's default tree, cut to the heads' depth
+            tree = dataclasses.replace(tree, shape=tuple(r for r in EAGLE_DEFAULT if len(r) <= num_heads))
+        require(tree.max_depth <= num_heads, "tree.depth" if tree.mode != "static" else "tree.shape",
+                tree.max_depth, f"Medusa drafts at most num_heads={num_heads} tokens deep")
+        self.model = model.eval()
+        self.tree = tree
+        self.name = name or model.drafter_type
+        self.target_taps = tuple(model.target_taps)
+        self._last_state_E: torch.Tensor | None = None
+
+    def begin(self, prompt_ids: list[int], taps: dict[int, torch.Tensor]) -> None:
+        self._last_state_E = taps[self.target_taps[0]][-1]
+
+    def commit(self, tokens: list[int], taps: dict[int, torch.Tensor]) -> None:
+        self._last_state_E = taps[self.target_taps[0]][-1]  # the last accepted node's state predicted the bonus
+
+    @torch.no_grad()
+    def propose(self, root_token: int, context_ids: list[int], temperature: float = 0.0,
+                generator: torch.Generator | None = None) -> DraftTree:
+        """Deterministic top-k trees at any temperature: temperature and generator are not used."""
+        assert self._last_state_E is not None, "call begin() first"
+        probs_KV = self.model.head_logits(self._last_state_E).float().softmax(-1)
+
+        def expand(parent_ids: list[int], partial: PartialTree) -> torch.Tensor:
+            return probs_KV[[partial.depth[p] for p in parent_ids]]  # head d drafts depth d + 1
+
+        return grow_tree(self.tree, root_token, expand)

@@ -1,0 +1,192 @@
+"""Drafter registry: drafter type -> family (config, model builder, inference wrapper); method name -> family +
+default tree options; checkpoint directories saved and loaded without Ray or MLflow.
+
+A checkpoint directory holds
+  config.json        {"drafter_type", "target" (path or name), "target_taps", "draft_vocab" (d2t list or null),
+                      "target_shape" {"hidden_size", "vocab_size", "num_layers"}, "config" (the family config)}
+  model.safetensors  the drafter's own weights (the frozen target parts it borrows are not saved)
+
+Adding a family: one ``FAMILIES`` entry (and ``METHODS`` entries for its method names). ``build_model`` is None for
+training-free drafters (n-gram), which need no checkpoint; ``make_drafter(model, target, tree_options, name)``
+receives the method's tree options merged with the caller's, as a plain dict the family validates itself.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from eyas.config import ConfigError, from_dict, resolve_path, to_dict
+from eyas.drafters.eagle import EagleDrafter
+from eyas.drafters.eagle1 import Eagle1Config, Eagle1Model
+from eyas.drafters.eagle3 import Eagle3Config, Eagle3Model
+from eyas.drafters.medusa import MedusaConfig, MedusaDrafter, MedusaModel
+from eyas.drafters.trees import TreeConfig
+from eyas.models.config import CheckpointError
+from eyas.models.decoder import Decoder
+
+CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
+
+
+def _tree(options: dict[str, Any]) -> TreeConfig:
+    return from_dict(TreeConfig, options, prefix="tree.")
+
+
+@dataclass(frozen=True)
+class Family:
+    config_cls: type | None  # the family's frozen config dataclass (None: nothing to configure)
+    build_model: Callable[..., torch.nn.Module] | None  # (config, target, draft_vocab) -> model; None: no weights
+    make_drafter: Callable[..., Any]  # (model, target, tree_options: dict, name) -> Drafter
+
+
+@dataclass(frozen=True)
+class Method:
+    family: str
+    tree: dict[str, Any] = field(default_factory=dict)  # default tree options for this method
+
+
+def _eagle_drafter(model, target: Decoder, tree: dict[str, Any], name: str) -> EagleDrafter:
+    return EagleDrafter(model, _tree(tree), name)
+
+
+def _medusa_drafter(model, target: Decoder, tree: dict[str, Any], name: str) -> MedusaDrafter:
+    return MedusaDrafter(model, _tree(tree), name)
+
+
+FAMILIES: dict[str, Family] = {
+    "eagle1": Family(Eagle1Config, Eagle1Model, _eagle_drafter),
+    "eagle3": Family(Eagle3Config, Eagle3Model, _eagle_drafter),
+    "medusa": Family(MedusaConfig, MedusaModel, _medusa_drafter),
+}
+
+METHODS: dict[str, Method] = {
+    "eagle1": Method("eagle1", {"mode": "static"}),
+    "eagle2": Method("eagle1", {"mode": "dynamic"}),
+    "eagle3": Method("eagle3", {"mode": "dynamic"}),
+    "medusa": Method("medusa", {"mode": "static"}),
+}
+
+
+def family(drafter_type: str) -> Family:
+    if drafter_type not in FAMILIES:
+        raise ValueError(f"unknown drafter type {drafter_type!r}; known: {sorted(FAMILIES)}")
+    return FAMILIES[drafter_type]
+
+
+def build_model(drafter_type: str, config: Any, target: Decoder, draft_vocab: list[int] | None = None
+                ) -> torch.nn.Module:
+    """A fresh (untrained) drafter model for ``target``; config is the family config or a dict of its fields."""
+    entry = family(drafter_type)
+    if entry.build_model is None:
+        raise ValueError(f"drafter type {drafter_type!r} has no trainable model")
+    if config is None or isinstance(config, dict):
+        config = from_dict(entry.config_cls, config or {}, prefix=f"{drafter_type}.")
+    return entry.build_model(config, target, draft_vocab)
+
+
+def save_drafter(model: torch.nn.Module, directory: str | Path, target_ref: str | Path) -> Path:
+    """Write ``model`` as a checkpoint directory; ``target_ref`` names the target it drafts for (path or name)."""
+    directory = resolve_path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    target_config = model.target_config
+    meta = {"drafter_type": model.drafter_type, "target": str(target_ref), "target_taps": list(model.target_taps),
+            "draft_vocab": model.draft_vocab,
+            "target_shape": {"hidden_size": target_config.hidden_size, "vocab_size": target_config.vocab_size,
+                             "num_layers": target_config.num_layers},
+            "config": to_dict(model.config)}
+    state = {name: tensor.detach().contiguous().cpu() for name, tensor in model.state_dict().items()}
+    save_file(state, str(directory / WEIGHTS_FILE))
+    (directory / CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    return directory
+
+
+def read_meta(path: str | Path) -> tuple[Path, dict[str, Any]]:
+    """(checkpoint directory, its config.json); ``path`` may be the directory or a file inside it."""
+    directory = resolve_path(path)
+    if directory.is_file():
+        directory = directory.parent
+    config_path = directory / CONFIG_FILE
+    if not config_path.is_file():
+        raise CheckpointError(f"{config_path}: missing file ({directory} is not a drafter checkpoint directory; "
+                              "one is written by registry.save_drafter)")
+    try:
+        meta = json.loads(config_path.read_text())
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{config_path}: not valid JSON ({err})") from None
+    missing = [k for k in ("drafter_type", "target", "target_taps", "config") if k not in meta]
+    if missing:
+        raise CheckpointError(f"{config_path}: missing field(s) {missing}")
+    return directory, meta
+
+
+def _check_target(meta: dict[str, Any], target: Decoder, where: Path) -> None:
+    shape = meta.get("target_shape") or {}
+    actual = {"hidden_size": target.config.hidden_size, "vocab_size": target.config.vocab_size,
+              "num_layers": target.config.num_layers}
+    wrong = {k: (v, actual[k]) for k, v in shape.items() if k in actual and v != actual[k]}
+    if wrong:
+        details = ", ".join(f"{k}: checkpoint {a}, target {b}" for k, (a, b) in wrong.items())
+        raise CheckpointError(f"{where}: drafter was trained for target {meta['target']!r} and does not fit this "
+                              f"target ({details})")
+
+
+def load_model(path: str | Path, target: Decoder) -> torch.nn.Module:
+    """The drafter model saved at ``path`` (directory or a file in it), attached to ``target``, in eval mode."""
+    directory, meta = read_meta(path)
+    entry = family(meta["drafter_type"])
+    _check_target(meta, target, directory)
+    try:
+        config = from_dict(entry.config_cls, meta["config"], prefix="config.")
+        model = entry.build_model(config, target, meta.get("draft_vocab"))
+    except (ConfigError, ValueError) as err:
+        raise CheckpointError(f"{directory / CONFIG_FILE}: {err}") from None
+    if list(model.target_taps) != list(meta["target_taps"]):
+        raise CheckpointError(f"{directory / CONFIG_FILE}: target_taps {meta['target_taps']} disagree with the "
+                              f"config's {list(model.target_taps)}")
+    weights = directory / WEIGHTS_FILE
+    if not weights.is_file():
+        raise CheckpointError(f"{weights}: missing file")
+    state = load_file(str(weights), device=str(target.device))
+    expected = model.state_dict()
+    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(f"{weights}: tensors do not match a {meta['drafter_type']} model with this config "
+                              f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
+    for name, tensor in state.items():
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise CheckpointError(f"{weights}: shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, "
+                                  f"model {tuple(expected[name].shape)}")
+    model.load_state_dict({k: v.to(expected[k].dtype) for k, v in state.items()})
+    return model.eval()
+
+
+def load_drafter(path: str | Path | None, target: Decoder, method: str | None = None,
+                 tree: str | TreeConfig | dict[str, Any] | None = None, **tree_options: Any):
+    """A ready Drafter: the checkpoint at ``path`` wrapped for ``method`` (default: the checkpoint's own type).
+
+    Tree options, later ones winning: the method's defaults (``METHODS``), then ``tree`` (a mode name such as
+    "dynamic", a dict of options, or a complete TreeConfig), then keyword options (depth=, top_k=, num_nodes=,
+    shape=). EAGLE and Medusa read them as a TreeConfig (drafters/trees.py)."""
+    if path is None:
+        if method not in METHODS or family(METHODS[method].family).build_model is not None:
+            raise ValueError(f"method {method!r} needs a drafter checkpoint path")
+        model, drafter_type = None, METHODS[method].family
+    else:
+        model = load_model(path, target)
+        drafter_type = model.drafter_type
+    method = method or drafter_type
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; known: {sorted(METHODS)}")
+    if METHODS[method].family != drafter_type:
+        raise ValueError(f"method {method!r} needs a {METHODS[method].family} drafter, but {path} holds a "
+                         f"{drafter_type} checkpoint")
+    if isinstance(tree, str):
+        tree = {"mode": tree}
+    elif isinstance(tree, TreeConfig):
+        tree = to_dict(tree)
+    options = {**METHODS[method].tree, **(tree or {}), **tree_options}
+    return family(drafter_type).make_drafter(model, target, options, method)
