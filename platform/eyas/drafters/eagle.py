@@ -14,7 +14,9 @@ Training-time test (EAGLE-3 TTT): the keys of all steps are laid out step-major,
 Step j's query at index i sees what inference would hold in the drafter's cache at that node:
   step-0 keys at indices k <= i (the committed prefix, built from real target states)
   the keys of steps 1..j at index i (its own ancestors in the draft chain, itself included)
-(the "causal + diagonal" pattern of the reference implementation; see ``ttt_attention_mask``).
+(the "causal + diagonal" pattern of the reference implementation; see ``ttt_attention_mask``). Unlike the
+reference, which keeps rope position i for every step, step j sits at position i + j, where inference puts that
+node, so the unrolled training computes exactly what tree drafting computes (tests/unit/drafters/test_eagle.py).
 """
 from __future__ import annotations
 
@@ -152,18 +154,23 @@ class EagleModel(nn.Module):
     target_taps: tuple[int, ...] = ()
     draft_vocab: list[int] | None = None  # a reduced output vocabulary (EAGLE-3), as target token ids
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The drafter's own dtype (it may train in float32 beside a bfloat16 target)."""
+        return self.layer.input_layernorm.weight.dtype
+
     def embed(self, tokens_BT: torch.Tensor) -> torch.Tensor:
-        return F.embedding(tokens_BT, self.frozen.embed.weight.detach())
+        return F.embedding(tokens_BT, self.frozen.embed.weight.detach()).to(self.dtype)
 
     def target_logits(self, hidden_BTE: torch.Tensor) -> torch.Tensor:
         """The target's frozen LM head: gradients reach the input, never the weight."""
-        return F.linear(hidden_BTE, self.frozen.lm_head.weight.detach())
+        weight_VE = self.frozen.lm_head.weight.detach()
+        return F.linear(hidden_BTE.to(weight_VE.dtype), weight_VE)
 
     def rope(self, positions_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs_BTd = positions_BT.to(self.inv_freq.dtype)[..., None] * self.inv_freq
         emb_BTD = torch.cat([freqs_BTd, freqs_BTd], dim=-1)
-        dtype = self.layer.input_layernorm.weight.dtype
-        return emb_BTD.cos().to(dtype), emb_BTD.sin().to(dtype)
+        return emb_BTD.cos().to(self.dtype), emb_BTD.sin().to(self.dtype)
 
     def add_noise(self, hidden_BTE: torch.Tensor, scale: float) -> torch.Tensor:
         """EAGLE's training noise: U(-0.5, 0.5) * scale on the input states, in training mode only."""
@@ -258,11 +265,12 @@ class _Node:
 class EagleDrafter:
     """Drafter protocol (base.py) for EAGLE-1 and EAGLE-3 models, with chain / static / dynamic / best-first trees.
 
-    The drafter's KV cache holds the committed entries (index k: real token t_{k+1} with the target state at k).
-    The newest target state waits in ``_pending`` until its next token (the root) is known; ``propose`` runs all
-    pending entries in one call, then grows the tree: ``expand`` runs the not-yet-run parents in one call, each
-    node attending the committed prefix and its own ancestors (tree attention over the drafter cache). The tree
-    slots are dropped afterwards, so the cache again ends at the committed prefix.
+    The drafter's KV cache holds the committed entries (index k: real token t_{k+1} with the target state at k);
+    it starts small and doubles on demand. ``commit`` only queues the target states it is given: the newest waits
+    for its next token (the root). ``propose`` runs every queued entry in one call, then grows the tree: ``expand``
+    runs the not-yet-run parents in one call, each node attending the committed prefix and its own ancestors (tree
+    attention over the drafter cache). The tree's slots are dropped afterwards, so the cache again ends at the
+    committed prefix. Commits may follow each other without a propose (a cycle that drafted nothing).
     """
 
     def __init__(self, model: EagleModel, tree: TreeConfig, name: str | None = None,
@@ -285,14 +293,30 @@ class EagleDrafter:
 
     @torch.no_grad()
     def begin(self, prompt_ids: list[int], taps: dict[int, torch.Tensor]) -> None:
-        config = self.model.layer_config
-        weight = self.model.layer.input_layernorm.weight
-        self.cache = KVCache(1, 1, config.num_kv_heads, self.max_len + self.tree.max_expanded, config.head_dim,
-                             weight.dtype, weight.device)
+        self.cache = self._new_cache(2 * len(prompt_ids) + self.tree.max_expanded)
         self._num_committed = 0
+        self._nodes = {}
         self._pending_hidden_AE = self.model.initial_hidden(taps)
         self._pending_next = list(prompt_ids[1:])
         assert len(self._pending_next) + 1 == self._pending_hidden_AE.shape[0], "one tap row per prompt token"
+
+    def _new_cache(self, num_slots: int) -> KVCache:
+        config = self.model.layer_config
+        return KVCache(1, 1, config.num_kv_heads, min(num_slots, self.max_len + self.tree.max_expanded),
+                       config.head_dim, self.model.dtype, self.model.inv_freq.device)
+
+    def _reserve(self, num_new: int) -> None:
+        """Grow the cache (doubling, up to the context limit) so ``num_new`` more entries fit."""
+        assert self.cache is not None
+        needed = self.cache.lengths[0] + num_new
+        if needed <= self.cache.max_len:
+            return
+        grown = self._new_cache(max(needed, 2 * self.cache.max_len))
+        length = self.cache.lengths[0]
+        grown.k_LBHSD[..., :length, :] = self.cache.k_LBHSD[..., :length, :]
+        grown.v_LBHSD[..., :length, :] = self.cache.v_LBHSD[..., :length, :]
+        grown.lengths[0] = length
+        self.cache = grown
 
     @torch.no_grad()
     def propose(self, root_token: int, context_ids: list[int], temperature: float = 0.0,
@@ -306,10 +330,13 @@ class EagleDrafter:
 
     @torch.no_grad()
     def commit(self, tokens: list[int], taps: dict[int, torch.Tensor]) -> None:
-        assert self._pending_hidden_AE is None, "commit without a propose for the previous root"
         self._rollback()
-        self._pending_hidden_AE = self.model.initial_hidden(taps)
-        self._pending_next = list(tokens[1:])  # tokens[0] is the root, already paired with the previous state
+        hidden_AE = self.model.initial_hidden(taps)
+        if self._pending_hidden_AE is None:  # propose ran: the root's entry is committed already
+            self._pending_hidden_AE, self._pending_next = hidden_AE, list(tokens[1:])
+        else:  # no propose this cycle (e.g. speculation switched off under load): the root completes the last entry
+            self._pending_hidden_AE = torch.cat([self._pending_hidden_AE, hidden_AE])
+            self._pending_next = self._pending_next + list(tokens)
 
     @torch.no_grad()
     def advance(self, root_token: int) -> None:
@@ -356,6 +383,7 @@ class EagleDrafter:
              mask_PS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One drafter pass over P new entries appended to the cache; returns (hidden_out_PE, probs_PV)."""
         assert self.cache is not None
+        self._reserve(tokens_P.shape[0])
         S, P = self.cache.lengths[0], tokens_P.shape[0]
         past = self.cache.view(0, S) if S else None
         out_1PE, logits_1PX, (k_1HPD, v_1HPD) = self.model.step(tokens_P[None], hidden_PE[None], positions_P[None],

@@ -110,12 +110,12 @@ class Eagle3Model(EagleModel):
 
     def initial_hidden(self, taps: dict[int, torch.Tensor]) -> torch.Tensor:
         fused_TF = torch.cat([taps[layer] for layer in self.target_taps], dim=-1)
-        return self.fc(fused_TF.to(self.fc.weight.dtype))
+        return self.fc(fused_TF.to(self.dtype))
 
     def step(self, tokens_BT: torch.Tensor, hidden_BTE: torch.Tensor, positions_BT: torch.Tensor,
              past: KV | None, mask_B1TS: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, KV]:
         cos_BTD, sin_BTD = self.rope(positions_BT)
-        out_BTE, kv = self.layer(hidden_BTE, self.embed(tokens_BT), cos_BTD, sin_BTD, past, mask_B1TS)
+        out_BTE, kv = self.layer(hidden_BTE.to(self.dtype), self.embed(tokens_BT), cos_BTD, sin_BTD, past, mask_B1TS)
         return out_BTE, self.lm_head(self.norm(out_BTE)), kv
 
     def draft_probs(self, logits_XX: torch.Tensor) -> torch.Tensor:

@@ -77,7 +77,8 @@ class MedusaModel(nn.Module):
     def head_logits(self, hidden_XE: torch.Tensor) -> torch.Tensor:
         """[..., E] -> [..., K, V]: every head's logits."""
         weight_VE = self.lm_head[0].weight.detach()
-        return torch.stack([F.linear(head(hidden_XE), weight_VE) for head in self.heads], dim=-2)
+        hidden_XE = hidden_XE.to(self.heads[0][0].linear.weight.dtype)  # the heads may train in float32
+        return torch.stack([F.linear(head(hidden_XE).to(weight_VE.dtype), weight_VE) for head in self.heads], dim=-2)
 
     def training_loss(self, batch: TrainBatch, features: TargetFeatures) -> tuple[torch.Tensor, dict[str, float]]:
         logits_BTKV = self.head_logits(features.taps[self.target_config.num_layers].detach())

@@ -171,6 +171,14 @@ def load_drafter(path: str | Path | None, target: Decoder, method: str | None = 
     Tree options, later ones winning: the method's defaults (``METHODS``), then ``tree`` (a mode name such as
     "dynamic", a dict of options, or a complete TreeConfig), then keyword options (depth=, top_k=, num_nodes=,
     shape=). EAGLE and Medusa read them as a TreeConfig (drafters/trees.py)."""
+    return drafter_factory(path, target, method, tree, **tree_options)()
+
+
+def drafter_factory(path: str | Path | None, target: Decoder, method: str | None = None,
+                    tree: str | TreeConfig | dict[str, Any] | None = None, **tree_options: Any
+                    ) -> Callable[[], Any]:
+    """Like ``load_drafter``, but loads the weights once and returns a function making fresh drafters that share
+    them (one per concurrent sequence: a drafter holds per-sequence state)."""
     if path is None:
         if method not in METHODS or family(METHODS[method].family).build_model is not None:
             raise ValueError(f"method {method!r} needs a drafter checkpoint path")
@@ -189,4 +197,6 @@ def load_drafter(path: str | Path | None, target: Decoder, method: str | None = 
     elif isinstance(tree, TreeConfig):
         tree = to_dict(tree)
     options = {**METHODS[method].tree, **(tree or {}), **tree_options}
-    return family(drafter_type).make_drafter(model, target, options, method)
+    make = family(drafter_type).make_drafter
+    make(model, target, options, method)  # validate the options now, not at the first request
+    return lambda: make(model, target, options, method)

@@ -55,7 +55,9 @@ def test_training_unroll_equals_inference_chain(target, family):
     drafter = EagleDrafter(model, TreeConfig(mode="dynamic", depth=2, top_k=2, num_nodes=3))
     drafter.begin(tokens[:4], {l: h[:4] for l, h in taps.items()})
     drafter.propose(tokens[4], tokens[:5])  # a tree and its rollback, then the real tokens committed
-    drafter.commit(tokens[4:anchor + 1], {l: h[4:anchor + 1] for l, h in taps.items()})
+    drafter.commit(tokens[4:7], {l: h[4:7] for l, h in taps.items()})
+    # a cycle without a draft (speculation switched off under load): commit follows commit
+    drafter.commit(tokens[7:anchor + 1], {l: h[7:anchor + 1] for l, h in taps.items()})
     drafter.advance(tokens[anchor + 1])
     partial, node = PartialTree(tokens[anchor + 1]), 0
     for j, (_, logits_BTX) in enumerate(steps):
@@ -69,9 +71,11 @@ def test_propose_leaves_only_the_committed_prefix(target):
     drafter = EagleDrafter(model, TreeConfig(mode="best-first", depth=4, top_k=3, num_nodes=10))
     taps = {target.config.num_layers: torch.randn(5, 32)}
     drafter.begin([1, 2, 3, 4, 5], taps)
-    tree = drafter.propose(6, [1, 2, 3, 4, 5, 6])
-    assert tree.num_nodes == 11 and not tree.sampled
-    assert drafter.cache.lengths[0] == drafter.num_committed == 5
+    for root in range(6, 40):  # the cache starts small and grows
+        tree = drafter.propose(root, list(range(1, root + 1)))
+        assert tree.num_nodes == 11 and not tree.sampled
+        assert drafter.cache.lengths[0] == drafter.num_committed == root - 1  # the tree's slots are gone
+        drafter.commit([root], {l: torch.randn(1, 32) for l in taps})
 
 
 def test_shift_left():

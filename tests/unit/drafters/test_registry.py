@@ -67,6 +67,9 @@ def test_load_drafter_methods_and_tree_options(target, tmp_path):
     assert chain.tree.mode == "chain" and chain.tree.depth == 3
     medusa = registry.load_drafter(tmp_path / "md", target, tree={"mode": "best-first", "depth": 3})
     assert isinstance(medusa, MedusaDrafter) and medusa.tree.mode == "best-first"
+    factory = registry.drafter_factory(tmp_path / "e1", target, method="eagle2")
+    first, second = factory(), factory()
+    assert first is not second and first.model is second.model  # per-sequence state, shared weights
     prompt = [5, 9, 2]
     assert generate(target, prompt, 12, drafter=eagle2).token_ids == generate(target, prompt, 12).token_ids
 
