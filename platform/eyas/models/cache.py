@@ -12,6 +12,10 @@ from __future__ import annotations
 import torch
 
 
+def is_sequence(item: object) -> bool:
+    return isinstance(item, (list, tuple)) or (isinstance(item, torch.Tensor) and item.dim() > 0)
+
+
 class KVCache:
     def __init__(self, num_layers: int, batch_size: int, num_kv_heads: int, max_len: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
@@ -60,14 +64,26 @@ class KVCache:
     def view(self, layer: int, span: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_LBHSD[layer, :, :, :span], self.v_LBHSD[layer, :, :, :span]
 
-    def keep(self, nodes_per_row: list[list[int]] | list[int]) -> None:
-        """Keep only the given new-token indices (e.g. the accepted tree path) of the last forward, per row."""
-        if nodes_per_row and isinstance(nodes_per_row[0], int):
+    def keep(self, nodes_per_row: list[list[int]] | list[int] | torch.Tensor) -> None:
+        """Keep only the given new-token indices (e.g. the accepted tree path) of the last forward, per row.
+
+        A flat list (or 1-D tensor) is the single row of a batch of one; ``[]`` there keeps nothing.
+        """
+        if isinstance(nodes_per_row, torch.Tensor):
+            nodes_per_row = nodes_per_row.tolist()
+        if self.batch_size == 1 and not any(is_sequence(n) for n in nodes_per_row):
             nodes_per_row = [nodes_per_row]  # type: ignore[list-item]
-        for b, nodes in enumerate(nodes_per_row):  # type: ignore[arg-type]
+        if len(nodes_per_row) != self.batch_size:
+            raise ValueError(f"keep: got node lists for {len(nodes_per_row)} rows, the cache has "
+                             f"{self.batch_size}; pass one list per row")
+        for b, row_nodes in enumerate(nodes_per_row):  # type: ignore[arg-type]
+            nodes = [int(n) for n in row_nodes]
             start = self.starts[b]
+            num_new = self.lengths[b] - start
+            if any(not 0 <= n < num_new for n in nodes):
+                raise ValueError(f"keep: row {b} nodes {nodes} must index the last forward's {num_new} new tokens")
             num_keep = len(nodes)
-            if list(nodes) != list(range(num_keep)):  # already contiguous: nothing to move
+            if nodes != list(range(num_keep)):  # a prefix of the new tokens is already in place
                 src = torch.as_tensor(nodes, device=self.k_LBHSD.device) + start
                 self.k_LBHSD[:, b, :, start:start + num_keep] = self.k_LBHSD[:, b, :, src]
                 self.v_LBHSD[:, b, :, start:start + num_keep] = self.v_LBHSD[:, b, :, src]

@@ -71,7 +71,7 @@ class ModelConfig:
         num_heads = int(raw["num_attention_heads"])
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
-        use_window = raw.get("use_sliding_window", model_type == "mistral")
+        sliding_window = read_sliding_window(raw, source)
         return cls(
             model_type=model_type,
             vocab_size=int(raw["vocab_size"]),
@@ -90,7 +90,7 @@ class ModelConfig:
             o_proj_bias=bool(raw.get("attention_bias", False)) and model_type != "qwen2",
             mlp_bias=bool(raw.get("mlp_bias", False)),
             qk_norm=model_type == "qwen3",
-            sliding_window=raw.get("sliding_window") if use_window else None,
+            sliding_window=sliding_window,
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
@@ -105,3 +105,31 @@ class ModelConfig:
         except json.JSONDecodeError as err:
             raise CheckpointError(f"{path}: not valid JSON ({err})") from None
         return cls.from_hf_dict(raw, source=str(path))
+
+
+def read_sliding_window(raw: dict[str, Any], source: str) -> int | None:
+    """The attention window every layer uses, or None for full attention.
+
+    Mistral windows every layer when ``sliding_window`` is set. Qwen2/Qwen3 window only when
+    ``use_sliding_window`` is true, and then only the layers ``layer_types`` marks (older configs: layers from
+    ``max_window_layers`` on). eyas applies one pattern to all layers, so a mix of the two is refused.
+    """
+    model_type = raw.get("model_type")
+    window = raw.get("sliding_window")
+    if window is None or not raw.get("use_sliding_window", model_type == "mistral"):
+        return None
+    num_layers = int(raw["num_hidden_layers"])
+    if model_type == "mistral":
+        layer_types = ["sliding_attention"] * num_layers
+    else:
+        first_sliding = int(raw.get("max_window_layers", num_layers))
+        layer_types = raw.get("layer_types") or [
+            "sliding_attention" if i >= first_sliding else "full_attention" for i in range(num_layers)]
+    if "sliding_attention" not in layer_types:
+        return None
+    if set(layer_types) != {"sliding_attention"}:
+        raise CheckpointError(f"{source}: layer_types mixes sliding-window and full attention layers "
+                              f"({layer_types}); eyas applies one attention pattern to every layer")
+    if int(window) < 1:
+        raise CheckpointError(f"{source}: sliding_window={window} must be a positive number of tokens")
+    return int(window)

@@ -194,25 +194,46 @@ class Decoder(nn.Module):
         return self._rope_cos, self._rope_sin
 
     def build_mask(self, cache: KVCache, num_new: int, span: int, mask: torch.Tensor | None,
-                   ) -> tuple[torch.Tensor | None, bool]:
-        """Boolean mask_B1TS over cached + new slots (True = attend), or (None, causal) when SDPA needs none."""
+                   positions_BT: torch.Tensor | None = None) -> tuple[torch.Tensor | None, bool]:
+        """Boolean mask_B1TS over cached + new slots (True = attend), or (None, causal) when SDPA needs none.
+
+        With a sliding window (Mistral) and ``positions_BT`` reaching past it, keys older than the window are
+        hidden too, as in transformers' sliding-window causal mask.
+        """
         B = cache.batch_size
-        same_start = len(set(cache.starts)) == 1 and all(l == cache.starts[0] for l in cache.starts)
-        if mask is None and same_start and span == cache.starts[0] + num_new:
+        window = self.config.sliding_window
+        windowed = window is not None and positions_BT is not None and int(positions_BT.max()) >= window
+        same_start = len(set(cache.starts)) == 1
+        if mask is None and same_start and span == cache.starts[0] + num_new and not windowed:
             if num_new == 1:
                 return None, False  # decode: every valid slot is visible
             if cache.starts[0] == 0:
                 return None, True  # prefill from empty: plain causal
         if mask is not None and mask.shape[-1] == span:  # a full mask over cached + new slots
-            return mask.reshape(-1, 1, num_new, span).to(torch.bool), False
-        new_BTT = (mask if mask is not None else
-                   torch.ones(num_new, num_new, dtype=torch.bool, device=self.device).tril())
-        new_BTT = new_BTT.to(torch.bool).expand(B, num_new, num_new)
-        full_BTS = torch.zeros(B, num_new, span, dtype=torch.bool, device=self.device)
-        for b, start in enumerate(cache.starts):
-            full_BTS[b, :, :start] = True
-            full_BTS[b, :, start:start + num_new] = new_BTT[b]
+            full_BTS = mask.reshape(-1, num_new, span).to(torch.bool)
+        else:
+            new_BTT = (mask if mask is not None else
+                       torch.ones(num_new, num_new, dtype=torch.bool, device=self.device).tril())
+            new_BTT = new_BTT.to(torch.bool).expand(B, num_new, num_new)
+            full_BTS = torch.zeros(B, num_new, span, dtype=torch.bool, device=self.device)
+            for b, start in enumerate(cache.starts):
+                full_BTS[b, :, :start] = True
+                full_BTS[b, :, start:start + num_new] = new_BTT[b]
+        if windowed:
+            full_BTS = full_BTS & self.window_mask(cache, positions_BT, span)
         return full_BTS.unsqueeze(1), False
+
+    def window_mask(self, cache: KVCache, positions_BT: torch.Tensor, span: int) -> torch.Tensor:
+        """[B, T, S]: True where the key lies inside the query's sliding window (query_pos - key_pos < window).
+
+        A cached slot s holds position s (rows start at position 0 and ``keep`` compacts them); the new slot
+        start_b + j holds positions_BT[b, j] (a tree node sits at prefix_len + depth, not at its slot).
+        """
+        B, T = positions_BT.shape
+        key_pos_BS = torch.arange(span, device=positions_BT.device).repeat(B, 1)
+        for b, start in enumerate(cache.starts):
+            key_pos_BS[b, start:start + T] = positions_BT[b]
+        return (positions_BT[:, :, None] - key_pos_BS[:, None, :]) < self.config.sliding_window
 
     def forward(self, tokens_BT: torch.Tensor, positions_BT: torch.Tensor, cache: KVCache,
                 mask: torch.Tensor | None = None, taps: Iterable[int] = (),
@@ -229,7 +250,7 @@ class Decoder(nn.Module):
         taps = tuple(taps)
         cache.begin(T)
         span = cache.span(T)
-        mask_B1TS, causal = self.build_mask(cache, T, span, mask)
+        mask_B1TS, causal = self.build_mask(cache, T, span, mask, positions_BT)
         cos_PD, sin_PD = self.rope_tables(int(positions_BT.max()) + 1)
         cos_BTD, sin_BTD = cos_PD[positions_BT], sin_PD[positions_BT]
         hidden: dict[int, torch.Tensor] = {}

@@ -54,7 +54,9 @@ def shard(name: str, tensor: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     return tensor
 
 
-def read_state_dict(directory: Path, config: ModelConfig, tp: TensorParallel) -> dict[str, torch.Tensor]:
+def read_state_dict(directory: Path, config: ModelConfig, tp: TensorParallel,
+                    sources: dict[str, Path] | None = None) -> dict[str, torch.Tensor]:
+    """This rank's tensors by native name; ``sources`` (when given) records the file each one came from."""
     state: dict[str, torch.Tensor] = {}
     for file in checkpoint_files(directory):
         try:
@@ -73,6 +75,8 @@ def read_state_dict(directory: Path, config: ModelConfig, tp: TensorParallel) ->
                     raise CheckpointError(f"{file}: tensor {key} has dtype {tensor.dtype}; eyas loads float "
                                           "checkpoints (float32/float16/bfloat16), not quantized ones")
                 state[name] = shard(name, tensor, tp)
+                if sources is not None:
+                    sources[name] = file
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     return state
@@ -88,21 +92,26 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.float32, device: st
     tp = tp or TensorParallel()
     with torch.device("meta"):
         model = Decoder(config, tp)
-    state = read_state_dict(directory, config, tp)
+    sources: dict[str, Path] = {}
+    state = read_state_dict(directory, config, tp, sources)
     expected = {k: v for k, v in model.state_dict().items()}
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     if missing:
-        raise CheckpointError(f"{directory}: checkpoint lacks tensors {missing[:5]}{'...' if len(missing) > 5 else ''}"
-                              f" for model_type={config.model_type}")
+        weights = checkpoint_files(directory)
+        where = weights[0] if len(weights) == 1 else directory / "model.safetensors.index.json"
+        raise CheckpointError(f"{where}: lacks tensors {missing[:5]}{'...' if len(missing) > 5 else ''} that "
+                              f"config.json (model_type={config.model_type}) requires")
     if unexpected:
-        raise CheckpointError(f"{directory}: unexpected tensors {unexpected[:5]}; is config.json from another model?")
+        raise CheckpointError(f"{sources[unexpected[0]]}: unexpected tensors {unexpected[:5]}; "
+                              "is config.json from another model?")
     for name, tensor in state.items():
         if tuple(tensor.shape) != tuple(expected[name].shape):
-            raise CheckpointError(f"{directory}: shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, "
-                                  f"config.json implies {tuple(expected[name].shape)}")
+            raise CheckpointError(f"{sources[name]}: shape mismatch for {name}: the file holds "
+                                  f"{tuple(tensor.shape)}, {directory / 'config.json'} implies "
+                                  f"{tuple(expected[name].shape)}")
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
