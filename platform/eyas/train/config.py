@@ -45,7 +45,7 @@ class DataConfig:
     suite: str = "all"               # prompts / documents: code, prose or all
     num_prompts: int = 512           # train sequences (prompts regenerated, or corpus chunks)
     num_heldout_prompts: int = 32    # held-out sequences (from held-out files / topics) for evaluation
-    max_prompt_tokens: int = 128     # longer prompts are skipped
+    max_prompt_tokens: int = 128     # longer prompts are cut to their first max_prompt_tokens tokens
     max_new_tokens: int = 128        # response budget per prompt (regenerate)
     chunk_tokens: int = 256          # tokens per chunk (corpus)
     temperature: float = 0.0         # 0 = greedy responses
@@ -77,17 +77,14 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class DrafterSection:
-    """Which drafter to train: a registry family, one of its presets, and field overrides on top."""
+    """Which drafter to train: a registry family and its config (``eyas.drafters.<family>`` validates the fields,
+    tap layers included, e.g. ``config: {taps: [2, 16, 29]}`` for EAGLE-3 on a 32-layer target)."""
 
-    type: str = "eagle3"                     # eagle1 | eagle3 | medusa | dflash (registry names)
-    preset: str | None = "tiny"              # the family's named preset; null = the family config's defaults
-    config: dict[str, Any] = field(default_factory=dict)  # family config fields over the preset
-    target_taps: tuple[int, ...] | None = None  # tap layers (HF hidden_states numbering); null = family default
+    type: str = "eagle3"                     # registry family: eagle1 | eagle3 | medusa | dflash
+    config: dict[str, Any] = field(default_factory=dict)  # the family config's fields; {} = its defaults
 
     def __post_init__(self) -> None:
         require(bool(self.type), "drafter.type", self.type, "must name a drafter family (eagle1, eagle3, ...)")
-        require(self.target_taps is None or all(t >= 0 for t in self.target_taps), "drafter.target_taps",
-                self.target_taps, "tap layers are >= 0 (0 = embeddings, i = output of layer i)")
 
 
 @dataclass(frozen=True)
@@ -158,21 +155,18 @@ class ScalingSection:
 
 @dataclass(frozen=True)
 class MeasureConfig:
-    """tau measured at each epoch end by running eyas generate with the drafter on held-out prompts."""
+    """tau measured at each epoch end by running eyas generate (greedy) with the drafter on held-out prompts."""
 
     num_prompts: int = 4             # 0 = skip the measurement
     max_new_tokens: int = 32
     suite: str = "all"
-    tree: str | None = None          # tree shape; null = the family's default
-    depth: int = 5
-    top_k: int = 4
-    num_nodes: int = 24
+    method: str | None = None        # registry method (eagle2 for an eagle1 drafter...); null = the family's own
+    tree: dict[str, Any] = field(default_factory=dict)  # tree options over the method's defaults
 
     def __post_init__(self) -> None:
         require(self.num_prompts >= 0, "measure.num_prompts", self.num_prompts, "must be >= 0")
         require(self.suite in SUITES, "measure.suite", self.suite, f"must be one of {list(SUITES)}")
-        for key in ("max_new_tokens", "depth", "top_k", "num_nodes"):
-            require(getattr(self, key) >= 1, f"measure.{key}", getattr(self, key), "must be >= 1")
+        require(self.max_new_tokens >= 1, "measure.max_new_tokens", self.max_new_tokens, "must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -180,7 +174,7 @@ class TrackingConfig:
     enabled: bool = True             # MLflow logging (rank 0 only)
     experiment: str = "eyas-drafters"
     register: bool = True            # register the final drafter as model `name`
-    alias: str = "latest"            # moved to the new version: models:/<name>@<alias>
+    alias: str = "champion"          # moved to the new version: models:/<name>@<alias> ("latest" is reserved by MLflow)
 
 
 @dataclass(frozen=True)

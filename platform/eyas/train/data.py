@@ -314,3 +314,10 @@ class FeatureCache:
             tmp = file.with_name(f".{file.name}.{os.getpid()}.tmp")
             save_file({str(t): v.contiguous().cpu() for t, v in row.items()}, str(tmp))
             tmp.replace(file)
+
+
+def token_counts(rows: Sequence[dict[str, list[int]]], vocab_size: int) -> torch.Tensor:
+    """How often each token id is a prediction target (loss_mask 1) in ``rows``: the input of a reduced draft
+    vocabulary (EAGLE-3 ``draft_vocab_size``)."""
+    ids = [t for row in rows for t, m in zip(row["prompt_ids"] + row["response_ids"], row["loss_mask"]) if m]
+    return torch.bincount(torch.tensor(ids, dtype=torch.long), minlength=vocab_size)[:vocab_size]

@@ -189,3 +189,61 @@ def read_state(directory: Path) -> dict[str, Any]:
     if not file.is_file():
         raise FileNotFoundError(f"{file}: missing; not a drafter training checkpoint")
     return json.loads(file.read_text())
+
+
+# ---------------------------------------------------------------- measured tau and figures
+
+
+def measure_tau(target, drafter, prompts: Iterable[list[int]], max_new_tokens: int,
+                eos_token_ids: Iterable[int] = ()) -> tuple[Any, list[list[int]]]:
+    """Greedy speculative generation with ``drafter`` on every prompt: (merged SpecStats, continuations)."""
+    from eyas.spec.generate import generate
+    from eyas.spec.stats import SpecStats
+
+    stats, outputs = SpecStats(), []
+    for prompt in prompts:
+        generation = generate(target, prompt, max_new_tokens, drafter=drafter, eos_token_ids=tuple(eos_token_ids))
+        stats = stats.merge(generation.stats)
+        outputs.append(generation.token_ids)
+    return stats, outputs
+
+
+def acceptance_figure(heldout_acc: list[float], measured_accept: list[float], title: str):
+    """Acceptance by draft position: training-time acc_j (held-out batch) next to measured n-alpha."""
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(5.5, 3.6), layout="constrained")
+    ax = figure.subplots()
+    if heldout_acc:
+        ax.bar([j + 0.8 for j in range(len(heldout_acc))], heldout_acc, width=0.4,
+               label="held-out acc_j (training-time)")
+    if measured_accept:
+        ax.bar([d + 1.2 for d in range(len(measured_accept))], measured_accept, width=0.4,
+               label="measured n-alpha (generate)")
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance")
+    ax.set_ylim(0, 1)
+    ax.set_title(title)
+    ax.legend(loc="upper right", fontsize=8)
+    return figure
+
+
+def calibration_figure(calibration: list[dict[str, float]], title: str):
+    """EAGLE-2's plot: draft confidence (binned) against the measured acceptance of those tokens; y = x is ideal."""
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(4.2, 4.0), layout="constrained")
+    ax = figure.subplots()
+    ax.plot([0, 1], [0, 1], linestyle="--", color="grey", label="y = x")
+    if calibration:
+        ax.plot([row["mean_confidence"] for row in calibration], [row["acceptance"] for row in calibration],
+                marker="o", label="drafter")
+        for row in calibration:
+            ax.annotate(str(int(row["count"])), (row["mean_confidence"], row["acceptance"]), fontsize=7)
+    ax.set_xlabel("draft confidence")
+    ax.set_ylabel("acceptance rate")
+    ax.set_xlim(0, 1)
+    ax.set_ylim(0, 1)
+    ax.set_title(title)
+    ax.legend(loc="upper left", fontsize=8)
+    return figure

@@ -1,0 +1,238 @@
+"""Build a drafter training set: prompts answered by the target itself, written as parquet shards.
+
+    python -m jobs.generate_data --config jobs/configs/data-tiny.yaml [--force] [key=value ...]
+    ray job submit --working-dir . -- python -m jobs.generate_data --config jobs/configs/data-micro.yaml
+
+Output: ``$EYAS_HOME/data/<name>/{train,heldout}/shard-NNNNN.parquet`` (prompt_ids, response_ids, loss_mask; see
+eyas/train/data.py) and ``data.json`` (what produced them, counts, timings), written last.
+
+source=regenerate: train prompts from ``eyas.corpus`` (held-out prompts for the held-out split) are tokenized and
+continued by the target, ``batch_size`` prompts per batched forward, on Ray actors (one per CPU, or per GPU with
+``use_gpu``); each actor loads the target once and answers whole shards. source=corpus: fixed chunks of the packed
+train / held-out documents (EAGLE-1's fixed-data setting), cut on the driver; no target forward is needed.
+
+Shards are the unit of work and of restart: shard i of a split holds sequences [i * shard_size, (i+1) * shard_size)
+and is written atomically, so a rerun skips the shards already on disk. ``data.json`` pins what decides a shard's
+content (target, source, sampling, lengths, seed, shard size); a rerun with a different one stops with an error
+unless ``--force`` (which starts over).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from eyas.config import ConfigError, to_dict
+from eyas.train.config import DataConfig, data_path, target_path
+from eyas.train.data import corpus_chunks, num_shards, response_row, shard_path, write_shard
+
+DATA_FILE = "data.json"
+
+
+def check_target(cfg: DataConfig) -> Path:
+    from eyas.models.config import ModelConfig
+
+    directory = target_path(cfg.target)
+    if not (directory / "config.json").is_file():
+        raise FileNotFoundError(f"target={cfg.target!r}: {directory} holds no checkpoint; build it first, e.g. "
+                                "`python -m jobs.train_target --config jobs/configs/target-tiny.yaml`")
+    context = ModelConfig.from_file(directory / "config.json").max_position_embeddings
+    if cfg.source == "regenerate" and cfg.max_prompt_tokens + cfg.max_new_tokens > context:
+        raise ConfigError(f"max_prompt_tokens={cfg.max_prompt_tokens} + max_new_tokens={cfg.max_new_tokens} exceeds "
+                          f"the target's context of {context} tokens")
+    return directory
+
+
+def check_stamp(cfg: DataConfig, out: Path, force: bool) -> None:
+    """Reuse shards only when they were produced under the same content key."""
+    stamp = out / DATA_FILE
+    if force and out.exists():
+        print(f"[data] --force: removing {out}", flush=True)
+        shutil.rmtree(out)
+    if not stamp.is_file():
+        return
+    old = json.loads(stamp.read_text()).get("content_key")
+    if old != cfg.content_key():
+        changed = sorted(k for k in cfg.content_key() if (old or {}).get(k) != cfg.content_key()[k])
+        raise ConfigError(f"{out} was generated with different settings ({changed}); rerun with --force to "
+                          f"regenerate it, or choose another name=...")
+
+
+def split_plan(cfg: DataConfig) -> dict[str, int]:
+    return {"train": cfg.num_prompts, "heldout": cfg.num_heldout_prompts}
+
+
+def pending_shards(cfg: DataConfig, out: Path) -> list[tuple[str, int]]:
+    todo = []
+    for split, count in split_plan(cfg).items():
+        for index in range(num_shards(count, cfg.shard_size)):
+            if not shard_path(out, split, index).is_file():
+                todo.append((split, index))
+    return todo
+
+
+# ---------------------------------------------------------------- regenerate: Ray actors
+
+
+class Regenerator:
+    """Holds the target; answers one shard of prompts per call (created as a Ray actor by ``regenerate_shards``)."""
+
+    def __init__(self, cfg_dict: dict[str, Any], target_dir: str, use_gpu: bool) -> None:
+        import torch
+
+        from eyas.models import load_target, load_tokenizer
+
+        torch.set_num_threads(1)
+        self.cfg = DataConfig(**cfg_dict) if not isinstance(cfg_dict, DataConfig) else cfg_dict
+        device = "cuda" if use_gpu else "cpu"
+        self.target = load_target(target_dir, device=device)
+        self.tokenizer = load_tokenizer(target_dir)
+        self.tokenizer.model_max_length = 10**9  # we cut prompts ourselves; silences the long-input warning
+        eos = set(self.target.config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos = sorted(eos)
+
+    def run(self, split: str, index: int, prompts: list[str], out_dir: str) -> dict[str, int]:
+        import torch
+
+        from eyas.train.data import regenerate
+
+        cfg = self.cfg
+        ids = [self.tokenizer(p).input_ids[:cfg.max_prompt_tokens] for p in prompts]
+        kept = [p for p in ids if p]
+        generator = torch.Generator(device=self.target.device)
+        generator.manual_seed(cfg.seed * 1_000_003 + index * 2 + (split == "heldout"))
+        rows, new_tokens = [], 0
+        for start in range(0, len(kept), cfg.batch_size):
+            chunk = kept[start:start + cfg.batch_size]
+            responses = regenerate(self.target, chunk, cfg.max_new_tokens, self.eos, cfg.temperature, cfg.top_p,
+                                   generator if cfg.temperature > 0 else None)
+            rows += [response_row(p, r) for p, r in zip(chunk, responses)]
+            new_tokens += sum(map(len, responses))
+        write_shard(shard_path(Path(out_dir), split, index), rows)
+        return {"prompts": len(prompts), "rows": len(rows), "skipped": len(prompts) - len(kept),
+                "new_tokens": new_tokens}
+
+
+def regenerate_shards(cfg: DataConfig, out: Path, target_dir: Path, todo: list[tuple[str, int]]) -> dict[str, int]:
+    import ray
+    from ray.util import ActorPool
+
+    from eyas import corpus
+    from jobs.common import Progress, init_ray
+
+    prompts = {"train": corpus.train_prompts(cfg.num_prompts, cfg.suite),
+               "heldout": corpus.heldout_prompts(cfg.suite, cfg.num_heldout_prompts)}
+    for split, count in split_plan(cfg).items():
+        if len(prompts[split]) < count:
+            print(f"[data] {split}: the corpus has only {len(prompts[split])} {cfg.suite} prompts "
+                  f"(asked for {count})", flush=True)
+    tasks = [(split, index, prompts[split][index * cfg.shard_size:(index + 1) * cfg.shard_size])
+             for split, index in todo]
+    tasks = [task for task in tasks if task[2]]
+    init_ray()
+    resource = "GPU" if cfg.use_gpu else "CPU"
+    available = int(ray.cluster_resources().get(resource, 0))
+    if available < 1:
+        raise RuntimeError(f"use_gpu={cfg.use_gpu}: the Ray cluster has no {resource}")
+    num_actors = min(cfg.num_workers or available, len(tasks))
+    actor_cls = ray.remote(num_cpus=1, num_gpus=1 if cfg.use_gpu else 0)(Regenerator)
+    actors = [actor_cls.remote(to_dict(cfg), str(target_dir), cfg.use_gpu) for _ in range(num_actors)]
+    print(f"[data] {len(tasks)} shards on {num_actors} actors ({resource})", flush=True)
+    totals = {"prompts": 0, "rows": 0, "skipped": 0, "new_tokens": 0}
+    progress = Progress(f"generate_data {cfg.name}", total=sum(len(t[2]) for t in tasks), every_s=10.0)
+    start = time.monotonic()
+    pool = ActorPool(actors)
+    for result in pool.map_unordered(lambda actor, task: actor.run.remote(*task, str(out)), tasks):
+        for key in totals:
+            totals[key] += result[key]
+        elapsed = max(time.monotonic() - start, 1e-9)
+        progress.update(totals["prompts"], rows=totals["rows"], new_tok_s=round(totals["new_tokens"] / elapsed))
+    for actor in actors:
+        ray.kill(actor)
+    return totals
+
+
+# ---------------------------------------------------------------- corpus: fixed chunks, on the driver
+
+
+def corpus_shards(cfg: DataConfig, out: Path, target_dir: Path, todo: list[tuple[str, int]]) -> dict[str, int]:
+    """Pack documents as ``<bos> doc <eos>`` with the target's tokenizer and cut consecutive chunks."""
+    from eyas import corpus
+    from eyas.models import load_tokenizer
+
+    tokenizer = load_tokenizer(target_dir)
+    totals = {"prompts": 0, "rows": 0, "skipped": 0, "new_tokens": 0}
+    for split, count in split_plan(cfg).items():
+        indices = [index for s, index in todo if s == split]
+        if not indices or count == 0:
+            continue
+        stream: list[int] = []
+        for doc in corpus.documents(split, cfg.suite):
+            if len(stream) >= count * cfg.chunk_tokens:
+                break
+            bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+            eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+            stream += bos + tokenizer(doc, add_special_tokens=False).input_ids + eos
+        rows = corpus_chunks(stream, cfg.chunk_tokens, count)
+        for index in indices:
+            shard = rows[index * cfg.shard_size:(index + 1) * cfg.shard_size]
+            if shard:
+                write_shard(shard_path(out, split, index), shard)
+                totals["rows"] += len(shard)
+        print(f"[data] {split}: {len(rows)} chunks of {cfg.chunk_tokens} tokens", flush=True)
+    return totals
+
+
+def count_rows(out: Path) -> dict[str, int]:
+    import pyarrow.parquet as pq
+
+    return {split: sum(pq.ParquetFile(f).metadata.num_rows for f in (out / split).glob("shard-*.parquet"))
+            for split in ("train", "heldout")}
+
+
+def build(cfg: DataConfig, force: bool = False) -> Path:
+    out = data_path(cfg.name)
+    target_dir = check_target(cfg)
+    check_stamp(cfg, out, force)
+    out.mkdir(parents=True, exist_ok=True)
+    todo = pending_shards(cfg, out)
+    start = time.monotonic()
+    if not todo:
+        print(f"[data] {out}: every shard is already there", flush=True)
+        totals: dict[str, int] = {}
+    else:
+        done = sum(num_shards(n, cfg.shard_size) for n in split_plan(cfg).values()) - len(todo)
+        print(f"[data] {out}: {len(todo)} shards to build ({done} already done)", flush=True)
+        build_shards = regenerate_shards if cfg.source == "regenerate" else corpus_shards
+        totals = build_shards(cfg, out, target_dir, todo)
+    seconds = time.monotonic() - start
+    counts = count_rows(out)
+    meta = {"name": cfg.name, "config": to_dict(cfg), "content_key": cfg.content_key(), "rows": counts,
+            "last_run": {**totals, "seconds": seconds}, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    (out / DATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    print(f"[data] {out}: {counts['train']} train + {counts['heldout']} held-out sequences "
+          f"({seconds:.1f}s this run)", flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from jobs.common import job_argparser, load_job_config
+
+    parser = job_argparser(__doc__.split("\n\n")[0])
+    parser.add_argument("--force", action="store_true", help="delete the data set and generate it again")
+    args = parser.parse_args(argv)
+    if args.config is None:
+        parser.error("--config is required, e.g. --config jobs/configs/data-tiny.yaml")
+    build(load_job_config(DataConfig, args), force=args.force)
+    return 0
+
+
+if __name__ == "__main__":
+    # Through the importable module: Ray actors must import Regenerator by name, not from __main__.
+    from jobs.generate_data import main as importable_main
+
+    raise SystemExit(importable_main())
