@@ -192,14 +192,18 @@ def ttt_attention_mask(num_tokens: int, num_steps: int, device: torch.device | s
                                      index 2:  1 1 1         0 0 1
     """
     T = num_tokens
-    causal_TT = torch.ones(T, T, dtype=torch.bool, device=device).tril()
-    diagonal_TT = torch.eye(T, dtype=torch.bool, device=device)
     mask = torch.zeros(num_steps * T, num_steps * T, dtype=torch.bool, device=device)
     for j in range(num_steps):
-        mask[j * T:(j + 1) * T, :T] = causal_TT
-        for m in range(1, j + 1):
-            mask[j * T:(j + 1) * T, m * T:(m + 1) * T] = diagonal_TT
+        mask[j * T:(j + 1) * T, :(j + 1) * T] = ttt_step_mask(T, j, device)
     return mask
+
+
+def ttt_step_mask(num_tokens: int, step: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """bool [T, (step+1)*T]: rows j*T..(j+1)*T of ``ttt_attention_mask`` (j = step), its only non-zero columns."""
+    T = num_tokens
+    diagonal_TT = torch.eye(T, dtype=torch.bool, device=device)
+    causal_TT = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+    return torch.cat([causal_TT] + [diagonal_TT] * step, dim=1)
 
 
 def shift_left(x_BT: torch.Tensor, n: int) -> torch.Tensor:
@@ -218,12 +222,11 @@ def unroll(model: EagleModel, input_ids_BT: torch.Tensor, hidden_BTE: torch.Tens
     B, T = input_ids_BT.shape
     assert hidden_BTE.shape[:2] == (B, T), f"hidden {tuple(hidden_BTE.shape)} vs tokens {(B, T)}"
     num_grad_steps = num_steps if num_grad_steps is None else num_grad_steps
-    mask_all = ttt_attention_mask(T, num_steps, input_ids_BT.device)
     positions_BT = torch.arange(T, device=input_ids_BT.device).expand(B, T)
     past: KV | None = None
     outputs = []
     for j in range(num_steps):
-        mask_11TS = None if j == 0 else mask_all[j * T:(j + 1) * T, :(j + 1) * T][None, None]
+        mask_11TS = None if j == 0 else ttt_step_mask(T, j, input_ids_BT.device)[None, None]
         with torch.set_grad_enabled(torch.is_grad_enabled() and j < num_grad_steps):
             hidden_BTE, logits_BTX, (k_BHTD, v_BHTD) = model.step(shift_left(input_ids_BT, 1 + j), hidden_BTE,
                                                                   positions_BT + j, past, mask_11TS)

@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from eyas.config import ConfigError, from_dict, resolve_path, to_dict
 from eyas.drafters.eagle import EagleDrafter
 from eyas.drafters.eagle1 import Eagle1Config, Eagle1Model
-from eyas.drafters.eagle3 import Eagle3Config, Eagle3Model
+from eyas.drafters.eagle3 import Eagle3Config, Eagle3Model, build_draft_vocab
 from eyas.drafters.medusa import MedusaConfig, MedusaDrafter, MedusaModel
 from eyas.drafters.trees import TreeConfig
 from eyas.models.config import CheckpointError
@@ -77,14 +77,21 @@ def family(drafter_type: str) -> Family:
     return FAMILIES[drafter_type]
 
 
-def build_model(drafter_type: str, config: Any, target: Decoder, draft_vocab: list[int] | None = None
-                ) -> torch.nn.Module:
-    """A fresh (untrained) drafter model for ``target``; config is the family config or a dict of its fields."""
+def build_model(drafter_type: str, config: Any, target: Decoder, draft_vocab: list[int] | None = None,
+                token_counts_V: torch.Tensor | None = None) -> torch.nn.Module:
+    """A fresh (untrained) drafter model for ``target``; config is the family config or a dict of its fields.
+
+    A config asking for a reduced draft vocabulary (EAGLE-3's ``draft_vocab_size``) needs ``draft_vocab`` (target
+    ids) or ``token_counts_V`` (token counts of the training data, e.g. ``torch.bincount(ids, minlength=V)``),
+    from which the most frequent ``draft_vocab_size`` tokens are taken."""
     entry = family(drafter_type)
     if entry.build_model is None:
         raise ValueError(f"drafter type {drafter_type!r} has no trainable model")
     if config is None or isinstance(config, dict):
         config = from_dict(entry.config_cls, config or {}, prefix=f"{drafter_type}.")
+    size = getattr(config, "draft_vocab_size", None)
+    if draft_vocab is None and size is not None and token_counts_V is not None:
+        draft_vocab = build_draft_vocab(token_counts_V, size).tolist()
     return entry.build_model(config, target, draft_vocab)
 
 

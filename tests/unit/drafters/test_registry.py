@@ -91,6 +91,9 @@ def test_load_errors_say_what_is_wrong(target, tmp_path):
     (tmp_path / "e1" / "model.safetensors").unlink()
     with pytest.raises(CheckpointError, match="model.safetensors: missing file"):
         registry.load_model(tmp_path / "e1", target)
+    counts_V = torch.arange(64)  # token 63 most frequent
+    built = registry.build_model("eagle3", {"draft_vocab_size": 8}, target, token_counts_V=counts_V)
+    assert built.draft_vocab == list(range(56, 64))
     with pytest.raises(ValueError, match="unknown drafter type"):
         registry.build_model("eagle4", {}, target)
     with pytest.raises(Exception, match="unknown key"):
