@@ -60,3 +60,5 @@ def mlflow_uri(tmp_path, monkeypatch) -> str:
 
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Tiny models on a shared 2-core machine: one intra-op thread avoids OpenMP barrier stalls (10x slower tests).
+torch.set_num_threads(1)

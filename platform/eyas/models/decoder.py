@@ -83,6 +83,29 @@ def apply_rope(x_BHTD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tenso
     return x_BHTD * cos + rotate_half(x_BHTD) * sin
 
 
+def attend(q_BHTD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor, mask_B1TS: torch.Tensor | None,
+           causal: bool) -> torch.Tensor:
+    """Grouped-query attention as two matmuls (G kv heads, H = G * R query heads).
+
+    On CPU, decode and tree verification (T of 1 to ~100) are latency-bound: torch's fused SDPA kernel costs
+    milliseconds of fixed overhead per call there, plain matmuls a few microseconds. Long prefills still go to SDPA.
+    """
+    B, H, T, D = q_BHTD.shape
+    G, S = k_BGSD.shape[1], k_BGSD.shape[2]
+    if T > 128 or q_BHTD.is_cuda:
+        return F.scaled_dot_product_attention(q_BHTD, k_BGSD, v_BGSD, attn_mask=mask_B1TS, is_causal=causal,
+                                              enable_gqa=True)
+    R = H // G
+    q_BGXD = q_BHTD.reshape(B, G, R * T, D)  # X = R * T: each kv head's query rows, head-major
+    scores_BGRTS = (q_BGXD @ k_BGSD.transpose(-1, -2)).view(B, G, R, T, S) * (D ** -0.5)
+    if causal:
+        mask_B1TS = torch.ones(T, S, dtype=torch.bool, device=q_BHTD.device).tril(S - T)[None, None]
+    if mask_B1TS is not None:
+        scores_BGRTS = scores_BGRTS.masked_fill(~mask_B1TS.unsqueeze(2), float("-inf"))
+    probs_BGXS = torch.softmax(scores_BGRTS.float(), dim=-1).to(q_BHTD.dtype).view(B, G, R * T, S)
+    return (probs_BGXS @ v_BGSD).view(B, H, T, D)
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, tp: TensorParallel) -> None:
         super().__init__()
@@ -102,21 +125,35 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(D, config.rms_norm_eps)
             self.k_norm = RMSNorm(D, config.rms_norm_eps)
         self.qk_norm = config.qk_norm
+        self.split_sizes = (self.num_heads * D, self.num_kv_heads * D, self.num_kv_heads * D)
+        self.fused_qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def fuse(self) -> None:
+        """Concatenate q/k/v weights for inference (latency-bound decode pays per matmul call, not per FLOP).
+        The separate modules keep the Hugging Face parameter names; the fused copy is not a parameter."""
+        weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]).detach()
+        bias = (torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]).detach()
+                if self.q_proj.bias is not None else None)
+        self.fused_qkv = (weight, bias)
 
     def forward(self, x_BTE: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor, cache: KVCache,
                 span: int, mask_B1TS: torch.Tensor | None, causal: bool) -> torch.Tensor:
         B, T, _ = x_BTE.shape
-        q_BHTD = self.q_proj(x_BTE).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
-        k_BHTD = self.k_proj(x_BTE).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v_BHTD = self.v_proj(x_BTE).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self.fused_qkv is not None:  # one matmul instead of three (inference; see fuse())
+            qkv_BTX = F.linear(x_BTE, *self.fused_qkv)
+            q_BTX, k_BTX, v_BTX = qkv_BTX.split(self.split_sizes, dim=-1)
+        else:
+            q_BTX, k_BTX, v_BTX = self.q_proj(x_BTE), self.k_proj(x_BTE), self.v_proj(x_BTE)
+        q_BHTD = q_BTX.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+        k_BHTD = k_BTX.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v_BHTD = v_BTX.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if self.qk_norm:
             q_BHTD, k_BHTD = self.q_norm(q_BHTD), self.k_norm(k_BHTD)
         q_BHTD = apply_rope(q_BHTD, cos_BTD, sin_BTD)
         k_BHTD = apply_rope(k_BHTD, cos_BTD, sin_BTD)
         cache.write(self.layer, k_BHTD, v_BHTD)
         k_BHSD, v_BHSD = cache.view(self.layer, span)
-        out_BHTD = F.scaled_dot_product_attention(q_BHTD, k_BHSD, v_BHSD, attn_mask=mask_B1TS,
-                                                  is_causal=causal, enable_gqa=True)
+        out_BHTD = attend(q_BHTD, k_BHSD, v_BHSD, mask_B1TS, causal)
         out_BTE = self.o_proj(out_BHTD.transpose(1, 2).reshape(B, T, -1))
         return self.tp.all_reduce(out_BTE)
 
@@ -134,9 +171,20 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, inner, bias=config.mlp_bias)
         self.up_proj = nn.Linear(config.hidden_size, inner, bias=config.mlp_bias)
         self.down_proj = nn.Linear(inner, config.hidden_size, bias=config.mlp_bias and tp.rank == 0)
+        self.fused_gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
     def forward(self, x_BTE: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.down_proj(F.silu(self.gate_proj(x_BTE)) * self.up_proj(x_BTE)))
+        if self.fused_gate_up is not None:
+            gate_BTI, up_BTI = F.linear(x_BTE, *self.fused_gate_up).chunk(2, dim=-1)
+        else:
+            gate_BTI, up_BTI = self.gate_proj(x_BTE), self.up_proj(x_BTE)
+        return self.tp.all_reduce(self.down_proj(F.silu(gate_BTI) * up_BTI))
+
+    def fuse(self) -> None:
+        weight = torch.cat([self.gate_proj.weight, self.up_proj.weight]).detach()
+        bias = (torch.cat([self.gate_proj.bias, self.up_proj.bias]).detach()
+                if self.gate_proj.bias is not None else None)
+        self.fused_gate_up = (weight, bias)
 
 
 class DecoderLayer(nn.Module):
@@ -182,6 +230,13 @@ class Decoder(nn.Module):
         max_len = max_len or self.config.max_position_embeddings
         return KVCache(self.config.num_layers, batch_size, self.config.num_kv_heads // self.tp.size, max_len,
                        self.config.head_dim, self.dtype, self.device)
+
+    def fuse(self) -> "Decoder":
+        """Inference-only: fuse q/k/v and gate/up projections into single matmuls (after weights are final)."""
+        for layer in self.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+        return self
 
     def rope_tables(self, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin tables over positions [0, num_positions), built once and grown on demand."""

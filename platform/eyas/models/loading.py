@@ -119,7 +119,7 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.float32, device: st
     model.to(device=device)
     model.eval()
     model.requires_grad_(False)
-    return model
+    return model.fuse()
 
 
 def load_tokenizer(path: str | Path):
