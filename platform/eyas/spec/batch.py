@@ -106,7 +106,10 @@ class StepOutput:
     new_token_ids: list[int]
     finished: bool = False
     finish_reason: str | None = None  # "stop" (EOS) or "length" (max_new_tokens), when finished
-    stats: SpecStats | None = None  # the whole request's, when finished
+    stats: SpecStats | None = None  # the whole request's, when finished (leader only)
+    # this step's cycles as (accepted drafted tokens, deepest judged depth, drafted nodes), so a caller that stops
+    # early (a stop string, a disconnect) still knows what the sequence's cycles did; leader only
+    cycles: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 class Channel(Protocol):
@@ -207,6 +210,7 @@ class _Row:
     drafter: Any = None
     generator: torch.Generator | None = None
     stats: SpecStats = field(default_factory=SpecStats)
+    cycles: list[tuple[int, int, int]] = field(default_factory=list)  # not yet reported
     finish_reason: str | None = None
 
 
@@ -377,13 +381,16 @@ class BatchEngine:
 
     def _commit(self, row: _Row, tree: DraftTree, accepted: Accepted, hidden: dict[int, torch.Tensor]) -> None:
         """The leader advances the row's drafter on the target's taps at the accepted path and records the cycle.
-        Cycles whose tree load-adaptation emptied still count: tau is tokens per target forward for the request."""
+        Cycles whose tree load-adaptation emptied still count: tau is tokens per target forward for the request.
+        A row without a drafter records no SpecStats cycle (tau stays None, as in ``generate``)."""
         if row.drafter is None:
+            row.cycles.append((0, 0, 0))
             return
         path = torch.as_tensor(accepted.nodes, device=self.target.device)
         row.drafter.commit([tree.tokens_list[0]] + accepted.tokens, {l: h[path] for l, h in hidden.items()})
         judged_depth, judged = judged_nodes(tree, accepted.nodes)
         row.stats.record_cycle(accepted.num_accepted, judged_depth, judged, tree.num_nodes - 1)
+        row.cycles.append((accepted.num_accepted, judged_depth, tree.num_nodes - 1))
 
     # -- bookkeeping -----------------------------------------------------
 
@@ -399,11 +406,13 @@ class BatchEngine:
 
     def _output(self, row: _Row) -> StepOutput:
         new, row.new = row.new, []
+        cycles, row.cycles = row.cycles, []
         stats = None
         if row.finish_reason and self.leader:
             stats = row.stats
             stats.new_tokens = len(row.out)
-        return StepOutput(row.request.request_id, new, row.finish_reason is not None, row.finish_reason, stats)
+        return StepOutput(row.request.request_id, new, row.finish_reason is not None, row.finish_reason, stats,
+                          cycles)
 
     def _collect_finished(self) -> list[StepOutput]:
         outputs = [self._output(row) for row in self.rows if row.finish_reason]

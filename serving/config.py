@@ -1,0 +1,134 @@
+"""The serving application's arguments: the ``args:`` of an application in a Serve config file.
+
+    applications:
+      - name: eyas
+        import_path: serving.app:build_app
+        args: {target: ..., spec: {...}, tensor_parallel_size: 1, ...}   <- ServeArgs
+        deployments:
+          - name: EyasServer                                            <- Serve's own deployment options:
+            max_ongoing_requests: 16                                       autoscaling_config, max_ongoing_requests,
+            autoscaling_config: {min_replicas: 1, max_replicas: 2, ...}    health_check_period_s, ...
+
+``spec`` is the ``spec:`` section that jobs.generate, jobs.bench and tune.sweep's best-config YAML share
+(eyas.methods.SpecConfig), taken as is; ``spec_file`` names such a YAML instead (its other keys are ignored) and
+``spec`` keys, when both are given, override the file's. The placement group of a replica (bundle 0: the replica,
+then one bundle per tensor-parallel rank) is derived from these arguments by ``serving.app.build_app``.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from eyas.config import ConfigError, from_dict, require, resolve_path
+from eyas.methods import SpecConfig
+from eyas.spec.batch import DEFAULT_MAX_TREE_NODES, SpeculationSchedule
+
+DTYPES = ("float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
+
+
+@dataclass(frozen=True)
+class ServeArgs:
+    target: str                         # HF checkpoint directory ($EYAS_HOME expands) or models:/NAME@ALIAS
+    model_name: str | None = None       # the `model` clients ask for; default: the target directory's name
+    spec: SpecConfig = field(default_factory=SpecConfig)  # method, drafter (path or models:/NAME@ALIAS), tree
+    spec_file: str | None = None        # a YAML with a `spec:` section (tune.sweep's best config), read as is
+    tensor_parallel_size: int = 1       # ranks per replica, one TP worker actor (and bundle) each
+    max_batch_size: int = 8             # sequences one replica decodes together (continuous batching)
+    # load-adaptive speculation: batch size -> most drafted nodes per sequence (null: full tree, 0: none)
+    speculation_by_batch: dict[int, int | None] = field(default_factory=lambda: {1: None})
+    max_len: int | None = None          # context limit (KV slots per sequence); default: the target's
+    max_tokens_limit: int | None = None  # the largest max_tokens a request may ask for; default: the context
+    default_max_tokens: int = 16        # /v1/completions without max_tokens (OpenAI's default)
+    max_tree_nodes: int = DEFAULT_MAX_TREE_NODES  # a draft tree's cap (root included), reserved in the context
+    dtype: str = "float32"
+    device: str = "auto"                # auto: CUDA when the worker was given a GPU, else CPU
+    replica_cpus: float = 0.5           # bundle 0: the replica (HTTP, tokenizer, scheduling)
+    worker_cpus: float = 1.0            # each TP worker's bundle
+    worker_gpus: float = 0.0
+    placement_strategy: str = "STRICT_PACK"  # keep a replica's ranks on one node: all-reduce every layer
+    torch_threads: int | None = None    # per worker; default: its CPU share (at least 1)
+    api_key_env: str | None = None      # env var holding a bearer API key; unset: no key is checked
+    step_timeout_s: float = 120.0       # one scheduling round on the workers; past it the replica is unhealthy
+    collective_timeout_s: float = 120.0  # torch.distributed timeout between ranks
+
+    def __post_init__(self) -> None:
+        require(bool(str(self.target).strip()), "target", self.target, "set it to a checkpoint directory")
+        require(self.tensor_parallel_size >= 1, "tensor_parallel_size", self.tensor_parallel_size, "must be >= 1")
+        require(self.max_batch_size >= 1, "max_batch_size", self.max_batch_size, "must be >= 1")
+        require(self.max_len is None or self.max_len >= 2, "max_len", self.max_len, "must be >= 2")
+        require(self.max_tokens_limit is None or self.max_tokens_limit >= 1, "max_tokens_limit",
+                self.max_tokens_limit, "must be >= 1")
+        require(self.default_max_tokens >= 1, "default_max_tokens", self.default_max_tokens, "must be >= 1")
+        require(self.max_tree_nodes >= 1, "max_tree_nodes", self.max_tree_nodes, "must be >= 1")
+        require(self.dtype in DTYPES, "dtype", self.dtype, f"must be one of {list(DTYPES)}")
+        require(self.device in DEVICES, "device", self.device, f"must be one of {list(DEVICES)}")
+        require(self.placement_strategy in PLACEMENT_STRATEGIES, "placement_strategy", self.placement_strategy,
+                f"must be one of {list(PLACEMENT_STRATEGIES)}")
+        for name in ("replica_cpus", "worker_cpus", "worker_gpus"):
+            require(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0")
+        require(self.device != "cuda" or self.worker_gpus > 0, "device", self.device,
+                "cuda needs worker_gpus > 0 (each TP worker's GPU share)")
+        require(self.torch_threads is None or self.torch_threads >= 1, "torch_threads", self.torch_threads,
+                "must be >= 1")
+        require(self.step_timeout_s > 0, "step_timeout_s", self.step_timeout_s, "must be > 0")
+        require(self.collective_timeout_s > 0, "collective_timeout_s", self.collective_timeout_s, "must be > 0")
+        try:
+            schedule = SpeculationSchedule(self.speculation_by_batch)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        object.__setattr__(self, "speculation_by_batch", schedule.max_draft_nodes_by_batch)
+
+    @classmethod
+    def from_args(cls, args: dict[str, Any] | "ServeArgs") -> "ServeArgs":
+        """From an application's ``args`` mapping; merges ``spec_file``'s ``spec:`` section under ``spec``."""
+        if isinstance(args, ServeArgs):
+            return args
+        if not isinstance(args, dict):
+            raise ConfigError(f"application args must be a mapping, got {args!r}")
+        data = dict(args)
+        spec = dict(data.get("spec") or {})
+        if data.get("spec_file"):
+            spec = {**read_spec_file(data["spec_file"]), **spec}
+        data["spec"] = spec
+        return from_dict(cls, data, prefix="args.")
+
+    @property
+    def schedule(self) -> SpeculationSchedule:
+        return SpeculationSchedule(self.speculation_by_batch)
+
+    @property
+    def served_name(self) -> str:
+        return self.model_name or Path(str(self.target).rstrip("/")).name or "eyas"
+
+    @property
+    def api_key(self) -> str | None:
+        if not self.api_key_env:
+            return None
+        key = os.environ.get(self.api_key_env)
+        if not key:
+            raise ConfigError(f"api_key_env={self.api_key_env!r}: that environment variable is unset or empty "
+                              "in the replica; set it (e.g. runtime_env.env_vars) or drop api_key_env")
+        return key
+
+    def bundles(self) -> list[dict[str, float]]:
+        """Bundle 0 holds the replica, bundles 1..tp one TP worker each."""
+        worker = {"CPU": self.worker_cpus}
+        if self.worker_gpus:
+            worker["GPU"] = self.worker_gpus
+        return [{"CPU": self.replica_cpus}] + [dict(worker) for _ in range(self.tensor_parallel_size)]
+
+
+def read_spec_file(path: str) -> dict[str, Any]:
+    file = resolve_path(path)
+    if not file.is_file():
+        raise ConfigError(f"args.spec_file={path!r}: file does not exist")
+    data = yaml.safe_load(file.read_text()) or {}
+    if not isinstance(data, dict) or not isinstance(data.get("spec"), dict):
+        raise ConfigError(f"args.spec_file={path!r}: expected a YAML mapping with a `spec:` section")
+    return dict(data["spec"])

@@ -1,0 +1,51 @@
+"""Prometheus metrics through Ray (``ray.util.metrics``), exported by each node's metrics agent.
+
+Names as Prometheus shows them (Ray adds the ``ray_`` prefix): ``ray_eyas_requests_total`` {model, route, status},
+``ray_eyas_generated_tokens_total``, ``ray_eyas_accepted_tokens_total`` {position: 1..K, drafted tokens accepted
+at that depth}, ``ray_eyas_tau`` (histogram: tokens per target forward, per request), ``ray_eyas_ttft_seconds``,
+``ray_eyas_latency_seconds`` and the gauge ``ray_eyas_batch_size`` (sequences in the replica's last round).
+"""
+from __future__ import annotations
+
+from ray.util.metrics import Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
+TAU_BUCKETS = [1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0]
+
+
+class ServingMetrics:
+    def __init__(self, model: str) -> None:
+        self.tags = {"model": model}
+        self.requests = Counter("eyas_requests", "HTTP requests by route and status",
+                                tag_keys=("model", "route", "status"))
+        self.generated = Counter("eyas_generated_tokens", "Generated (completion) tokens", tag_keys=("model",))
+        self.accepted = Counter("eyas_accepted_tokens", "Drafted tokens accepted, by depth in the draft tree",
+                                tag_keys=("model", "position"))
+        self.tau = Histogram("eyas_tau", "Per request: mean tokens committed per target forward (accepted + 1)",
+                             boundaries=TAU_BUCKETS, tag_keys=("model",))
+        self.ttft = Histogram("eyas_ttft_seconds", "Time to first token", boundaries=LATENCY_BUCKETS,
+                              tag_keys=("model",))
+        self.latency = Histogram("eyas_latency_seconds", "Request latency, arrival to last token",
+                                 boundaries=LATENCY_BUCKETS, tag_keys=("model",))
+        self.batch_size = Gauge("eyas_batch_size", "Sequences decoded together in the last round",
+                                tag_keys=("model",))
+
+    def request(self, route: str, status: int) -> None:
+        self.requests.inc(1, tags={**self.tags, "route": route, "status": str(status)})
+
+    def finished(self, completion_tokens: int, accepted_per_position: list[int], tau: float | None,
+                 latency_s: float) -> None:
+        if completion_tokens:
+            self.generated.inc(completion_tokens, tags=self.tags)
+        for depth, count in enumerate(accepted_per_position, start=1):
+            if count:
+                self.accepted.inc(count, tags={**self.tags, "position": str(depth)})
+        if tau is not None:
+            self.tau.observe(tau, tags=self.tags)
+        self.latency.observe(latency_s, tags=self.tags)
+
+    def first_token(self, ttft_s: float) -> None:
+        self.ttft.observe(ttft_s, tags=self.tags)
+
+    def batch(self, size: int) -> None:
+        self.batch_size.set(size, tags=self.tags)

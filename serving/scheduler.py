@@ -1,0 +1,121 @@
+"""The replica's side of continuous batching: one asyncio loop that drives the TP workers round by round.
+
+Each round sends every rank the same ``step(joins, leaves)``: new requests join (as many as free batch rows allow,
+first come first served), cancelled ones leave (a client that disconnected, a stop string that matched), then the
+workers run one speculative cycle over the whole batch. Rank 0's outputs are routed to each request's queue. When
+nothing is queued or running the loop sleeps until a request arrives.
+
+A failed round (a dead worker, a timeout) breaks the replica: every waiting request gets a 503, and
+``broken`` makes the health check fail so Serve replaces the replica; the TP group cannot be repaired in place.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, AsyncIterator
+
+from eyas.spec.batch import SequenceRequest, StepOutput
+
+logger = logging.getLogger("ray.serve")
+
+
+class ReplicaBroken(RuntimeError):
+    """The replica's workers failed; it is being replaced."""
+
+
+class Scheduler:
+    def __init__(self, workers: list[Any], capacity: int, step_timeout_s: float) -> None:
+        self.workers = workers
+        self.capacity = capacity
+        self.step_timeout_s = step_timeout_s
+        self.pending: list[SequenceRequest] = []
+        self.active: set[str] = set()  # request ids holding a batch row on the workers
+        self.leaving: set[str] = set()
+        self.queues: dict[str, asyncio.Queue] = {}
+        self.broken: BaseException | None = None
+        self.batch_size = 0  # rows in the last round
+        self.num_cancelled = 0  # requests that left before finishing (disconnects, stop strings)
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+
+    def _ensure_loop(self) -> None:
+        if self._task is None or self._task.done():
+            self._wake = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def generate(self, request: SequenceRequest) -> AsyncIterator[StepOutput]:
+        """The request's StepOutputs as its tokens arrive; leaving early (or being cancelled) frees its row."""
+        if self.broken is not None:
+            raise ReplicaBroken(f"this replica's workers failed ({self.broken}); retry shortly")
+        self._ensure_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        self.queues[request.request_id] = queue
+        self.pending.append(request)
+        self._wake.set()
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            self.cancel(request.request_id)
+
+    def cancel(self, request_id: str) -> None:
+        """Drop a request: dequeue it if waiting, or free its row at the next round if running."""
+        self.queues.pop(request_id, None)
+        self.pending = [r for r in self.pending if r.request_id != request_id]
+        if request_id in self.active and request_id not in self.leaving:
+            self.num_cancelled += 1
+            self.leaving.add(request_id)
+            if self._wake is not None:
+                self._wake.set()
+
+    def load(self) -> dict[str, int]:
+        return {"running": len(self.active), "waiting": len(self.pending), "capacity": self.capacity,
+                "cancelled": self.num_cancelled}
+
+    async def _loop(self) -> None:
+        while True:
+            if not (self.pending or self.active or self.leaving):
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            leaves = sorted(self.leaving & self.active)
+            free = self.capacity - len(self.active) + len(leaves)
+            joins, self.pending = self.pending[:free], self.pending[free:]
+            try:
+                outputs = await self._step(joins, leaves)
+            except Exception as err:  # noqa: BLE001 (any worker failure breaks the replica; it is reported)
+                self._break(err, joins)
+                return
+            self.leaving -= set(leaves)
+            self.active = (self.active - set(leaves)) | {r.request_id for r in joins}
+            self.batch_size = len(self.active)
+            for out in outputs:
+                if out.finished:
+                    self.active.discard(out.request_id)
+                queue = self.queues.get(out.request_id)
+                if queue is not None:
+                    queue.put_nowait(out)
+            for request_id in list(self.leaving):  # a row that finished before its leave arrived
+                if request_id not in self.active:
+                    self.leaving.discard(request_id)
+
+    async def _step(self, joins: list[SequenceRequest], leaves: list[str]) -> list[StepOutput]:
+        refs = [worker.step.remote(joins, leaves) for worker in self.workers]
+        results = await asyncio.wait_for(asyncio.gather(*refs), timeout=self.step_timeout_s)
+        return results[0]
+
+    def _break(self, err: BaseException, joins: list[SequenceRequest]) -> None:
+        logger.error("eyas: a scheduling round failed, marking the replica unhealthy: %r", err)
+        self.broken = err
+        failure = ReplicaBroken(f"this replica's workers failed ({type(err).__name__}); retry shortly")
+        for queue in self.queues.values():
+            queue.put_nowait(failure)
+        self.queues.clear()
+        self.pending.clear()
+        self.active.clear()
+        self.leaving.clear()

@@ -1,0 +1,313 @@
+"""Ray Serve end to end on loopback: serving/configs/micro.yaml deployed with a random-weight target.
+
+One local Ray and one Serve instance for the module; applications are deployed one after another and deleted when
+done, so the shared CPUs hold at most one or two replicas. Checked: tp=1 and tp=2 greedy output equals the library's
+vanilla greedy output; streaming and the official `openai` client; concurrent requests share a batch and each
+equals its own single-request output; every bad input gets its 4xx in OpenAI's error shape and the replica keeps
+serving; a client that disconnects mid-stream frees its batch row; loopback load scales 1 -> 2 replicas and back;
+killing a TP worker actor gets the replica replaced and later requests succeed.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+API_KEY_ENV, API_KEY = "EYAS_TEST_API_KEY", "test-key-123"
+PROMPTS = ["def add(a, b):\n    return", "import os\nimport sys\n", "The quick brown fox", "class A:\n    def"]
+NUM_NEW = 24
+MODEL = "eyas-micro"
+
+
+def wait_until(condition, timeout_s: float, every_s: float = 0.5, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(every_s)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def serve_port():
+    from eyas.spec.tp import free_port
+
+    # autoscaling metrics reach the controller every half second instead of every 10 s (read by Serve's actors,
+    # which inherit this process's environment through the local Ray it starts)
+    os.environ["RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S"] = "0.5"
+    os.environ["RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S"] = "0.5"
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {API_KEY_ENV: API_KEY}})
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
+    yield port
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(random_checkpoint):
+    """The library's own vanilla greedy continuation of each prompt, and the prompts' token ids."""
+    from eyas.models import load_target, load_tokenizer
+    from eyas.spec.generate import generate
+
+    target = load_target(random_checkpoint)
+    tokenizer = load_tokenizer(random_checkpoint)
+    eos = set(target.config.eos_token_ids) | {tokenizer.eos_token_id}
+    ids = [tokenizer.encode(p) for p in PROMPTS]
+    return {p: generate(target, i, NUM_NEW, eos_token_ids=eos).token_ids for p, i in zip(PROMPTS, ids)}
+
+
+def micro_config(target: Path, name: str, route: str, **args) -> dict:
+    config = yaml.safe_load((REPO_ROOT / "serving" / "configs" / "micro.yaml").read_text())
+    app = config["applications"][0]
+    app.update(name=name, route_prefix=route)
+    app["args"].update(target=str(target), **args)
+    return config
+
+
+def deploy(config: dict, single_replica: bool = True) -> None:
+    from serving.app import run_config
+
+    config = copy.deepcopy(config)
+    if single_replica:
+        deployment = config["applications"][0]["deployments"][0]
+        deployment.pop("autoscaling_config")
+        deployment["num_replicas"] = 1
+    run_config(config)
+
+
+def client(port: int, route: str, key: str | None = API_KEY) -> httpx.Client:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.Client(base_url=f"http://127.0.0.1:{port}{route}", headers=headers, timeout=120)
+
+
+def complete(http: httpx.Client, prompt, **extra) -> dict:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": NUM_NEW, "temperature": 0, "return_token_ids": True,
+            **extra}
+    response = http.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def running_replicas(app: str) -> int:
+    status = serve.status().applications.get(app)
+    if status is None:
+        return 0
+    return sum(d.replica_states.get("RUNNING", 0) for d in status.deployments.values())
+
+
+def worker_names(app: str) -> set[str]:
+    return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith(f"eyas-worker-{app}-")}
+
+
+# ---------------------------------------------------------------- tp=1: correctness, HTTP, bad input
+
+
+@pytest.fixture(scope="module")
+def tp1(serve_port, random_checkpoint):
+    deploy(micro_config(random_checkpoint, "tp1", "/tp1", api_key_env=API_KEY_ENV))
+    yield "/tp1"
+
+
+def test_tp1_greedy_equals_vanilla_streaming_and_openai_client(serve_port, tp1, reference):
+    import openai
+
+    http = client(serve_port, tp1)
+    for prompt in PROMPTS:
+        result = complete(http, prompt)
+        choice = result["choices"][0]
+        assert choice["token_ids"] == reference[prompt]
+        assert result["usage"]["completion_tokens"] == len(reference[prompt])
+        spec = result["spec"]
+        assert spec["method"] == "ngram" and spec["cycles"] >= 1 and spec["tau"] >= 1.0
+        assert len(spec["accepted_per_position"]) == len(spec["acceptance_per_position"])
+
+    sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{serve_port}{tp1}/v1", api_key=API_KEY, max_retries=0)
+    assert [m.id for m in sdk.models.list().data] == [MODEL]
+    whole = sdk.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=NUM_NEW, temperature=0)
+    assert whole.choices[0].text == complete(http, PROMPTS[0])["choices"][0]["text"]
+    chunks = list(sdk.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=NUM_NEW, temperature=0,
+                                         stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert chunks[-1].model_extra["spec"]["cycles"] >= 1
+    chat = sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=8,
+                                       temperature=0.7, top_p=0.9, seed=3)
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens <= 8
+    streamed = sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=8,
+                                           temperature=0.7, top_p=0.9, seed=3, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    assert text == chat.choices[0].message.content  # same seed, same tokens
+
+
+def test_stop_strings_cut_the_text(serve_port, tp1, reference):
+    http = client(serve_port, tp1)
+    full = complete(http, PROMPTS[1])["choices"][0]["text"]
+    stop = full[len(full) // 2:len(full) // 2 + 2]
+    if not stop.strip():
+        pytest.skip("the random model's continuation has no usable stop string")
+    cut = complete(http, PROMPTS[1], stop=[stop])
+    assert cut["choices"][0]["finish_reason"] == "stop"
+    assert cut["choices"][0]["text"] == full[:full.index(stop)]
+
+
+def test_concurrent_requests_share_a_batch(serve_port, tp1, reference):
+    results: dict[str, dict] = {}
+
+    def one(prompt: str) -> None:
+        with client(serve_port, tp1) as http:
+            results[prompt] = complete(http, prompt, max_tokens=NUM_NEW)
+
+    threads = [threading.Thread(target=one, args=(p,)) for p in PROMPTS]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert set(results) == set(PROMPTS)
+    for prompt in PROMPTS:
+        assert results[prompt]["choices"][0]["token_ids"] == reference[prompt]
+    assert max(r["spec"]["batch_size_max"] for r in results.values()) >= 2
+
+
+BAD_REQUESTS = [
+    # (what, body bytes or object, status, param)
+    ("malformed JSON", b'{"model": "eyas-micro", "prompt": ', 400, None),
+    ("not an object", [1, 2, 3], 400, None),
+    ("missing prompt", {"model": MODEL}, 400, "prompt"),
+    ("missing model", {"prompt": "x"}, 400, "model"),
+    ("prompt wrong type", {"model": MODEL, "prompt": 5}, 400, "prompt"),
+    ("max_tokens wrong type", {"model": MODEL, "prompt": "x", "max_tokens": "5"}, 400, "max_tokens"),
+    ("temperature wrong type", {"model": MODEL, "prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ("max_tokens zero", {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("max_tokens negative", {"model": MODEL, "prompt": "x", "max_tokens": -3}, 400, "max_tokens"),
+    ("max_tokens over limit", {"model": MODEL, "prompt": "x", "max_tokens": 100000}, 400, "max_tokens"),
+    ("prompt over context", {"model": MODEL, "prompt": "hello world " * 400}, 400, "prompt"),
+    ("token id out of vocab", {"model": MODEL, "prompt": [1, 2, 10 ** 6]}, 400, "prompt"),
+    ("empty prompt", {"model": MODEL, "prompt": []}, 400, "prompt"),
+    ("temperature < 0", {"model": MODEL, "prompt": "x", "temperature": -0.5}, 400, "temperature"),
+    ("top_p out of range", {"model": MODEL, "prompt": "x", "top_p": 1.5}, 400, "top_p"),
+    ("n > 1", {"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),
+    ("unknown model", {"model": "gpt-9", "prompt": "x"}, 404, "model"),
+]
+
+
+def test_bad_input_gets_4xx_and_the_replica_keeps_serving(serve_port, tp1, reference):
+    http = client(serve_port, tp1)
+    workers_before = worker_names("tp1")
+    for what, body, status, param in BAD_REQUESTS:
+        raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+        response = http.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+        assert response.status_code == status, (what, response.text)
+        error = response.json()["error"]
+        assert error["message"] and error["type"] == "invalid_request_error", what
+        assert error["param"] == param, (what, error)
+    bad_chat = [{"model": MODEL}, {"model": MODEL, "messages": []}, {"model": MODEL, "messages": [{"role": "x"}]},
+                {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}]
+    for body in bad_chat:
+        response = http.post("/v1/chat/completions", json=body)
+        assert response.status_code == 400, (body, response.text)
+    assert client(serve_port, tp1, key=None).post("/v1/completions", json={"model": MODEL, "prompt": "x"}
+                                                  ).status_code == 401
+    assert client(serve_port, tp1, key="wrong").get("/v1/models").status_code == 401
+    assert http.get("/v1/nothing-here").status_code == 404
+    assert complete(http, PROMPTS[0])["choices"][0]["token_ids"] == reference[PROMPTS[0]]
+    assert worker_names("tp1") == workers_before and running_replicas("tp1") == 1
+
+
+def test_client_disconnect_mid_stream_frees_its_row(serve_port, tp1):
+    http = client(serve_port, tp1)
+    cancelled = http.get("/health").json()["cancelled"]
+    body = {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 150, "temperature": 0, "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        events = []
+        for line in response.iter_lines():
+            if line.startswith("data:"):
+                events.append(line)
+            if len(events) >= 2:
+                break
+    # the stream closed after two events of a 150-token request: its row must be freed, not run to the end
+    wait_until(lambda: http.get("/health").json()["running"] == 0, 30, what="the row to be freed")
+    assert http.get("/health").json()["cancelled"] == cancelled + 1  # freed by the disconnect, not by finishing
+    assert complete(http, PROMPTS[3])["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+def test_killing_a_worker_replaces_the_replica(serve_port, tp1, reference):
+    http = client(serve_port, tp1)
+    old = worker_names("tp1")
+    assert len(old) == 1
+    ray.kill(ray.get_actor(next(iter(old)), namespace="eyas-serving"))
+
+    def served() -> bool:
+        try:
+            response = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 4,
+                                                          "temperature": 0}, timeout=30)
+        except httpx.HTTPError:
+            return False
+        assert response.status_code in (200, 503), response.text  # 503 while the broken replica is replaced
+        return response.status_code == 200 and bool(worker_names("tp1") - old)
+
+    wait_until(served, 120, every_s=1.0, what="a replacement replica")
+    assert complete(http, PROMPTS[0])["choices"][0]["token_ids"] == reference[PROMPTS[0]]
+    serve.delete("tp1")
+
+
+# ---------------------------------------------------------------- tp=2
+
+
+def test_tp2_greedy_equals_vanilla(serve_port, random_checkpoint, reference):
+    deploy(micro_config(random_checkpoint, "tp2", "/tp2", tensor_parallel_size=2))
+    try:
+        http = client(serve_port, "/tp2", key=None)
+        assert len(worker_names("tp2")) == 2
+        for prompt in PROMPTS[:2]:
+            assert complete(http, prompt)["choices"][0]["token_ids"] == reference[prompt]
+        ids = [complete(http, p, max_tokens=8)["choices"][0]["token_ids"] for p in PROMPTS]  # batched at tp=2
+        assert ids == [reference[p][:8] for p in PROMPTS]
+    finally:
+        serve.delete("tp2")
+
+
+# ---------------------------------------------------------------- autoscaling
+
+
+def test_loopback_load_scales_up_and_back_down(serve_port, random_checkpoint):
+    deploy(micro_config(random_checkpoint, "auto", "/auto"), single_replica=False)
+    try:
+        assert running_replicas("auto") == 1
+        stop = threading.Event()
+
+        def load() -> None:  # one closed-loop client: a new streaming request as soon as the last one ends
+            with client(serve_port, "/auto", key=None) as http:
+                while not stop.is_set():
+                    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 64, "temperature": 0.8}
+                    http.post("/v1/completions", json=body)
+
+        clients = [threading.Thread(target=load, daemon=True) for _ in range(6)]  # 6 ongoing > 2 per replica
+        for thread in clients:
+            thread.start()
+        try:
+            wait_until(lambda: running_replicas("auto") == 2, 90, every_s=1.0, what="a second replica")
+        finally:
+            stop.set()
+            for thread in clients:
+                thread.join(timeout=60)
+        wait_until(lambda: running_replicas("auto") == 1, 90, every_s=1.0, what="scaling back to one replica")
+    finally:
+        serve.delete("auto")
