@@ -1,0 +1,124 @@
+"""DFlash training: random anchors, the anchor/block attention mask, and the decayed block loss with its metrics.
+
+Shape legend: B batch, T tokens, A anchors (blocks) per sequence, K block size, k the K-1 predicting slots
+(1..K-1), Q = A*K block tokens, S = T + Q attended keys (context positions, then block tokens), X = A*(K-1),
+E hidden size, V vocab.
+
+All blocks of a batch run in ONE drafter forward. The queries are the Q block tokens; the keys are the T context
+positions (fused target features) followed by the Q block tokens. Worked example, T = 6, K = 3, anchors [1, 4]:
+  block 0 = [t1, M, M] at positions 1, 2, 3: sees context position 0 and its own 3 slots; labels t2, t3
+  block 1 = [t4, M, M] at positions 4, 5, 6: sees context positions 0..3 and its own 3 slots; labels t5 (t6 is
+            past the end: masked)
+The anchor's own target feature (position a) is NOT visible to its block: at inference the root is the bonus token,
+which the target has not run yet, so the drafter has features for positions < a only.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from eyas.train.features import TargetFeatures, TrainBatch
+
+
+def draw_anchors(loss_mask_BT: torch.Tensor, valid_BT: torch.Tensor, num_anchors: int,
+                 generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random anchors per row: up to ``num_anchors`` distinct positions a, uniformly among the response positions
+    whose next token is a response token too (a block with at least one label), sorted ascending.
+
+    Returns anchors_BA (long) and anchor_valid_BA (bool) with A = min(num_anchors, most candidates in a row);
+    rows with fewer candidates are padded with anchor 0, anchor_valid False. A new draw on every call.
+    """
+    B, T = loss_mask_BT.shape
+    assert valid_BT.shape == (B, T), f"valid_BT {tuple(valid_BT.shape)} != loss_mask_BT {(B, T)}"
+    response_BT = loss_mask_BT.bool() & valid_BT.bool()
+    candidate_BT = torch.zeros_like(response_BT)
+    candidate_BT[:, :-1] = response_BT[:, :-1] & response_BT[:, 1:]
+    A = max(1, min(num_anchors, int(candidate_BT.sum(1).max())))
+    # a uniform random key per position, non-candidates last: the first A keys are a uniform draw without
+    # replacement among the candidates
+    keys_BT = torch.rand(B, T, generator=generator, device=loss_mask_BT.device)
+    keys_BT = keys_BT.masked_fill(~candidate_BT, 2.0)
+    picked_BA = keys_BT.argsort(dim=1)[:, :A]
+    anchor_valid_BA = candidate_BT.gather(1, picked_BA)
+    anchors_BA = picked_BA.masked_fill(~anchor_valid_BA, T).sort(dim=1).values  # padding sorts last
+    anchor_valid_BA = anchors_BA < T
+    return anchors_BA.masked_fill(~anchor_valid_BA, 0), anchor_valid_BA
+
+
+def anchor_block_mask(anchors_BA: torch.Tensor, valid_BT: torch.Tensor, block_size: int) -> torch.Tensor:
+    """bool mask_BQS (True = attend) for all blocks of a batch in one forward.
+
+    Query q = a*K + j (slot j of block a) sees context key p < T iff p < anchors[a] and p is a real token, and block
+    key T + a'*K + j' iff a' == a (bidirectional inside its own block, never another block). A padding anchor
+    (position 0) sees no context, only its own block, so no row is empty.
+    """
+    B, A = anchors_BA.shape
+    T, K = valid_BT.shape[1], block_size
+    context_BAT = (torch.arange(T, device=anchors_BA.device) < anchors_BA[..., None]) & valid_BT.bool()[:, None, :]
+    context_BQT = context_BAT.repeat_interleave(K, dim=1)
+    block_of_Q = torch.arange(A * K, device=anchors_BA.device) // K
+    own_block_QQ = block_of_Q[:, None] == block_of_Q[None, :]
+    return torch.cat([context_BQT, own_block_QQ.expand(B, A * K, A * K)], dim=-1)
+
+
+def position_weights(block_size: int, loss_decay: float) -> torch.Tensor:
+    """w_k = exp(-(k-1)/gamma) for block positions k = 1..K-1: an early miss discards the rest of the block."""
+    return torch.exp(-torch.arange(block_size - 1, dtype=torch.float32) / loss_decay)
+
+
+def block_loss(model, batch: TrainBatch, features: TargetFeatures, generator: torch.Generator | None = None
+               ) -> tuple[torch.Tensor, dict[str, float]]:
+    """The DFlash loss: CE of block positions 1..K-1 against the (target-regenerated) tokens t_{a+k}, weighted by
+    w_k and masked by the loss mask / validity, averaged over the weights. Metrics: loss, ce (unweighted),
+    acc_1..acc_{K-1} (per-position top-1 on the batch), accept_len = sum_k prod_{i<=k} acc_i, num_blocks.
+
+    Cost note: logits are materialised for all A*(K-1) block slots ([B, A, K-1, V]); lower num_anchors for large
+    vocabularies.
+    """
+    input_ids_BT = batch.input_ids_BT
+    B, T = input_ids_BT.shape
+    K = model.block_size
+    anchors_BA, anchor_valid_BA = draw_anchors(batch.loss_mask_BT, batch.valid_BT, model.config.num_anchors,
+                                               generator)
+    logits_BAkV = block_logits(model, input_ids_BT, batch.valid_BT, features.taps, anchors_BA).float()
+
+    positions_BAK = anchors_BA[..., None] + torch.arange(K, device=input_ids_BT.device)
+    label_pos_BAk = positions_BAK[..., 1:]
+    in_range_BAk = label_pos_BAk < T
+    flat_pos_BX = label_pos_BAk.clamp(max=T - 1).reshape(B, -1)
+    labels_BAk = input_ids_BT.gather(1, flat_pos_BX).view_as(label_pos_BAk)
+    learnable_BT = batch.loss_mask_BT.bool() & batch.valid_BT.bool()
+    mask_BAk = in_range_BAk & anchor_valid_BA[..., None] & learnable_BT.gather(1, flat_pos_BX).view_as(in_range_BAk)
+
+    ce_BAk = F.cross_entropy(logits_BAkV.flatten(0, 2), labels_BAk.flatten(), reduction="none").view_as(mask_BAk)
+    weight_BAk = position_weights(K, model.config.loss_decay).to(ce_BAk.device) * mask_BAk
+    loss = (ce_BAk * weight_BAk).sum() / weight_BAk.sum().clamp(min=1e-6)
+    return loss, block_metrics(logits_BAkV.detach(), labels_BAk, mask_BAk, ce_BAk.detach(), loss, anchor_valid_BA)
+
+
+def block_logits(model, input_ids_BT: torch.Tensor, valid_BT: torch.Tensor, taps: dict[int, torch.Tensor],
+                 anchors_BA: torch.Tensor) -> torch.Tensor:
+    """logits_BAkV of block slots k = 1..K-1 for every anchor, all blocks in one forward (anchor_block_mask)."""
+    B, T = input_ids_BT.shape
+    A, K, E = anchors_BA.shape[1], model.block_size, model.target_config.hidden_size
+    positions_BQ = (anchors_BA[..., None] + torch.arange(K, device=input_ids_BT.device)).reshape(B, A * K)
+    features_BTE = model.fuse(taps)
+    context_kv = model.context_kv(features_BTE, torch.arange(T, device=input_ids_BT.device).expand(B, T))
+    x_BQE = model.embed_block(input_ids_BT.gather(1, anchors_BA)).reshape(B, A * K, E)
+    hidden_BQE = model.block_hidden(x_BQE, positions_BQ, context_kv, anchor_block_mask(anchors_BA, valid_BT, K))
+    return model.logits(hidden_BQE.view(B, A, K, E)[:, :, 1:])
+
+
+@torch.no_grad()
+def block_metrics(logits_BAkV: torch.Tensor, labels_BAk: torch.Tensor, mask_BAk: torch.Tensor, ce_BAk: torch.Tensor,
+                  loss: torch.Tensor, anchor_valid_BA: torch.Tensor) -> dict[str, float]:
+    correct_BAk = (logits_BAkV.argmax(-1) == labels_BAk) & mask_BAk
+    count_k = mask_BAk.sum((0, 1))
+    acc_k = (correct_BAk.sum((0, 1)) / count_k.clamp(min=1)).tolist()
+    metrics = {"loss": float(loss), "ce": float((ce_BAk * mask_BAk).sum() / mask_BAk.sum().clamp(min=1)),
+               "num_blocks": int(anchor_valid_BA.sum())}
+    metrics.update({f"acc_{k}": acc for k, acc in enumerate(acc_k, start=1)})
+    metrics["accept_len"] = sum(math.prod(acc_k[:k]) for k in range(1, len(acc_k) + 1))
+    return metrics

@@ -1,0 +1,272 @@
+"""DFlash: taps, anchors, the anchor/block mask (vs brute force), training, greedy identity, sampling, checkpoints."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from eyas.drafters.dflash import (DFlashConfig, DFlashDrafter, DFlashModel, dflash_taps, load_dflash,
+                                  save_dflash)
+from eyas.drafters.dflash_train import anchor_block_mask, block_logits, draw_anchors, position_weights
+from eyas.models.config import CheckpointError, ModelConfig
+from eyas.models.decoder import Decoder
+from eyas.spec.generate import SamplingParams, generate
+from eyas.train.features import TrainBatch, target_features
+
+VOCAB, MASK_ID = 64, 63  # the last id is reserved as <|mask|>: the target never sees it in prompts
+TINY = DFlashConfig(num_layers=2, block_size=4, num_taps=3, loss_decay=4.0, num_anchors=16, mask_token_id=MASK_ID)
+
+
+def tiny_target(seed: int = 0) -> Decoder:
+    torch.manual_seed(seed)
+    config = ModelConfig(model_type="llama", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=6,
+                         num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=256)
+    target = Decoder(config).eval().requires_grad_(False)
+    with torch.no_grad():  # a sharper random model: greedy continuations repeat, so a drafter can learn them
+        target.lm_head.weight.mul_(8.0)
+    return target
+
+
+def random_prompt(rng: random.Random, length: int | None = None) -> list[int]:
+    return [rng.randrange(MASK_ID) for _ in range(length or rng.randrange(3, 12))]
+
+
+def regenerated_batch(target: Decoder, num_rows: int = 6, prompt_len: int = 6, response_len: int = 26,
+                      seed: int = 0) -> TrainBatch:
+    """Prompts + the target's own greedy responses (what jobs.generate_data produces), right-padded."""
+    rng = random.Random(seed)
+    rows, masks = [], []
+    for i in range(num_rows):
+        prompt = random_prompt(rng, prompt_len - (i % 3))
+        response = generate(target, prompt, response_len - i).token_ids
+        rows.append(prompt + response)
+        masks.append([0] * len(prompt) + [1] * len(response))
+    T = max(map(len, rows))
+    pad = lambda xs: xs + [0] * (T - len(xs))  # noqa: E731
+    return TrainBatch(input_ids_BT=torch.tensor([pad(r) for r in rows]),
+                      loss_mask_BT=torch.tensor([pad(m) for m in masks]),
+                      valid_BT=torch.tensor([pad([1] * len(r)) for r in rows]))
+
+
+def train(model: DFlashModel, target: Decoder, batch: TrainBatch, steps: int, seed: int = 0) -> list[float]:
+    features = target_features(target, batch.input_ids_BT, model.target_taps)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    generator = torch.Generator().manual_seed(seed)
+    losses = []
+    model.train()
+    for _ in range(steps):
+        loss, metrics = model.training_loss(batch, features, generator)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(metrics["loss"])
+    model.eval()
+    return losses
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models on a shared 2-core machine: one intra-op thread is 20x+ faster than spinning threads competing
+    with other processes."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def target() -> Decoder:
+    return tiny_target()
+
+
+@pytest.fixture(scope="module")
+def trained(target) -> tuple[DFlashModel, list[float]]:
+    torch.manual_seed(1)
+    model = DFlashModel.for_target(TINY, target)
+    losses = train(model, target, regenerated_batch(target), steps=30)
+    return model.requires_grad_(False), losses
+
+
+# ---- configuration
+
+
+def test_taps_follow_the_reference_spacing():
+    assert dflash_taps(36, 5) == (2, 10, 18, 26, 34)  # 2nd layer .. 3rd-from-last
+    assert dflash_taps(6, 3) == (2, 3, 4)
+    assert dflash_taps(6, 1) == (4,)
+    with pytest.raises(ValueError, match="num_taps=5"):
+        dflash_taps(6, 5)
+
+
+@pytest.mark.parametrize("field, value", [("num_layers", 0), ("block_size", 1), ("loss_decay", 0.0),
+                                          ("num_anchors", 0), ("mask_token_id", -1)])
+def test_config_rejects_bad_values(field, value):
+    with pytest.raises(ValueError, match=field):
+        DFlashConfig(**{field: value})
+
+
+def test_model_rejects_mask_outside_vocab(target):
+    with pytest.raises(ValueError, match="mask_token_id"):
+        DFlashModel.for_target(DFlashConfig(num_taps=3, mask_token_id=VOCAB), target)
+
+
+def test_target_embedding_and_head_are_not_parameters(target):
+    model = DFlashModel.for_target(TINY, target)
+    names = set(model.state_dict())
+    assert not any(n.startswith(("embed_tokens", "lm_head")) for n in names)
+    assert all(p is not target.embed_tokens.weight and p is not target.lm_head.weight for p in model.parameters())
+
+
+# ---- anchors and the block mask
+
+
+def brute_force_mask(anchors_BA: torch.Tensor, valid_BT: torch.Tensor, K: int) -> torch.Tensor:
+    B, A = anchors_BA.shape
+    T = valid_BT.shape[1]
+    mask = torch.zeros(B, A * K, T + A * K, dtype=torch.bool)
+    for b in range(B):
+        for a in range(A):
+            for j in range(K):
+                q = a * K + j
+                for p in range(T):
+                    mask[b, q, p] = p < int(anchors_BA[b, a]) and bool(valid_BT[b, p])
+                for a2 in range(A):
+                    for j2 in range(K):
+                        mask[b, q, T + a2 * K + j2] = a2 == a
+    return mask
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_anchor_block_mask_equals_brute_force(seed):
+    g = torch.Generator().manual_seed(seed)
+    B, T, K, A = 2, 11, 3, 4
+    valid_BT = torch.ones(B, T, dtype=torch.long)
+    valid_BT[1, 8:] = 0
+    anchors_BA = torch.stack([torch.randperm(T, generator=g)[:A].sort().values for _ in range(B)])
+    anchors_BA[1, -1] = 0  # a padding anchor: no context, only its own block
+    got = anchor_block_mask(anchors_BA, valid_BT, K)
+    assert torch.equal(got, brute_force_mask(anchors_BA, valid_BT, K))
+
+
+def test_draw_anchors_are_distinct_response_positions_and_redrawn():
+    loss_mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 0, 0], [0, 0, 0, 0, 0, 0, 1, 1, 1, 0]])
+    valid = torch.tensor([[1] * 10, [1] * 9 + [0]])
+    g = torch.Generator().manual_seed(0)
+    draws = [draw_anchors(loss_mask, valid, 4, g) for _ in range(6)]
+    for anchors, ok in draws:
+        assert anchors.shape == (2, 4)
+        for b in range(2):
+            chosen = anchors[b][ok[b]].tolist()
+            assert chosen == sorted(set(chosen))
+            assert all(loss_mask[b, a] and loss_mask[b, a + 1] and valid[b, a + 1] for a in chosen)
+        assert ok[0].all() and ok[1].sum() == 2  # row 1 has only anchors 6 and 7
+    assert len({tuple(a[0].tolist()) for a, _ in draws}) > 1  # redrawn on every call
+    again = [draw_anchors(loss_mask, valid, 4, torch.Generator().manual_seed(0)) for _ in range(1)]
+    assert torch.equal(again[0][0], draws[0][0])  # seeded
+
+
+def test_position_weights_decay():
+    assert torch.allclose(position_weights(16, 7.0)[:3], torch.tensor([1.0, 0.8668, 0.7515]), atol=1e-4)
+
+
+# ---- training
+
+
+def test_loss_falls(trained):
+    _, losses = trained
+    assert sum(losses[-3:]) / 3 < 0.6 * sum(losses[:3]) / 3, losses
+
+
+def test_metrics_and_loss_mask(target, trained):
+    model, _ = trained
+    batch = regenerated_batch(target, num_rows=2, seed=5)
+    features = target_features(target, batch.input_ids_BT, model.target_taps)
+    loss, metrics = model.training_loss(batch, features, torch.Generator().manual_seed(0))
+    assert set(f"acc_{k}" for k in range(1, TINY.block_size)) <= set(metrics)
+    accs = [metrics[f"acc_{k}"] for k in range(1, TINY.block_size)]
+    assert metrics["accept_len"] == pytest.approx(accs[0] + accs[0] * accs[1] + accs[0] * accs[1] * accs[2])
+    empty = TrainBatch(batch.input_ids_BT, torch.zeros_like(batch.loss_mask_BT), batch.valid_BT)
+    loss, metrics = model.training_loss(empty, features)
+    assert float(loss) == 0.0 and metrics["num_blocks"] == 0
+
+
+def test_training_blocks_match_inference(target, trained):
+    """A block anchored at a in the batched training forward = the drafter after committing positions < a."""
+    model, _ = trained
+    batch = regenerated_batch(target, num_rows=1, seed=3)
+    taps = target_features(target, batch.input_ids_BT, model.target_taps).taps
+    anchors = torch.tensor([[3, 7, 12, 20]])
+    with torch.no_grad():
+        logits_BAkV = block_logits(model, batch.input_ids_BT, batch.valid_BT, taps, anchors)
+    for i, a in enumerate(anchors[0].tolist()):
+        drafter = DFlashDrafter(model)
+        drafter.begin([], {t: h[0, :a] for t, h in taps.items()})
+        expected = drafter.draft_logits(int(batch.input_ids_BT[0, a]))
+        torch.testing.assert_close(logits_BAkV[0, i], expected, rtol=1e-4, atol=1e-4)
+
+
+# ---- the speculative loop
+
+
+@pytest.fixture(scope="module")
+def vanilla_runs(target) -> list[tuple[list[int], list[int]]]:
+    """20 random prompts and the target's plain greedy continuation of 40 tokens."""
+    rng = random.Random(7)
+    prompts = [random_prompt(rng) for _ in range(20)]
+    return [(prompt, generate(target, prompt, 40).token_ids) for prompt in prompts]
+
+
+@pytest.mark.parametrize("tree", ["block", "ddtree"])
+def test_greedy_identity(target, trained, vanilla_runs, tree):
+    model, _ = trained
+    accepted = 0
+    for prompt, expected in vanilla_runs:
+        drafter = DFlashDrafter(model, tree=tree, num_nodes=12, top_k=3)
+        spec = generate(target, prompt, 40, drafter=drafter)
+        assert spec.token_ids == expected
+        accepted += sum(spec.stats.accepted_per_cycle)
+    assert accepted > 0, "the trained drafter never got a token accepted: the accept path is untested"
+
+
+@pytest.mark.parametrize("tree", ["block", "ddtree"])
+def test_sampled_run_completes(target, trained, tree):
+    model, _ = trained
+    drafter = DFlashDrafter(model, tree=tree, num_nodes=10)
+    out = generate(target, [1, 2, 3, 4], 30, drafter=drafter, sampling=SamplingParams(temperature=0.8, seed=0))
+    assert len(out.token_ids) == 30 and all(0 <= t < VOCAB for t in out.token_ids)
+    drafter = DFlashDrafter(model, tree=tree, num_nodes=10)
+    drafter.begin([1, 2], {t: torch.zeros(2, 32) for t in model.target_taps})
+    tree_ = drafter.propose(5, [1, 2, 5], 0.8, torch.Generator().manual_seed(0))
+    assert tree_.sampled == (tree == "block") and tree_.draft_probs_NV is not None
+
+
+def test_propose_requires_commits(trained):
+    model, _ = trained
+    drafter = DFlashDrafter(model)
+    drafter.begin([1, 2], {t: torch.zeros(2, 32) for t in model.target_taps})
+    with pytest.raises(RuntimeError, match="commit"):
+        drafter.propose(5, [1, 2, 3, 5], 0.0, None)
+
+
+# ---- checkpoints
+
+
+@pytest.mark.parametrize("mask_token_id", [MASK_ID, None])
+def test_save_load_roundtrip(tmp_path, target, mask_token_id):
+    torch.manual_seed(2)
+    model = DFlashModel.for_target(DFlashConfig(num_layers=1, block_size=5, num_taps=3, mask_token_id=mask_token_id),
+                                   target).eval()
+    save_dflash(model, tmp_path / "ckpt")
+    loaded = load_dflash(tmp_path / "ckpt", target)
+    assert loaded.config == model.config and loaded.target_taps == model.target_taps
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, loaded.state_dict()[key]), key
+    taps = {t: torch.randn(6, 32) for t in model.target_taps}
+    a, b = DFlashDrafter(model), DFlashDrafter(loaded)
+    a.begin([], taps)
+    b.begin([], taps)
+    assert torch.equal(a.draft_logits(3), b.draft_logits(3))
+    (tmp_path / "ckpt" / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="model.safetensors"):
+        load_dflash(tmp_path / "ckpt", target)
