@@ -4,7 +4,8 @@ Shape legend: B batch, T tokens, E target hidden size, V target vocab.
 
 Input at index i: concat(embed(t_{i+1}), f_i) -> Linear(2E -> E) -> one decoder layer -> predicted f_{i+1}, whose
 tokens come from the target's frozen LM head. f is the target's final-normed state (tap ``num_layers``, what the
-LM head reads). The target's embedding and LM head are frozen, neither trained nor saved.
+LM head reads). The target's embedding and LM head are frozen, neither trained nor saved. The layer is a plain
+pre-norm Llama layer (the reference drops the input norm of its single layer; keeping it costs nothing).
 
 Loss at index i (the token t_{i+2} it predicts must be a response token):
   reg_weight * SmoothL1(f_pred_{i+1}, f_{i+1}) + cls_weight * CE(LMHead(f_pred_{i+1}), p_target(. | t_<=i+1))
