@@ -1,0 +1,206 @@
+"""The main job (`make demo`): the whole platform on the embedded default, end to end.
+
+    python -m jobs.demo [--profile tiny|micro] [--force] [--keep-going]
+
+Steps: start a local Ray (token auth) -> build or reuse the tiny target and draft LM -> regenerate training data ->
+train the EAGLE-1/EAGLE-3/DFlash/Medusa drafters as `ray job submit` jobs -> a short Tune sweep over the node
+budget -> deploy with Serve and answer one HTTP request -> the side-by-side bench table -> stop Ray.
+Built artifacts are cached in $EYAS_HOME, so a second run reuses them; MLflow runs go to sqlite:///mlruns.db.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from eyas.config import eyas_home
+from eyas import track
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Which configs each step uses. `tiny` is the embedded default; `micro` runs in a few minutes (CI)."""
+    target: str
+    draft: str
+    data: str
+    drafters: tuple[str, ...]
+    sweep: str
+    serve: str
+    bench_args: tuple[str, ...]
+    overrides: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+
+PROFILES = {
+    "tiny": Profile(
+        target="jobs/configs/target-tiny.yaml", draft="jobs/configs/draft-tiny.yaml",
+        data="jobs/configs/data-tiny.yaml",
+        drafters=("jobs/configs/eagle1-tiny.yaml", "jobs/configs/eagle3-tiny.yaml",
+                  "jobs/configs/dflash-tiny.yaml", "jobs/configs/medusa-tiny.yaml"),
+        sweep="tune/configs/eagle3-tree-demo.yaml", serve="serving/configs/tiny.yaml",
+        bench_args=("--suite", "all", "--num-prompts", "8", "--max-new-tokens", "128")),
+    "micro": Profile(
+        target="jobs/configs/target-micro.yaml", draft="jobs/configs/draft-micro.yaml",
+        data="jobs/configs/data-micro.yaml",
+        drafters=("jobs/configs/eagle1-micro.yaml", "jobs/configs/eagle3-micro.yaml",
+                  "jobs/configs/dflash-micro.yaml", "jobs/configs/medusa-micro.yaml"),
+        sweep="tune/configs/eagle3-tree-micro.yaml", serve="serving/configs/micro.yaml",
+        bench_args=("--suite", "code", "--num-prompts", "2", "--max-new-tokens", "16")),
+}
+
+BENCH_METHODS = "vanilla,hf,hf-assisted,ngram,draft-lm,eagle1,eagle2,eagle3,dflash,dflash-ddtree,medusa"
+
+
+class StepFailed(RuntimeError):
+    pass
+
+
+def banner(index: int, total: int, title: str) -> None:
+    print(f"\n\033[1m[demo {index}/{total}] {title}\033[0m", flush=True)
+
+
+def run_python(module: str, *args: str, env: dict[str, str]) -> None:
+    cmd = [sys.executable, "-m", module, *args]
+    print("  $ " + " ".join(cmd[1:]), flush=True)
+    subprocess.run(cmd, env=env, check=True)
+
+
+def config_name(path: str) -> str:
+    import yaml
+
+    return yaml.safe_load(Path(path).read_text())["name"]
+
+
+def drafter_built(config_path: str) -> bool:
+    return (eyas_home() / "drafters" / config_name(config_path) / "config.json").is_file()
+
+
+def serve_one_request(head, profile: Profile, env: dict[str, str]) -> None:
+    """`serve deploy` the config to the local cluster, wait for /health, answer one completion, shut down."""
+    import json
+    import urllib.request
+
+    import yaml
+
+    from jobs.local_ray import port_free
+
+    serve_cfg = yaml.safe_load(Path(profile.serve).read_text())
+    port = int((serve_cfg.get("http_options") or {}).get("port", 8000))
+    if not port_free(port):
+        raise StepFailed(f"port {port} (Serve HTTP) is already taken on 127.0.0.1; free it or change "
+                         f"http_options.port in {profile.serve}")
+    serve_bin = str(Path(sys.executable).with_name("serve"))
+    subprocess.run([serve_bin, "deploy", profile.serve, "--address", head.address], env={**head.env, **env},
+                   check=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                with urllib.request.urlopen(f"{base}/health", timeout=5) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise StepFailed(f"Serve did not become healthy at {base}/health within 300 s")
+            time.sleep(2)
+        body = json.dumps({"model": serve_cfg["applications"][0].get("name", "eyas"), "prompt": "def fib(n):\n",
+                           "max_tokens": 32, "temperature": 0}).encode()
+        request = urllib.request.Request(f"{base}/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as response:
+            answer = json.loads(response.read())
+        print(f"  POST {base}/v1/completions -> {answer['choices'][0]['text']!r}")
+        print(f"  usage={answer.get('usage')} spec={answer.get('spec')}")
+    finally:
+        subprocess.run([serve_bin, "shutdown", "-y", "--address", head.address], env={**head.env, **env},
+                       check=False)
+
+
+def run_demo(profile: Profile, args: argparse.Namespace) -> int:
+    from jobs.local_ray import LocalRayHead
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = {"EYAS_HOME": str(eyas_home()), "MLFLOW_TRACKING_URI": track.tracking_uri(),
+           "TOKENIZERS_PARALLELISM": "false"}
+    started = time.monotonic()
+    print(f"eyas demo (profile {args.profile}): EYAS_HOME={env['EYAS_HOME']} MLflow={env['MLFLOW_TRACKING_URI']}")
+
+    def submit(module: str, *job_args: str):
+        return lambda head: head.submit(module, list(job_args), env_vars=env)
+
+    steps: list[tuple[str, Callable, str]] = [
+        ("build or reuse the target", submit("jobs.train_target", "--config", profile.target),
+         f"python -m jobs.train_target --config {profile.target}"),
+        ("build or reuse the draft LM", submit("jobs.train_target", "--config", profile.draft),
+         f"python -m jobs.train_target --config {profile.draft}"),
+        ("regenerate the training data", submit("jobs.generate_data", "--config", profile.data),
+         f"python -m jobs.generate_data --config {profile.data}"),
+    ]
+    for config in profile.drafters:
+        name = config_name(config)
+        if drafter_built(config) and not args.force:
+            steps.append((f"reuse drafter {name}", lambda head, n=name: print(f"  {eyas_home()}/drafters/{n} "
+                                                                                  "exists (--force retrains)"),
+                          f"python -m jobs.train_drafter --config {config}"))
+        else:
+            steps.append((f"train drafter {name} (ray job submit)", submit("jobs.train_drafter", "--config", config),
+                          f"python -m jobs.train_drafter --config {config}"))
+    steps += [
+        ("Tune sweep over the node budget", submit("tune.sweep", "--config", profile.sweep,
+                                                   f"output.dir={(out / 'sweep').resolve()}"),
+         f"python -m tune.sweep --config {profile.sweep}"),
+        ("deploy with Serve and answer one request", lambda head: serve_one_request(head, profile, env),
+         f"serve run {profile.serve}"),
+        ("bench every method side by side", lambda head: run_python(
+            "jobs.bench", "--methods", BENCH_METHODS, "--target", str(eyas_home() / "targets" /
+                                                                    config_name(profile.target)),
+            "--draft-model", str(eyas_home() / "targets" / config_name(profile.draft)),
+            *profile.bench_args, "--out", str(out / "bench.json"), env={**os.environ, **env}),
+         f"python -m jobs.bench --out {out / 'bench.json'}"),
+    ]
+    total = len(steps) + 1
+    banner(1, total, f"start a local Ray cluster with token auth ({args.num_cpus} CPUs)")
+    try:
+        head = LocalRayHead(num_cpus=args.num_cpus, env=env)
+    except RuntimeError as err:
+        print(f"\n[demo] cannot start Ray: {err}", file=sys.stderr)
+        return 1
+    with head:
+        print(f"  dashboard {head.address} (RAY_AUTH_MODE=token, token in ~/.ray/auth_token)")
+        for index, (title, action, retry) in enumerate(steps, start=2):
+            banner(index, total, title)
+            step_start = time.monotonic()
+            try:
+                action(head)
+            except (subprocess.CalledProcessError, StepFailed, OSError, KeyError) as err:
+                print(f"\n[demo] step {index}/{total} '{title}' failed: {err}\n"
+                      f"[demo] retry it alone with: {retry}\n"
+                      f"[demo] or rerun `make demo`: finished steps are cached in $EYAS_HOME and reused.",
+                      file=sys.stderr)
+                return 1
+            print(f"  done in {time.monotonic() - step_start:.0f}s", flush=True)
+    minutes = (time.monotonic() - started) / 60
+    print(f"\n[demo] finished in {minutes:.1f} min. Ray is stopped. Compare the runs: make mlflow-ui "
+          f"(then open http://127.0.0.1:5000). Bench: {out / 'bench.json'} and {out / 'bench.png'}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--profile", choices=sorted(PROFILES), default="tiny")
+    parser.add_argument("--force", action="store_true", help="retrain drafters even when $EYAS_HOME has them")
+    parser.add_argument("--num-cpus", type=int, default=os.cpu_count() or 2)
+    parser.add_argument("--out", default="out/demo", help="where the bench table, figure and sweep output go")
+    args = parser.parse_args(argv)
+    return run_demo(PROFILES[args.profile], args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
