@@ -26,17 +26,14 @@ Training losses, metrics, anchors and the block mask live in ``dflash_train.py``
 """
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, replace
-from pathlib import Path
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 from torch import nn
 
-from eyas.config import require
-from eyas.models.config import CheckpointError, ModelConfig
+from eyas.config import from_dict, require
+from eyas.models.config import ModelConfig
 from eyas.models.decoder import MLP, Decoder, RMSNorm, TensorParallel, apply_rope, rope_inv_freq
 from eyas.spec.tree import DraftTree, build_best_first_block, chain
 
@@ -151,21 +148,23 @@ class DFlashLayer(nn.Module):
 
 
 class DFlashModel(nn.Module):
-    """The trainable DFlash drafter. ``embed_tokens`` / ``lm_head`` are the target's, held outside the module's
-    parameters (not trained, not in ``state_dict``)."""
+    """The trainable DFlash drafter. The target's ``embed_tokens`` / ``lm_head`` are held outside the module's
+    parameters (not trained, not in ``state_dict``, so not in checkpoints)."""
 
-    def __init__(self, config: DFlashConfig, target_config: ModelConfig, embed_tokens: nn.Embedding,
-                 lm_head: nn.Linear, target_taps: tuple[int, ...] | None = None) -> None:
+    drafter_type = DRAFTER_TYPE
+    draft_vocab = None  # DFlash reads tokens through the target's own LM head
+
+    def __init__(self, config: DFlashConfig, target: Decoder, draft_vocab: list[int] | None = None) -> None:
         super().__init__()
-        taps = tuple(target_taps) if target_taps is not None else dflash_taps(target_config.num_layers,
-                                                                              config.num_taps)
-        if len(taps) != config.num_taps or not all(0 <= t <= target_config.num_layers for t in taps):
-            raise ValueError(f"target_taps={taps}: need dflash.num_taps={config.num_taps} layers in "
-                             f"[0, {target_config.num_layers}]")
+        if draft_vocab is not None:
+            raise ValueError("DFlash reads tokens through the target's LM head: it has no draft vocabulary "
+                             "(draft_vocab must be null)")
+        target_config = target.config
         if config.mask_token_id is not None and config.mask_token_id >= target_config.vocab_size:
             raise ValueError(f"dflash.mask_token_id={config.mask_token_id} is outside the target vocabulary "
                              f"({target_config.vocab_size}); use the tokenizer's {MASK_TOKEN} id or null")
-        self.config, self.target_config, self.target_taps = config, target_config, taps
+        self.config, self.target_config = config, target_config
+        self.target_taps = dflash_taps(target_config.num_layers, config.num_taps)
         E = target_config.hidden_size
         layer_config = replace(target_config, num_layers=config.num_layers)
         self.fc = nn.Linear(config.num_taps * E, E, bias=False)
@@ -173,18 +172,13 @@ class DFlashModel(nn.Module):
         self.layers = nn.ModuleList(DFlashLayer(layer_config) for _ in range(config.num_layers))
         self.norm = RMSNorm(E, target_config.rms_norm_eps)
         if config.mask_token_id is None:
-            self.mask_embedding = nn.Parameter(embed_tokens.weight.detach().float().std() * torch.randn(E))
+            self.mask_embedding = nn.Parameter(target.embed_tokens.weight.detach().float().std() * torch.randn(E))
         # object.__setattr__ keeps the shared target modules out of parameters(), state_dict() and .to().
-        object.__setattr__(self, "embed_tokens", embed_tokens)
-        object.__setattr__(self, "lm_head", lm_head)
-        self.to(device=embed_tokens.weight.device, dtype=embed_tokens.weight.dtype)
+        object.__setattr__(self, "embed_tokens", target.embed_tokens)
+        object.__setattr__(self, "lm_head", target.lm_head)
+        self.to(device=target.device, dtype=target.dtype)
         # float32 RoPE frequencies whatever the weights' dtype (like the target's)
-        self.register_buffer("inv_freq", rope_inv_freq(target_config).to(self.fc.weight.device), persistent=False)
-
-    @classmethod
-    def for_target(cls, config: DFlashConfig, target: Decoder, target_taps: tuple[int, ...] | None = None
-                   ) -> "DFlashModel":
-        return cls(config, target.config, target.embed_tokens, target.lm_head, target_taps)
+        self.register_buffer("inv_freq", rope_inv_freq(target_config).to(target.device), persistent=False)
 
     @property
     def block_size(self) -> int:
@@ -231,17 +225,17 @@ class DFlashModel(nn.Module):
         return F.linear(hidden_XE, self.lm_head.weight.detach())
 
     def forward(self, batch, features, generator: torch.Generator | None = None):
-        """Training: ``(loss, metrics)``; forward so that DDP wrappers see the call. See dflash_train.py."""
+        """Training: ``(loss, metrics)`` of one batch (dflash_train.block_loss). Anchors are redrawn on every call
+        from ``generator`` (default: torch's global RNG); in eval mode without a generator they come from a fixed
+        seed, so held-out metrics are comparable across evaluations."""
         from eyas.drafters.dflash_train import block_loss
 
+        if generator is None and not self.training:
+            generator = torch.Generator(device=self.inv_freq.device).manual_seed(0)
         return block_loss(self, batch, features, generator)
 
     def training_loss(self, batch, features, generator: torch.Generator | None = None):
         return self(batch, features, generator)
-
-    # ---- checkpoints: config.json (drafter_type, target_taps, family config) + model.safetensors
-    def checkpoint_config(self) -> dict:
-        return {"drafter_type": DRAFTER_TYPE, "target_taps": list(self.target_taps), "dflash": asdict(self.config)}
 
 
 class ContextCache:
@@ -278,28 +272,40 @@ class ContextCache:
         return [(k[:, :, :self.length], v[:, :, :self.length]) for k, v in zip(self.k_LBHCD, self.v_LBHCD)]
 
 
+@dataclass(frozen=True)
+class DFlashTreeConfig:
+    """Inference options. The block fixes the depth (block_size - 1 drafted tokens); ``depth`` and ``shape`` exist
+    only so that the options every method shares (SpecConfig) parse, and are not used."""
+    mode: str = "block"          # "block": the chain of the block; "ddtree": best-first over the block's q's
+    num_nodes: int = 24          # ddtree: drafted-node budget, root excluded
+    top_k: int | None = None     # ddtree: at most this many ranks per block position (None: up to num_nodes)
+    depth: int | None = None     # unused (see above)
+    shape: tuple[tuple[int, ...], ...] | None = None  # unused (static trees are for EAGLE-1 / Medusa)
+
+    def __post_init__(self) -> None:
+        require(self.mode in TREES, "tree.mode", self.mode, f"DFlash drafts one of {list(TREES)}")
+        require(self.num_nodes >= 1, "tree.num_nodes", self.num_nodes, "must be >= 1")
+        require(self.top_k is None or self.top_k >= 1, "tree.top_k", self.top_k, "must be >= 1 or null")
+
+
 class DFlashDrafter:
     """The speculative-loop side of DFlash: one drafter forward per cycle drafts the whole block.
 
-    tree="block":  the chain of the K-1 block positions. Greedy: each position's argmax (deterministic). With
+    mode="block":  the chain of the K-1 block positions. Greedy: each position's argmax (deterministic). With
                    temperature T > 0 each token is SAMPLED from q_k = softmax(logits_k / T) and the chain carries
                    sampled=True and the q's, so verification uses the exact p/q rule and accepts x with
                    min(1, p(x)/q(x)), whose mean sum_x min(p, q) beats the p(argmax) a deterministic chain gets
                    once the drafter is calibrated. The block is drafted in one pass, so q_k does not depend on the
                    drafted tokens before it and is exactly the distribution token k was drawn from.
-    tree="ddtree": best-first over the per-position distributions (independent per position) with a budget of
+    mode="ddtree": best-first over the per-position distributions (taken as independent) with a budget of
                    num_nodes drafted nodes, ranks per position capped by top_k; deterministic distinct candidates
                    (sampled=False), lossless under sampling via the p(x) rule. Scores use softmax(logits / T)
                    (T = 1 when greedy).
     """
 
-    def __init__(self, model: DFlashModel, tree: str = "block", num_nodes: int = 24, top_k: int | None = None):
-        if tree not in TREES:
-            raise ValueError(f"tree={tree!r}: DFlash drafts one of {list(TREES)}")
-        if num_nodes < 1 or (top_k is not None and top_k < 1):
-            raise ValueError(f"num_nodes={num_nodes}, top_k={top_k}: both must be >= 1")
-        self.model, self.tree, self.num_nodes, self.top_k = model, tree, num_nodes, top_k
-        self.name = "dflash" if tree == "block" else "dflash-ddtree"
+    def __init__(self, model: DFlashModel, tree: DFlashTreeConfig = DFlashTreeConfig(), name: str | None = None):
+        self.model, self.tree = model, tree
+        self.name = name or ("dflash" if tree.mode == "block" else "dflash-ddtree")
         self.target_taps = model.target_taps
         self.context = ContextCache()
 
@@ -337,46 +343,14 @@ class DFlashDrafter:
                                f"has {len(context_ids) - 1} before the root: call begin() and commit() every cycle")
         logits_KV = self.draft_logits(root_token)
         probs_KV = torch.softmax(logits_KV / (temperature if temperature > 0 else 1.0), dim=-1)
-        if self.tree == "ddtree":
-            return build_best_first_block(root_token, probs_KV, self.num_nodes, self.top_k)
+        if self.tree.mode == "ddtree":
+            return build_best_first_block(root_token, probs_KV, self.tree.num_nodes, self.tree.top_k)
         if temperature > 0:
             tokens = torch.multinomial(probs_KV, 1, generator=generator)[:, 0].tolist()
             return chain(root_token, tokens, probs_KV, sampled=True)
         return chain(root_token, logits_KV.argmax(-1).tolist(), probs_KV)
 
 
-def save_dflash(model: DFlashModel, directory: str | Path, extra: dict | None = None) -> Path:
-    """Write config.json + model.safetensors (the target's embedding / LM head are not saved)."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps({**model.checkpoint_config(), **(extra or {})}, indent=2))
-    save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()},
-              str(directory / "model.safetensors"))
-    return directory
-
-
-def dflash_from_checkpoint(raw: dict, state: dict[str, torch.Tensor], target: Decoder,
-                           source: str = "config.json") -> DFlashModel:
-    """Rebuild a DFlashModel on ``target`` from a checkpoint's config dict and tensors."""
-    if raw.get("drafter_type") != DRAFTER_TYPE:
-        raise CheckpointError(f"{source}: drafter_type={raw.get('drafter_type')!r}, expected {DRAFTER_TYPE!r}")
-    try:
-        config = DFlashConfig(**raw["dflash"])
-        model = DFlashModel.for_target(config, target, tuple(raw["target_taps"]))
-    except (KeyError, TypeError, ValueError) as err:
-        raise CheckpointError(f"{source}: not a DFlash checkpoint for this target ({err})") from None
-    try:
-        model.load_state_dict({k: v.to(model.inv_freq.device) for k, v in state.items()})
-    except RuntimeError as err:
-        raise CheckpointError(f"{source}: weights do not fit the DFlash config / target ({err})") from None
-    return model.eval().requires_grad_(False)
-
-
-def load_dflash(directory: str | Path, target: Decoder) -> DFlashModel:
-    directory = Path(directory)
-    config_path, weights_path = directory / "config.json", directory / "model.safetensors"
-    for path in (config_path, weights_path):
-        if not path.is_file():
-            raise CheckpointError(f"{path}: missing file (a DFlash checkpoint has config.json and model.safetensors)")
-    return dflash_from_checkpoint(json.loads(config_path.read_text()), load_file(str(weights_path)), target,
-                                  str(config_path))
+def make_dflash_drafter(model: DFlashModel, target: Decoder, options: dict, name: str) -> DFlashDrafter:
+    """The registry's drafter builder: ``options`` is the merged tree options dict (DFlashTreeConfig fields)."""
+    return DFlashDrafter(model, from_dict(DFlashTreeConfig, options, prefix="tree."), name)

@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eyas.config import ConfigError, from_dict, resolve_path, to_dict
+from eyas.drafters.dflash import DFlashConfig, DFlashModel, make_dflash_drafter
 from eyas.drafters.eagle import EagleDrafter
 from eyas.drafters.eagle1 import Eagle1Config, Eagle1Model
 from eyas.drafters.eagle3 import Eagle3Config, Eagle3Model, build_draft_vocab
@@ -61,6 +62,7 @@ FAMILIES: dict[str, Family] = {
     "eagle1": Family(Eagle1Config, Eagle1Model, _eagle_drafter),
     "eagle3": Family(Eagle3Config, Eagle3Model, _eagle_drafter),
     "medusa": Family(MedusaConfig, MedusaModel, _medusa_drafter),
+    "dflash": Family(DFlashConfig, DFlashModel, make_dflash_drafter),
 }
 
 METHODS: dict[str, Method] = {
@@ -68,6 +70,8 @@ METHODS: dict[str, Method] = {
     "eagle2": Method("eagle1", {"mode": "dynamic"}),
     "eagle3": Method("eagle3", {"mode": "dynamic"}),
     "medusa": Method("medusa", {"mode": "static"}),
+    "dflash": Method("dflash", {"mode": "block"}),
+    "dflash-ddtree": Method("dflash", {"mode": "ddtree"}),
 }
 
 

@@ -6,9 +6,10 @@ import random
 import pytest
 import torch
 
-from eyas.drafters.dflash import (DFlashConfig, DFlashDrafter, DFlashModel, dflash_taps, load_dflash,
-                                  save_dflash)
+from eyas.config import ConfigError
+from eyas.drafters.dflash import DFlashConfig, DFlashDrafter, DFlashModel, DFlashTreeConfig, dflash_taps
 from eyas.drafters.dflash_train import anchor_block_mask, block_logits, draw_anchors, position_weights
+from eyas.drafters.registry import build_model, load_drafter, load_model, save_drafter
 from eyas.models.config import CheckpointError, ModelConfig
 from eyas.models.decoder import Decoder
 from eyas.spec.generate import SamplingParams, generate
@@ -83,7 +84,7 @@ def target() -> Decoder:
 @pytest.fixture(scope="module")
 def trained(target) -> tuple[DFlashModel, list[float]]:
     torch.manual_seed(1)
-    model = DFlashModel.for_target(TINY, target)
+    model = DFlashModel(TINY, target)
     losses = train(model, target, regenerated_batch(target), steps=30)
     return model.requires_grad_(False), losses
 
@@ -108,11 +109,11 @@ def test_config_rejects_bad_values(field, value):
 
 def test_model_rejects_mask_outside_vocab(target):
     with pytest.raises(ValueError, match="mask_token_id"):
-        DFlashModel.for_target(DFlashConfig(num_taps=3, mask_token_id=VOCAB), target)
+        DFlashModel(DFlashConfig(num_taps=3, mask_token_id=VOCAB), target)
 
 
 def test_target_embedding_and_head_are_not_parameters(target):
-    model = DFlashModel.for_target(TINY, target)
+    model = DFlashModel(TINY, target)
     names = set(model.state_dict())
     assert not any(n.startswith(("embed_tokens", "lm_head")) for n in names)
     assert all(p is not target.embed_tokens.weight and p is not target.lm_head.weight for p in model.parameters())
@@ -222,7 +223,7 @@ def test_greedy_identity(target, trained, vanilla_runs, tree):
     model, _ = trained
     accepted = 0
     for prompt, expected in vanilla_runs:
-        drafter = DFlashDrafter(model, tree=tree, num_nodes=12, top_k=3)
+        drafter = DFlashDrafter(model, DFlashTreeConfig(mode=tree, num_nodes=12, top_k=3))
         spec = generate(target, prompt, 40, drafter=drafter)
         assert spec.token_ids == expected
         accepted += sum(spec.stats.accepted_per_cycle)
@@ -232,10 +233,10 @@ def test_greedy_identity(target, trained, vanilla_runs, tree):
 @pytest.mark.parametrize("tree", ["block", "ddtree"])
 def test_sampled_run_completes(target, trained, tree):
     model, _ = trained
-    drafter = DFlashDrafter(model, tree=tree, num_nodes=10)
+    drafter = DFlashDrafter(model, DFlashTreeConfig(mode=tree, num_nodes=10))
     out = generate(target, [1, 2, 3, 4], 30, drafter=drafter, sampling=SamplingParams(temperature=0.8, seed=0))
     assert len(out.token_ids) == 30 and all(0 <= t < VOCAB for t in out.token_ids)
-    drafter = DFlashDrafter(model, tree=tree, num_nodes=10)
+    drafter = DFlashDrafter(model, DFlashTreeConfig(mode=tree, num_nodes=10))
     drafter.begin([1, 2], {t: torch.zeros(2, 32) for t in model.target_taps})
     tree_ = drafter.propose(5, [1, 2, 5], 0.8, torch.Generator().manual_seed(0))
     assert tree_.sampled == (tree == "block") and tree_.draft_probs_NV is not None
@@ -255,11 +256,13 @@ def test_propose_requires_commits(trained):
 @pytest.mark.parametrize("mask_token_id", [MASK_ID, None])
 def test_save_load_roundtrip(tmp_path, target, mask_token_id):
     torch.manual_seed(2)
-    model = DFlashModel.for_target(DFlashConfig(num_layers=1, block_size=5, num_taps=3, mask_token_id=mask_token_id),
-                                   target).eval()
-    save_dflash(model, tmp_path / "ckpt")
-    loaded = load_dflash(tmp_path / "ckpt", target)
-    assert loaded.config == model.config and loaded.target_taps == model.target_taps
+    config = {"num_layers": 1, "block_size": 5, "num_taps": 3, "mask_token_id": mask_token_id}
+    model = build_model("dflash", config, target).eval()
+    directory = save_drafter(model, tmp_path / "ckpt", "tiny-target")
+    assert not any(k.startswith(("embed_tokens", "lm_head")) for k in model.state_dict())
+    loaded = load_model(directory, target)
+    assert isinstance(loaded, DFlashModel) and loaded.config == model.config
+    assert loaded.target_taps == model.target_taps
     for key, value in model.state_dict().items():
         assert torch.equal(value, loaded.state_dict()[key]), key
     taps = {t: torch.randn(6, 32) for t in model.target_taps}
@@ -267,6 +270,12 @@ def test_save_load_roundtrip(tmp_path, target, mask_token_id):
     a.begin([], taps)
     b.begin([], taps)
     assert torch.equal(a.draft_logits(3), b.draft_logits(3))
-    (tmp_path / "ckpt" / "model.safetensors").unlink()
+
+    drafter = load_drafter(directory, target, method="dflash-ddtree", depth=5, top_k=3, num_nodes=12)
+    assert drafter.name == "dflash-ddtree" and drafter.tree == DFlashTreeConfig("ddtree", 12, 3, depth=5)
+    assert load_drafter(directory, target).tree.mode == "block"
+    with pytest.raises(ConfigError, match="tree.mode"):
+        load_drafter(directory, target, tree="dynamic")
+    (directory / "model.safetensors").unlink()
     with pytest.raises(CheckpointError, match="model.safetensors"):
-        load_dflash(tmp_path / "ckpt", target)
+        load_model(directory, target)
