@@ -22,7 +22,9 @@ frozen, so any fixed row works as a constant input). Fallback when the target's 
 ``mask_token_id=None`` gives the drafter its own trainable ``mask_embedding`` vector (saved in the checkpoint);
 no real token is repurposed, so nothing the target can emit is ever confused with a mask.
 
-Training losses, metrics, anchors and the block mask live in ``dflash_train.py``.
+Training losses, metrics, anchors and the block mask live in ``dflash_train.py``. Checkpoints go through
+``registry.save_drafter`` / ``load_model`` (config.json with drafter_type "dflash", target_taps and this config,
+plus model.safetensors); methods ``dflash`` (tree mode "block") and ``dflash-ddtree`` (mode "ddtree").
 """
 from __future__ import annotations
 
@@ -189,13 +191,14 @@ class DFlashModel(nn.Module):
         missing = [t for t in self.target_taps if t not in taps]
         if missing:
             raise ValueError(f"DFlash needs target taps {self.target_taps}; missing {missing}")
-        return self.hidden_norm(self.fc(torch.cat([taps[t] for t in self.target_taps], dim=-1)))
+        concat_TX = torch.cat([taps[t] for t in self.target_taps], dim=-1).to(self.fc.weight.dtype)
+        return self.hidden_norm(self.fc(concat_TX))
 
     def embed_block(self, anchors_X: torch.Tensor) -> torch.Tensor:
         """[..., K, E]: slot 0 the clean anchor (root) token, slots 1..K-1 the mask."""
         K = self.block_size
         with torch.no_grad():  # frozen, shared target embedding
-            anchor_XE = self.embed_tokens(anchors_X)
+            anchor_XE = self.embed_tokens(anchors_X).to(self.fc.weight.dtype)
             if self.config.mask_token_id is not None:
                 mask_E = self.embed_tokens.weight[self.config.mask_token_id]
         if self.config.mask_token_id is None:
@@ -222,7 +225,8 @@ class DFlashModel(nn.Module):
 
     def logits(self, hidden_XE: torch.Tensor) -> torch.Tensor:
         """The target's frozen LM head (gradients reach the drafter states, never the head)."""
-        return F.linear(hidden_XE, self.lm_head.weight.detach())
+        weight_VE = self.lm_head.weight.detach()
+        return F.linear(hidden_XE.to(weight_VE.dtype), weight_VE)
 
     def forward(self, batch, features, generator: torch.Generator | None = None):
         """Training: ``(loss, metrics)`` of one batch (dflash_train.block_loss). Anchors are redrawn on every call

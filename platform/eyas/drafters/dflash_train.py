@@ -95,7 +95,8 @@ def block_loss(model, batch: TrainBatch, features: TargetFeatures, generator: to
     ce_BAk = F.cross_entropy(logits_BAkV.flatten(0, 2), labels_BAk.flatten(), reduction="none").view_as(mask_BAk)
     weight_BAk = position_weights(K, model.config.loss_decay).to(ce_BAk.device) * mask_BAk
     loss = (ce_BAk * weight_BAk).sum() / weight_BAk.sum().clamp(min=1e-6)
-    return loss, block_metrics(logits_BAkV.detach(), labels_BAk, mask_BAk, ce_BAk.detach(), loss, anchor_valid_BA)
+    return loss, block_metrics(logits_BAkV.detach(), labels_BAk, mask_BAk, ce_BAk.detach(), loss.detach(),
+                                     anchor_valid_BA)
 
 
 def block_logits(model, input_ids_BT: torch.Tensor, valid_BT: torch.Tensor, taps: dict[int, torch.Tensor],

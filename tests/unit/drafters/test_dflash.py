@@ -187,6 +187,8 @@ def test_metrics_and_loss_mask(target, trained):
     assert set(f"acc_{k}" for k in range(1, TINY.block_size)) <= set(metrics)
     accs = [metrics[f"acc_{k}"] for k in range(1, TINY.block_size)]
     assert metrics["accept_len"] == pytest.approx(accs[0] + accs[0] * accs[1] + accs[0] * accs[1] * accs[2])
+    again, _ = model.training_loss(batch, features)  # eval mode: anchors from a fixed seed
+    assert torch.equal(model.training_loss(batch, features)[0], again)
     empty = TrainBatch(batch.input_ids_BT, torch.zeros_like(batch.loss_mask_BT), batch.valid_BT)
     loss, metrics = model.training_loss(empty, features)
     assert float(loss) == 0.0 and metrics["num_blocks"] == 0
@@ -240,6 +242,12 @@ def test_sampled_run_completes(target, trained, tree):
     drafter.begin([1, 2], {t: torch.zeros(2, 32) for t in model.target_taps})
     tree_ = drafter.propose(5, [1, 2, 5], 0.8, torch.Generator().manual_seed(0))
     assert tree_.sampled == (tree == "block") and tree_.draft_probs_NV is not None
+
+
+def test_float32_drafter_on_bfloat16_target():
+    target = tiny_target().to(torch.bfloat16)
+    drafter = DFlashDrafter(DFlashModel(TINY, target).float(), DFlashTreeConfig(mode="ddtree", num_nodes=6))
+    assert generate(target, [1, 2, 3], 12, drafter=drafter).token_ids == generate(target, [1, 2, 3], 12).token_ids
 
 
 def test_propose_requires_commits(trained):
