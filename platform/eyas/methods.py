@@ -71,8 +71,21 @@ def _trained(target: Decoder, spec: SpecConfig, default_tree: str):
                           "a checkpoint directory or models:/NAME@ALIAS")
     from eyas.drafters.registry import load_drafter
 
-    return load_drafter(spec.drafter, target, tree=spec.tree or default_tree, depth=spec.depth, top_k=spec.top_k,
-                        num_nodes=spec.num_nodes)
+    return load_drafter(resolve_drafter(spec.drafter), target, method=spec.method, tree=spec.tree or default_tree,
+                        depth=spec.depth, top_k=spec.top_k, num_nodes=spec.num_nodes)
+
+
+def resolve_drafter(location: str):
+    """A local checkpoint directory for ``location``: a path, or ``models:/NAME@ALIAS`` fetched from MLflow."""
+    if location.startswith("models:/"):
+        from eyas import track  # MLflow is imported only inside track.py, and only when a registry URI is used
+
+        return track.resolve_model(location)
+    path = resolve_path(location)
+    if not path.is_dir():
+        raise ConfigError(f"spec.drafter={location}: no drafter checkpoint directory there (train one with "
+                          "python -m jobs.train_drafter --config jobs/configs/<family>-tiny.yaml)")
+    return path
 
 
 def _trained_method(tree: str) -> Method:
