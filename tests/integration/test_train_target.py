@@ -1,0 +1,189 @@
+"""jobs.train_target end to end: the micro target through Ray Train (2 workers) and through `ray job submit`.
+
+Everything lands in tmp dirs (EYAS_HOME, the MLflow sqlite store). The cluster test starts its own head node with
+``ray start --head --block`` and ends it by signalling that process (never ``ray stop``, which would stop every Ray
+instance on a shared machine).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+MICRO = REPO_ROOT / "jobs" / "configs" / "target-micro.yaml"
+DRAFT_MICRO = REPO_ROOT / "jobs" / "configs" / "draft-micro.yaml"
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture()
+def job_env(tmp_path, monkeypatch):
+    """Tmp EYAS_HOME and MLflow store for this test; no inherited RAY_ADDRESS (a fresh local Ray)."""
+    home, uri = tmp_path / "eyas-home", f"sqlite:///{tmp_path / 'mlruns.db'}"
+    monkeypatch.setenv("EYAS_HOME", str(home))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.delenv("EYAS_MLFLOW_ARTIFACTS", raising=False)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    return home, uri
+
+
+def assert_loadable_checkpoint(out: Path, vocab_size: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "meta.json"):
+        assert (out / name).is_file(), name
+    tokenizer = AutoTokenizer.from_pretrained(str(out))
+    model = AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert len(tokenizer) == vocab_size and model.config.vocab_size == vocab_size
+    assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
+    input_ids_BT = tokenizer("def f(x):\n    return x", return_tensors="pt").input_ids
+    with torch.no_grad():
+        logits_BTV = model(input_ids=input_ids_BT).logits
+    assert logits_BTV.shape == (1, input_ids_BT.shape[1], vocab_size)
+    meta = json.loads((out / "meta.json").read_text())
+    assert math.isfinite(meta["heldout_loss"]) and meta["heldout_loss"] < math.log(vocab_size)  # beats uniform
+    return meta
+
+
+def test_micro_target_builds_through_ray_train(job_env):
+    import ray
+    from mlflow import MlflowClient
+
+    from eyas.config import load_config
+    from jobs.train_target import TargetJobConfig, build, llama_config, prepare_tokenizer
+
+    home, uri = job_env
+    try:
+        target_cfg = load_config(TargetJobConfig, MICRO, ["train.num_steps=20", "num_samples=1"])
+        assert target_cfg.train.num_workers == 2
+        out = build(target_cfg)
+        assert out == home / "targets" / "target-micro"
+        meta = assert_loadable_checkpoint(out, vocab_size=512)
+        assert meta["steps"] == 20 and meta["kind"] == "target" and len(meta["samples"]) == 1
+
+        run = MlflowClient(tracking_uri=uri).get_run(meta["mlflow_run_id"])
+        assert run.info.status == "FINISHED" and run.info.run_name == "target-micro"
+        assert run.data.params["train.num_workers"] == "2" and run.data.params["model.num_layers"] == "2"
+        assert abs(run.data.metrics["heldout_loss"] - meta["heldout_loss"]) < 1e-9
+        losses = MlflowClient(tracking_uri=uri).get_metric_history(run.info.run_id, "loss")
+        assert [m.step for m in losses] == [10, 20]
+
+        assert build(target_cfg) == out  # reused: meta.json marks a complete build
+        assert json.loads((out / "meta.json").read_text())["created"] == meta["created"]
+
+        # a draft LM reuses the built target's tokenizer (its own fit is the same code path as above)
+        draft_cfg = load_config(TargetJobConfig, DRAFT_MICRO)
+        assert prepare_tokenizer(draft_cfg) == out
+        assert llama_config(draft_cfg, 512).num_hidden_layers == 1
+    finally:
+        ray.shutdown()
+
+
+def test_draft_without_built_target_says_what_to_do(job_env):
+    from eyas.config import load_config
+    from jobs.train_target import TargetJobConfig, build
+
+    with pytest.raises(FileNotFoundError, match="jobs/configs/target-micro.yaml"):
+        build(load_config(TargetJobConfig, DRAFT_MICRO))
+
+
+# ---------------------------------------------------------------- a real cluster + ray job submit
+
+
+def free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def ray_cli() -> str:
+    return str(Path(sys.executable).with_name("ray"))
+
+
+def stop_session(proc: subprocess.Popen) -> None:
+    """End `ray start --block` and every process of its session (ours alone: it ran with start_new_session).
+
+    On SIGTERM `ray start --block` shuts its node down gracefully but slowly (~30 s on a busy box); after a few
+    seconds the rest of the session gets SIGKILL (a test cluster keeps no state worth saving).
+    """
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:  # the whole session already exited
+        pass
+    proc.wait(timeout=10)
+
+
+@pytest.fixture()
+def ray_head():
+    """A head node of our own (token auth on), yielding the dashboard address; torn down by pid."""
+    temp_dir = tempfile.mkdtemp(prefix="eyr", dir="/tmp")  # short: Unix socket paths are limited to 107 bytes
+    gcs, dashboard, client, agent_listen, agent_grpc = free_ports(5)
+    env = {**os.environ, "RAY_AUTH_MODE": "token"}
+    env.pop("RAY_ADDRESS", None)
+    log = open(Path(temp_dir) / "start.log", "w")
+    proc = subprocess.Popen(
+        [ray_cli(), "start", "--head", "--block", f"--port={gcs}", "--dashboard-host=127.0.0.1",
+         f"--dashboard-port={dashboard}", "--include-dashboard=true", f"--ray-client-server-port={client}",
+         f"--dashboard-agent-listen-port={agent_listen}", f"--dashboard-agent-grpc-port={agent_grpc}",
+         f"--temp-dir={temp_dir}", "--num-cpus=2", "--disable-usage-stats"],
+        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 150
+        while "block forever" not in (Path(temp_dir) / "start.log").read_text():
+            assert proc.poll() is None, (Path(temp_dir) / "start.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "ray start did not come up in 150 s"
+            time.sleep(1)
+        yield f"http://127.0.0.1:{dashboard}"
+    finally:
+        stop_session(proc)
+        log.close()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def test_ray_job_submit_builds_micro_target(ray_head, tmp_path):
+    from mlflow import MlflowClient
+
+    home, uri = tmp_path / "eyas-home", f"sqlite:///{tmp_path / 'mlruns.db'}"
+    runtime_env = {
+        # .gitignore is honoured too (.venv/, mlruns.db, mlartifacts/); be explicit for the big ones
+        "excludes": [".git", ".venv", "mlartifacts", "mlruns.db", "out"],
+        "env_vars": {"EYAS_HOME": str(home), "MLFLOW_TRACKING_URI": uri, "TOKENIZERS_PARALLELISM": "false"},
+    }
+    cmd = [ray_cli(), "job", "submit", "--address", ray_head, "--working-dir", ".",
+           "--runtime-env-json", json.dumps(runtime_env), "--",
+           sys.executable, "-m", "jobs.train_target", "--config", "jobs/configs/target-micro.yaml",
+           "train.num_steps=10", "num_samples=0"]
+    env = {**os.environ, "RAY_AUTH_MODE": "token"}
+    env.pop("RAY_ADDRESS", None)
+    done = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=420)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-4000:]
+    assert "succeeded" in output, output[-4000:]
+    meta = assert_loadable_checkpoint(home / "targets" / "target-micro", vocab_size=512)
+    assert meta["steps"] == 10
+    run = MlflowClient(tracking_uri=uri).get_run(meta["mlflow_run_id"])
+    assert run.info.status == "FINISHED"
