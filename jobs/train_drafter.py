@@ -145,18 +145,14 @@ STRATEGIES = {"ddp": DDPStrategy, "zero1": ZeroStrategy, "zero2": ZeroStrategy}
 
 
 def build_drafter(cfg: TrainConfig, target, rows):
-    """A fresh drafter from the registry; a reduced draft vocabulary comes from the training data's token counts."""
+    """A fresh drafter from the registry; a reduced draft vocabulary (EAGLE-3 ``draft_vocab_size``) is the most
+    frequent prediction targets of the training data."""
     from eyas.drafters import registry
     from eyas.train.data import token_counts
 
     options = dict(cfg.drafter.config)
-    size, vocab_size = options.get("draft_vocab_size"), target.config.vocab_size
-    draft_vocab = None
-    if size is not None and size < vocab_size:
-        from eyas.drafters.eagle3 import build_draft_vocab
-
-        draft_vocab = build_draft_vocab(token_counts(rows, vocab_size), size).tolist()
-    return registry.build_model(cfg.drafter.type, options, target, draft_vocab)
+    counts_V = token_counts(rows, target.config.vocab_size) if options.get("draft_vocab_size") else None
+    return registry.build_model(cfg.drafter.type, options, target, token_counts_V=counts_V)
 
 
 def batch_to(batch, device):
@@ -307,6 +303,11 @@ def maybe_fail(worker: Worker, step: int) -> None:
     marker = Path(worker.loop["marker_dir"]) / "fail_at_step.done"
     if marker.exists():
         return
+    import ray.train
+
+    # a crash right after ray.train.report may beat the controller to registering that checkpoint (it polls the
+    # workers every few seconds) and the run would resume from an older one; wait, so the test is deterministic
+    ray.train.get_all_reported_checkpoints(consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED)
     marker.parent.mkdir(parents=True, exist_ok=True)
     marker.write_text(f"rank {worker.rank} failed at step {step}\n")
     print(f"[train_drafter] rank {worker.rank}: injected failure at step {step} (train.fail_at_step)", flush=True)
@@ -392,7 +393,9 @@ def train_loop_per_worker(loop: dict[str, Any]) -> None:
     tracker = Tracker(cfg.tracking.enabled and rank == 0, loop, cfg.tracking.experiment)
     progress = Progress(f"train_drafter {cfg.name}", total=worker.total_steps, every_s=15.0)
     with tracker:
-        if rank == 0 and step == 0:
+        if checkpoint is not None:
+            tracker.metrics({"resumed_from_step": step}, step)
+        elif rank == 0:
             tracker.metrics({"steps_per_epoch": worker.steps_per_epoch, "total_steps": worker.total_steps,
                              "train_sequences": len(worker.data)}, 0)
         last_metrics: dict[str, float] = {}

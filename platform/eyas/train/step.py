@@ -220,6 +220,8 @@ def acceptance_figure(heldout_acc: list[float], measured_accept: list[float], ti
     if measured_accept:
         ax.bar([d + 1.2 for d in range(len(measured_accept))], measured_accept, width=0.4,
                label="measured n-alpha (generate)")
+    num_positions = max(len(heldout_acc), len(measured_accept))
+    ax.set_xticks(range(1, num_positions + 1))
     ax.set_xlabel("draft position")
     ax.set_ylabel("acceptance")
     ax.set_ylim(0, 1)
