@@ -123,12 +123,24 @@ def test_trainer_state_round_trip(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(exp_avg, exp_avg2))
 
 
-@pytest.mark.parametrize("path", sorted((REPO / "jobs" / "configs").glob("*.yaml")), ids=lambda p: p.name)
-def test_job_configs_load(path):
-    if path.name.startswith("data-"):
-        load_config(DataConfig, path)
-    elif path.name.split("-")[0] in ("eagle1", "eagle3", "medusa", "dflash"):
-        load_config(TrainConfig, path)
+CONFIGS = REPO / "jobs" / "configs"
+DRAFTER_CONFIGS = sorted(p for p in CONFIGS.rglob("*.yaml")
+                         if p.parent.name == "presets" or p.name.split("-")[0] in ("eagle1", "eagle3", "medusa", "dflash"))
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("data-*.yaml")), ids=lambda p: p.name)
+def test_data_configs_load(path):
+    load_config(DataConfig, path)
+
+
+@pytest.mark.parametrize("path", DRAFTER_CONFIGS, ids=lambda p: str(p.relative_to(CONFIGS)))
+def test_drafter_configs_load_and_name_valid_family_fields(path):
+    from eyas.config import from_dict
+    from eyas.drafters import registry
+
+    cfg = load_config(TrainConfig, path)
+    from_dict(registry.family(cfg.drafter.type).config_cls, dict(cfg.drafter.config))
+    assert cfg.name == path.stem or path.parent.name == "presets"
 
 
 def test_config_errors_name_the_field():
