@@ -42,8 +42,9 @@ from eyas.spec.generate import SamplingParams
 from eyas.spec.stats import SpecStats
 from serving.config import ServeArgs
 from serving.metrics import ServingMetrics
-from serving.protocol import (ApiError, ChatBody, CompletionBody, Limits, TextStream, chat_prompt_ids, check_lengths,
-                              check_model, check_sampling, choice, envelope, error_body, new_id, parse_body, usage)
+from serving.protocol import (GREEDY_BELOW, ApiError, ChatBody, CompletionBody, Limits, TextStream, chat_prompt_ids,
+                              check_lengths, check_model, check_sampling, choice, encode_text, envelope, error_body,
+                              new_id, parse_body, usage)
 from serving.scheduler import ReplicaBroken, Scheduler
 from serving.worker import TPWorker, resolve_location
 
@@ -153,8 +154,9 @@ class EyasServer:
             raise
         self.limits = Limits(self.args.served_name, info["vocab_size"], info["max_len"], info["tree_room"],
                              self.args.max_tokens_limit or info["max_len"], self.args.default_max_tokens)
-        self.scheduler = Scheduler(self.workers, self.args.max_batch_size, self.args.step_timeout_s)
         self.metrics = ServingMetrics(self.args.served_name)
+        self.scheduler = Scheduler(self.workers, self.args.max_batch_size, self.args.step_timeout_s,
+                                   on_round=self.metrics.batch)
         self.created = int(time.time())
 
     async def _start_workers(self, eos: list[int]) -> dict[str, Any]:
@@ -232,10 +234,11 @@ class EyasServer:
             default = None  # chat: up to the context, as OpenAI
         else:
             prompt = body.prompt
-            prompt_ids = list(prompt) if isinstance(prompt, list) else list(self.tokenizer.encode(prompt))
+            prompt_ids = list(prompt) if isinstance(prompt, list) else encode_text(self.tokenizer, prompt, "prompt")
             asked, default = body.max_tokens, self.limits.default_max_tokens
         max_tokens = check_lengths(prompt_ids, asked, self.limits, default)
-        sampling = SamplingParams(body.temperature, body.top_p, max(body.top_k, 0), body.seed)
+        temperature = body.temperature if body.temperature >= GREEDY_BELOW else 0.0
+        sampling = SamplingParams(temperature, body.top_p, max(body.top_k, 0), body.seed)
         request = SequenceRequest(new_id("chatcmpl" if chat else "cmpl"), prompt_ids, max_tokens, sampling)
         return body, request, stop
 

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 MAX_BODY_BYTES = 1 << 20
 MAX_STOP_STRINGS = 4
+GREEDY_BELOW = 1e-5  # a temperature this small is greedy decoding (as in vLLM); dividing by it would overflow
 
 
 class ApiError(Exception):
@@ -84,7 +85,7 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
     if len(raw) > MAX_BODY_BYTES:
         raise ApiError(413, f"request body is {len(raw)} bytes; the limit is {MAX_BODY_BYTES}")
     try:
-        data = json.loads(raw)
+        data = json.loads(raw, parse_constant=_reject_constant)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ApiError(400, f"the request body is not valid JSON ({err})") from None
     if not isinstance(data, dict):
@@ -101,6 +102,10 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
         where = ".".join(p for p in loc if not any(c in p for c in "[]|") and p not in ("str", "int"))
         raise ApiError(400, f"'{where or param}': {first['msg']} (got {json.dumps(first.get('input'))[:80]})",
                        param) from None
+
+
+def _reject_constant(name: str) -> float:
+    raise ApiError(400, f"the request body holds {name}; numbers must be finite")
 
 
 @dataclass(frozen=True)
@@ -130,6 +135,8 @@ def check_sampling(body: _Body) -> list[str]:
         raise ApiError(400, f"top_p={body.top_p}: must be in (0, 1]", "top_p")
     if body.top_k < -1:
         raise ApiError(400, f"top_k={body.top_k}: must be >= 0 (0 or -1 turn it off)", "top_k")
+    if body.seed is not None and not 0 <= body.seed < 2 ** 64:
+        raise ApiError(400, f"seed={body.seed}: must be in [0, 2**64)", "seed")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stop) > MAX_STOP_STRINGS or any(not s for s in stop):
         raise ApiError(400, f"stop: at most {MAX_STOP_STRINGS} non-empty strings", "stop")
@@ -162,13 +169,25 @@ def check_lengths(prompt_ids: list[int], max_tokens: int | None, limits: Limits,
     return max_tokens
 
 
+def encode_text(tokenizer: Any, text: str, param: str, **kwargs: Any) -> list[int]:
+    try:
+        return list(tokenizer.encode(text, **kwargs))
+    except (TypeError, ValueError) as err:  # e.g. a lone surrogate ("\ud800") the tokenizer cannot encode
+        raise ApiError(400, f"the {param} cannot be tokenized ({err}); send valid Unicode text", param) from None
+
+
 def chat_prompt_ids(tokenizer: Any, messages: list[ChatMessage]) -> list[int]:
     plain = [{"role": m.role, "content": m.text()} for m in messages]
     if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=False)
-        return list(tokenizer.encode(text, add_special_tokens=False))
+        from jinja2 import TemplateError
+
+        try:
+            text = tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=False)
+        except (TemplateError, ValueError, TypeError, KeyError) as err:  # the template refuses these messages
+            raise ApiError(400, f"the model's chat template rejected these messages: {err}", "messages") from None
+        return encode_text(tokenizer, text, "messages", add_special_tokens=False)
     text = "".join(f"{m['role']}: {m['content']}\n" for m in plain) + "assistant:"
-    return list(tokenizer.encode(text))
+    return encode_text(tokenizer, text, "messages")
 
 
 # ---------------------------------------------------------------- detokenizing with stop strings

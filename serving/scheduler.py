@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from eyas.spec.batch import SequenceRequest, StepOutput
 
@@ -24,8 +24,10 @@ class ReplicaBroken(RuntimeError):
 
 
 class Scheduler:
-    def __init__(self, workers: list[Any], capacity: int, step_timeout_s: float) -> None:
+    def __init__(self, workers: list[Any], capacity: int, step_timeout_s: float,
+                 on_round: Callable[[int], None] | None = None) -> None:
         self.workers = workers
+        self.on_round = on_round  # called with the batch size after every round (a metrics gauge)
         self.capacity = capacity
         self.step_timeout_s = step_timeout_s
         self.pending: list[SequenceRequest] = []
@@ -94,6 +96,8 @@ class Scheduler:
             self.leaving -= set(leaves)
             self.active = (self.active - set(leaves)) | {r.request_id for r in joins}
             self.batch_size = len(self.active)
+            if self.on_round is not None:
+                self.on_round(self.batch_size)
             for out in outputs:
                 if out.finished:
                     self.active.discard(out.request_id)

@@ -43,20 +43,28 @@ def wait_until(condition, timeout_s: float, every_s: float = 0.5, what: str = "c
 
 
 @pytest.fixture(scope="module")
-def serve_port():
+def ray_session():
+    """(HTTP port, Prometheus metrics port) of a local Ray with Serve on loopback."""
     from eyas.spec.tp import free_port
 
     # autoscaling metrics reach the controller every half second instead of every 10 s (read by Serve's actors,
     # which inherit this process's environment through the local Ray it starts)
     os.environ["RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S"] = "0.5"
     os.environ["RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S"] = "0.5"
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
+    metrics_port = free_port()
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, _metrics_export_port=metrics_port,
+             _system_config={"metrics_report_interval_ms": 1000},
              runtime_env={"env_vars": {API_KEY_ENV: API_KEY}})
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
-    yield port
+    yield port, metrics_port
     serve.shutdown()
     ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def serve_port(ray_session):
+    return ray_session[0]
 
 
 @pytest.fixture(scope="module")
@@ -203,6 +211,9 @@ BAD_REQUESTS = [
     ("temperature < 0", {"model": MODEL, "prompt": "x", "temperature": -0.5}, 400, "temperature"),
     ("top_p out of range", {"model": MODEL, "prompt": "x", "top_p": 1.5}, 400, "top_p"),
     ("n > 1", {"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),
+    ("NaN temperature", b'{"model": "eyas-micro", "prompt": "x", "temperature": NaN}', 400, None),
+    ("seed out of range", {"model": MODEL, "prompt": "x", "seed": 2 ** 70}, 400, "seed"),
+    ("untokenizable text", {"model": MODEL, "prompt": "\ud800"}, 400, "prompt"),
     ("unknown model", {"model": "gpt-9", "prompt": "x"}, 404, "model"),
 ]
 
@@ -246,6 +257,20 @@ def test_client_disconnect_mid_stream_frees_its_row(serve_port, tp1):
     wait_until(lambda: http.get("/health").json()["running"] == 0, 30, what="the row to be freed")
     assert http.get("/health").json()["cancelled"] == cancelled + 1  # freed by the disconnect, not by finishing
     assert complete(http, PROMPTS[3])["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+def test_metrics_reach_prometheus(ray_session, tp1):
+    url = f"http://127.0.0.1:{ray_session[1]}/metrics"
+    wanted = ("ray_eyas_requests_total", "ray_eyas_generated_tokens_total", "ray_eyas_accepted_tokens_total",
+              "ray_eyas_tau_bucket", "ray_eyas_ttft_seconds_bucket", "ray_eyas_latency_seconds_bucket",
+              "ray_eyas_batch_size")
+
+    def exported() -> str | None:
+        text = httpx.get(url, timeout=10).text
+        return text if all(name in text for name in wanted) else None
+
+    text = wait_until(exported, 60, every_s=1.0, what=f"{wanted} at {url}")
+    assert 'status="400"' in text and 'status="200"' in text and 'position="1"' in text
 
 
 def test_killing_a_worker_replaces_the_replica(serve_port, tp1, reference):

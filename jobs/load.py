@@ -1,0 +1,232 @@
+"""Serving load test: speculative against vanilla serving, throughput and latency at several concurrencies, one run.
+
+    python -m jobs.load [--config serving/configs/tiny.yaml] [--target PATH] [--arg KEY=VALUE ...]
+        [--concurrency 1,4,8] [--requests-per-level N] [--max-tokens N] [--suite code|prose|all]
+        [--max-prompt-chars N] [--temperature T] [--out load.json]
+
+Deploys the config's application twice on the local Ray (or ``RAY_ADDRESS``): as configured (``spec``, route
+/spec) and with ``spec.method: vanilla`` (``vanilla``, route /vanilla), each on exactly one replica (autoscaling
+off, so both numbers are per replica). At concurrency c, c closed-loop clients stream completions over loopback (a
+client sends its next request when its last one ends) until ``--requests-per-level`` requests are done; spec and
+vanilla alternate, in a rotating order per level, so slow drifts of the machine hit both alike. Greedy by default,
+so both modes generate the very same tokens.
+
+Per (mode, c): tokens/s (generated tokens over the level's wall time), p50/p99 request latency, p50 time to first
+token, mean tau; ``speedup`` = spec tokens/s over vanilla tokens/s at the same c; ``scaling`` = tokens/s over the
+same mode's at the lowest concurrency. Writes load.json ``{"commit", "machine", "config", "results": [...]}``.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from eyas import corpus
+from eyas.config import ConfigError, apply_overrides
+from jobs.bench import git_commit, machine
+from jobs.common import init_ray
+
+MODES = ("spec", "vanilla")
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    rank = q / 100 * (len(ordered) - 1)
+    low, high = int(rank), min(int(rank) + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def app_configs(config: dict[str, Any], target: str | None, port: int, overrides: list[str] = ()
+                ) -> dict[str, dict[str, Any]]:
+    """mode -> a one-application Serve config: the first application as configured (``overrides`` are dotted
+    ``KEY=VALUE`` strings applied to its args), and its vanilla twin."""
+    if not config.get("applications"):
+        raise ConfigError("the serve config has no `applications:`")
+    base = copy.deepcopy(config["applications"][0])
+    base["args"] = apply_overrides(base.get("args") or {}, list(overrides))
+    if target:
+        base["args"]["target"] = target
+    deployments = [d for d in base.get("deployments") or [] if d.get("name") == "EyasServer"] or [
+        {"name": "EyasServer"}]
+    for deployment in deployments:
+        deployment.pop("autoscaling_config", None)
+        deployment["num_replicas"] = 1
+    base["deployments"] = deployments
+    out = {}
+    for mode in MODES:
+        app = copy.deepcopy(base)
+        app.update(name=f"load-{mode}", route_prefix=f"/{mode}")
+        if mode == "vanilla":
+            app["args"].pop("spec_file", None)
+            app["args"]["spec"] = {"method": "vanilla"}
+        out[mode] = {"http_options": {"host": "127.0.0.1", "port": port}, "proxy_location": "HeadOnly",
+                     "applications": [app]}
+    return out
+
+
+async def one_request(client, url: str, body: dict[str, Any]) -> dict[str, Any]:
+    """Stream one completion; returns latency, time to first token, generated tokens and tau."""
+    start = time.perf_counter()
+    first = None
+    final: dict[str, Any] = {}
+    async with client.stream("POST", url, json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"{url}: HTTP {response.status_code}: {(await response.aread())[:300]!r}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(f"{url}: {chunk['error']['message']}")
+            if first is None and chunk.get("choices") and chunk["choices"][0].get("text"):
+                first = time.perf_counter() - start
+            if chunk.get("usage"):
+                final = chunk
+    latency = time.perf_counter() - start
+    return {"latency": latency, "ttft": first if first is not None else latency,
+            "tokens": final["usage"]["completion_tokens"], "tau": final["spec"]["tau"]}
+
+
+async def run_level(base_url: str, mode: str, model: str, prompts: list[str], concurrency: int, num_requests: int,
+                    max_tokens: int, temperature: float) -> dict[str, Any]:
+    import httpx
+
+    url = f"{base_url}/{mode}/v1/completions"
+    queue = list(range(num_requests))
+    records: list[dict[str, Any]] = []
+
+    async def client_loop(client) -> None:
+        while queue:
+            i = queue.pop(0)
+            body = {"model": model, "prompt": prompts[i % len(prompts)], "max_tokens": max_tokens,
+                    "temperature": temperature, "seed": i, "stream": True}
+            records.append(await one_request(client, url, body))
+
+    limits = httpx.Limits(max_connections=concurrency + 2)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        start = time.perf_counter()
+        await asyncio.gather(*[client_loop(client) for _ in range(concurrency)])
+        seconds = time.perf_counter() - start
+    tokens = sum(r["tokens"] for r in records)
+    taus = [r["tau"] for r in records if r["tau"] is not None]
+    return {"mode": mode, "concurrency": concurrency, "num_requests": len(records), "new_tokens": tokens,
+            "seconds": seconds, "tokens_per_s": tokens / seconds,
+            "latency_p50_s": percentile([r["latency"] for r in records], 50),
+            "latency_p99_s": percentile([r["latency"] for r in records], 99),
+            "ttft_p50_s": percentile([r["ttft"] for r in records], 50),
+            "tau": statistics.fmean(taus) if taus else None}
+
+
+def add_ratios(results: list[dict[str, Any]]) -> None:
+    by_key = {(r["mode"], r["concurrency"]): r for r in results}
+    lowest = min(r["concurrency"] for r in results)
+    for r in results:
+        vanilla = by_key.get(("vanilla", r["concurrency"]))
+        r["speedup"] = r["tokens_per_s"] / vanilla["tokens_per_s"] if vanilla else None
+        r["scaling"] = r["tokens_per_s"] / by_key[(r["mode"], lowest)]["tokens_per_s"]
+
+
+def print_table(results: list[dict[str, Any]]) -> None:
+    print(f"{'mode':8} {'conc':>4} {'tok/s':>8} {'speedup':>7} {'scaling':>7} {'p50 s':>7} {'p99 s':>7} "
+          f"{'ttft50':>7} {'tau':>5}")
+    for r in sorted(results, key=lambda r: (r["concurrency"], r["mode"])):
+        tau = f"{r['tau']:.2f}" if r["tau"] is not None else "-"
+        print(f"{r['mode']:8} {r['concurrency']:>4} {r['tokens_per_s']:>8.1f} {r['speedup']:>7.2f} "
+              f"{r['scaling']:>7.2f} {r['latency_p50_s']:>7.3f} {r['latency_p99_s']:>7.3f} {r['ttft_p50_s']:>7.3f} "
+              f"{tau:>5}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="serving/configs/tiny.yaml", help="a Serve config (serving/configs)")
+    parser.add_argument("--target", help="override the application's args.target")
+    parser.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE",
+                        help="override an application arg, e.g. max_batch_size=4 or spec.num_draft=6")
+    parser.add_argument("--concurrency", default="1,4,8", help="comma-separated client counts")
+    parser.add_argument("--requests-per-level", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--suite", choices=("code", "prose", "all"), default="all")
+    parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--max-prompt-chars", type=int, default=400, help="cut longer prompts (small contexts)")
+    parser.add_argument("--port", type=int, help="HTTP port (default: a free one)")
+    parser.add_argument("--out", default="load.json")
+    args = parser.parse_args(argv)
+    try:
+        levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
+        if not levels or min(levels) < 1:
+            raise ConfigError(f"--concurrency {args.concurrency!r}: give positive integers like 1,4,8")
+        path = Path(args.config)
+        if not path.is_file():
+            raise ConfigError(f"--config {path}: file does not exist")
+        config = yaml.safe_load(path.read_text()) or {}
+        from eyas.spec.tp import free_port
+
+        port = args.port or free_port()
+        configs = app_configs(config, args.target, port, args.arg)
+        model = configs["spec"]["applications"][0]["args"].get("model_name")
+        prompts = [p[-args.max_prompt_chars:] for p in corpus.heldout_prompts(args.suite, args.num_prompts)]
+    except (ConfigError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+    from ray import serve
+
+    from serving.app import run_config
+    from serving.config import ServeArgs
+
+    serve_args = {mode: ServeArgs.from_args(configs[mode]["applications"][0]["args"]) for mode in MODES}
+    ray_options: dict[str, Any] = {"log_to_driver": False}
+    if not os.environ.get("RAY_ADDRESS"):
+        # a local Ray gets enough logical CPUs for both applications: they are deployed side by side but measured
+        # one at a time, so the idle one only holds its reservation
+        reserved = sum(bundle.get("CPU", 0) for a in serve_args.values() for bundle in a.bundles())
+        ray_options["num_cpus"] = max(os.cpu_count() or 1, math.ceil(reserved) + 1)
+    init_ray(**ray_options)
+    model = model or serve_args["spec"].served_name
+    for mode in MODES:
+        print(f"[load] deploying {mode} ...", flush=True)
+        run_config(configs[mode])
+    base_url = f"http://127.0.0.1:{port}"
+    results = []
+    try:
+        for mode in MODES:  # warm-up: first requests pay for lazy initialisation
+            asyncio.run(run_level(base_url, mode, model, prompts, 1, 2, 8, args.temperature))
+        for n, concurrency in enumerate(levels):
+            for mode in (MODES if n % 2 == 0 else MODES[::-1]):
+                result = asyncio.run(run_level(base_url, mode, model, prompts, concurrency,
+                                               max(args.requests_per_level, concurrency), args.max_tokens,
+                                               args.temperature))
+                print(f"[load] {mode} c={concurrency}: {result['tokens_per_s']:.1f} tok/s "
+                      f"p50={result['latency_p50_s']:.3f}s p99={result['latency_p99_s']:.3f}s", flush=True)
+                results.append(result)
+    finally:
+        for mode in MODES:
+            serve.delete(f"load-{mode}")
+    add_ratios(results)
+    report = {"commit": git_commit(), "machine": machine(),
+              "config": {"serve_config": str(path), "app": configs["spec"]["applications"][0],
+                         "concurrency": levels, "requests_per_level": args.requests_per_level,
+                         "max_prompt_chars": args.max_prompt_chars,
+                         "max_tokens": args.max_tokens, "temperature": args.temperature, "suite": args.suite},
+              "results": results}
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    print_table(results)
+    print(f"[load] wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
