@@ -37,141 +37,10 @@ from typing import Any
 
 from eyas.config import ConfigError, flatten, from_dict, resolve_path, to_dict
 from eyas.train.config import TrainConfig, data_path, target_path
-from eyas.train.data import DataPosition
-
-DEEPSPEED_DIR, DEEPSPEED_TAG = "deepspeed", "state"
-
-
-# ---------------------------------------------------------------- strategies: DDP or DeepSpeed ZeRO
-
-
-class DDPStrategy:
-    """LossModule(drafter) wrapped in DistributedDataParallel (plain module with one worker)."""
-
-    def __init__(self, drafter, cfg: TrainConfig, total_steps: int, world_size: int, device) -> None:
-        from torch.nn.parallel import DistributedDataParallel
-
-        from eyas.train.step import LossModule, build_optimizer, build_scheduler
-
-        self.drafter, self.grad_clip = drafter, cfg.optim.grad_clip
-        module = LossModule(drafter)
-        self.optimizer = build_optimizer(module, cfg.optim)
-        self.scheduler = build_scheduler(self.optimizer, cfg.optim, total_steps)
-        device_ids = [device.index] if device.type == "cuda" else None
-        self.model = DistributedDataParallel(module, device_ids=device_ids) if world_size > 1 else module
-
-    def step(self, batch, features) -> dict[str, float]:
-        from eyas.train.step import train_step
-
-        return train_step(self.model, batch, features, self.optimizer, self.scheduler, self.grad_clip)
-
-    def save(self, directory: Path, rank: int, state: dict[str, Any]) -> None:
-        from eyas.train.step import save_trainer_state
-
-        if rank == 0:
-            save_trainer_state(directory, self.optimizer, self.scheduler, state)
-
-    def load(self, directory: Path) -> dict[str, Any]:
-        from safetensors.torch import load_file
-
-        from eyas.train.step import load_trainer_state
-
-        self.drafter.load_state_dict(load_file(str(directory / "drafter" / "model.safetensors"),
-                                               device=str(next(self.drafter.parameters()).device)))
-        return load_trainer_state(directory, self.optimizer, self.scheduler)
-
-
-def deepspeed_config(cfg: TrainConfig, world_size: int) -> dict[str, Any]:
-    stage = {"zero1": 1, "zero2": 2}[cfg.scaling.strategy]
-    return {
-        "train_micro_batch_size_per_gpu": cfg.train.batch_size,
-        "gradient_accumulation_steps": 1,
-        "train_batch_size": cfg.train.batch_size * world_size,
-        "zero_optimization": {"stage": stage},
-        "gradient_clipping": cfg.optim.grad_clip,
-        "steps_per_print": 1 << 30,
-        "wall_clock_breakdown": False,
-    }
-
-
-class ZeroStrategy:
-    """``deepspeed.initialize`` over LossModule(drafter) with our AdamW and schedule (DeepSpeed steps both)."""
-
-    def __init__(self, drafter, cfg: TrainConfig, total_steps: int, world_size: int, device) -> None:
-        import logging
-
-        import deepspeed
-
-        from eyas.train.step import LossModule, build_optimizer, build_scheduler
-
-        deepspeed.utils.logger.setLevel(logging.WARNING)
-        module = LossModule(drafter)
-        optimizer = build_optimizer(module, cfg.optim)
-        scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
-        self.drafter = drafter
-        self.engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
-                                                    config=deepspeed_config(cfg, world_size),
-                                                    dist_init_required=False)
-
-    def step(self, batch, features) -> dict[str, float]:
-        from eyas.train.step import engine_step
-
-        return engine_step(self.engine, batch, features)
-
-    def save(self, directory: Path, rank: int, state: dict[str, Any]) -> None:
-        from eyas.train.step import write_state
-
-        # every rank writes its ZeRO partition into its own local directory (global rank 0 also the module and the
-        # schedule); Ray merges the ranks' directories into one checkpoint, from which every rank reloads its part
-        (directory / DEEPSPEED_DIR / DEEPSPEED_TAG).mkdir(parents=True, exist_ok=True)
-        self.engine.save_checkpoint(str(directory / DEEPSPEED_DIR), tag=DEEPSPEED_TAG, save_latest=False)
-        if rank == 0:
-            write_state(directory, state)
-
-    def load(self, directory: Path) -> dict[str, Any]:
-        from eyas.train.step import read_state
-
-        path, _ = self.engine.load_checkpoint(str(directory / DEEPSPEED_DIR), tag=DEEPSPEED_TAG,
-                                              load_optimizer_states=True, load_lr_scheduler_states=True)
-        if path is None:
-            raise RuntimeError(f"{directory / DEEPSPEED_DIR}: DeepSpeed found no checkpoint to resume from")
-        return read_state(directory)
-
-
-STRATEGIES = {"ddp": DDPStrategy, "zero1": ZeroStrategy, "zero2": ZeroStrategy}
+from eyas.train.data import DataPosition, to_device
 
 
 # ---------------------------------------------------------------- the worker
-
-
-def build_drafter(cfg: TrainConfig, target, rows):
-    """A fresh drafter from the registry; a reduced draft vocabulary (EAGLE-3 ``draft_vocab_size``) is the most
-    frequent prediction targets of the training data."""
-    from eyas.drafters import registry
-    from eyas.train.data import token_counts
-
-    options = dict(cfg.drafter.config)
-    counts_V = token_counts(rows, target.config.vocab_size) if options.get("draft_vocab_size") else None
-    return registry.build_model(cfg.drafter.type, options, target, token_counts_V=counts_V)
-
-
-def batch_to(batch, device):
-    from eyas.train.features import TrainBatch
-
-    return TrainBatch(input_ids_BT=batch.input_ids_BT.to(device), loss_mask_BT=batch.loss_mask_BT.to(device),
-                      valid_BT=batch.valid_BT.to(device))
-
-
-def mean_over_ranks(metrics: dict[str, float], device) -> dict[str, float]:
-    import torch
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return metrics
-    keys = sorted(metrics)
-    values = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=device)
-    dist.all_reduce(values)
-    return dict(zip(keys, (values / dist.get_world_size()).tolist()))
 
 
 class Tracker:
@@ -207,7 +76,7 @@ class Tracker:
 
             track.log_figure(figure, name)
 
-    def dict(self, data: dict[str, Any], name: str) -> None:
+    def log_dict(self, data: dict[str, Any], name: str) -> None:
         if self.enabled:
             from eyas import track
 
@@ -224,6 +93,7 @@ class Worker:
 
         from eyas.models import load_target, load_tokenizer
         from eyas.train.data import FeatureCache, SequenceDataset, feature_cache_key
+        from eyas.train.step import build_drafter, make_strategy
 
         self.loop = loop
         self.cfg = cfg = from_dict(TrainConfig, loop["config"])
@@ -244,8 +114,8 @@ class Worker:
         self.total_steps = cfg.train.num_epochs * self.steps_per_epoch
         if cfg.train.max_steps is not None:
             self.total_steps = min(self.total_steps, cfg.train.max_steps)
-        self.strategy = STRATEGIES[cfg.scaling.strategy](self.drafter, cfg, self.total_steps, self.world_size,
-                                                         self.device)
+        self.strategy = make_strategy(cfg.scaling.strategy, self.drafter, cfg.optim, cfg.train.batch_size,
+                                      self.total_steps, self.world_size, self.device)
         cache_dir = None
         if cfg.train.feature_cache == "disk":
             key = feature_cache_key(Path(loop["target_dir"]), self.taps, cfg.train.max_len)
@@ -271,7 +141,7 @@ class Worker:
         out = []
         for start in range(0, len(data), cfg.train.batch_size):
             indices = list(range(start, min(start + cfg.train.batch_size, len(data))))
-            batch = batch_to(data.batch(indices), self.device)
+            batch = to_device(data.batch(indices), self.device)
             out.append((batch, cache.features(indices, batch)))
         return out
 
@@ -343,10 +213,11 @@ def epoch_end(worker: Worker, tracker: Tracker, step: int, epoch_label: str) -> 
             worker.vanilla = [generate(worker.target, p, cfg.measure.max_new_tokens, eos_token_ids=worker.eos
                                        ).token_ids for p in worker.prompts]
         measured = stats.per_depth_accept
-        metrics.update({"tau": stats.tau or 0.0, "draft_nodes_per_cycle": stats.num_draft_nodes / max(stats.cycles, 1),
+        metrics.update({"tau": stats.tau or 0.0,
+                        "draft_nodes_per_cycle": stats.num_draft_nodes / max(stats.cycles, 1),
                         "greedy_identical": sum(a == b for a, b in zip(outputs, worker.vanilla)) / len(outputs),
                         **{f"accept_depth_{d + 1}": rate for d, rate in enumerate(measured)}})
-        tracker.dict(stats.to_dict(), f"spec_stats/{epoch_label}.json")
+        tracker.log_dict(stats.to_dict(), f"spec_stats/{epoch_label}.json")
         tracker.figure(calibration_figure(stats.calibration(), f"{cfg.name} calibration ({epoch_label})"),
                        f"calibration/{epoch_label}.png")
     heldout_acc = acceptance_curve({k.removeprefix("heldout_"): v for k, v in metrics.items()})
@@ -357,19 +228,16 @@ def epoch_end(worker: Worker, tracker: Tracker, step: int, epoch_label: str) -> 
 
 
 def save_checkpoint(worker: Worker, step: int, position: DataPosition, metrics: dict[str, float]) -> None:
-    """Every rank: the strategy's state, rank 0 also the drafter and state.json; one ``ray.train.report``."""
+    """Every rank: its part of the checkpoint into a local directory, then one ``ray.train.report`` (a barrier);
+    Ray merges the ranks' directories into one checkpoint in storage."""
     import ray.train
 
-    from eyas.drafters import registry
+    from eyas.train.step import save_training_checkpoint
 
     state = {"step": step, "position": position.to_dict(), "metrics": metrics}
     with tempfile.TemporaryDirectory() as tmp:
-        directory = Path(tmp)
-        worker.strategy.save(directory, worker.rank, state)
-        if worker.rank == 0:
-            registry.save_drafter(worker.drafter, directory / "drafter", worker.loop["target_dir"])
-        has_files = any(directory.iterdir())
-        checkpoint = ray.train.Checkpoint.from_directory(tmp) if has_files else None
+        save_training_checkpoint(Path(tmp), worker.strategy, worker.rank, state, worker.loop["target_dir"])
+        checkpoint = ray.train.Checkpoint.from_directory(tmp) if any(Path(tmp).iterdir()) else None
         ray.train.report({"step": step, "epoch": position.epoch, **metrics}, checkpoint=checkpoint,
                          checkpoint_dir_name=f"checkpoint-step{step:07d}")
 
@@ -378,6 +246,7 @@ def train_loop_per_worker(loop: dict[str, Any]) -> None:
     import ray.train
     import torch
 
+    from eyas.train.step import load_training_checkpoint, mean_over_ranks
     from jobs.common import Progress
 
     worker = Worker(loop)
@@ -386,7 +255,7 @@ def train_loop_per_worker(loop: dict[str, Any]) -> None:
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:
         with checkpoint.as_directory() as directory:
-            state = worker.strategy.load(Path(directory))
+            state = load_training_checkpoint(Path(directory), worker.strategy)
         step, position = int(state["step"]), DataPosition.from_dict(state["position"])
         print(f"[train_drafter] rank {rank}: resumed at step {step}, epoch {position.epoch}, "
               f"batch {position.batch}", flush=True)
@@ -402,7 +271,8 @@ def train_loop_per_worker(loop: dict[str, Any]) -> None:
         for epoch in range(position.epoch, cfg.train.num_epochs):
             start = position.batch if epoch == position.epoch else 0
             for index, (indices, batch) in enumerate(
-                    worker.data.batches(epoch, cfg.train.seed, rank, worker.world_size, cfg.train.batch_size, start),
+                    worker.data.batches(epoch, cfg.train.seed, rank, worker.world_size, cfg.train.batch_size, start,
+                                        fixed_ranks=cfg.train.feature_cache == "memory"),
                     start=start):
                 if step >= worker.total_steps:
                     break
@@ -410,7 +280,7 @@ def train_loop_per_worker(loop: dict[str, Any]) -> None:
                 # randomness (feature noise, DFlash anchors) as a function of (seed, step, rank): a resumed run
                 # draws exactly what the uninterrupted run would have
                 torch.manual_seed(cfg.train.seed * 1_000_003 + step * 1_009 + rank)
-                batch = batch_to(batch, worker.device)
+                batch = to_device(batch, worker.device)
                 metrics = worker.strategy.step(batch, worker.features.features(indices, batch))
                 step += 1
                 if step % cfg.train.log_every == 0 or step == worker.total_steps:

@@ -41,7 +41,8 @@ def workspace(tmp_path_factory, random_checkpoint):
     target, tokenizer = load_target(target_dir), load_tokenizer(target_dir)
     tokenizer.model_max_length = 10**9  # prompts are cut below; silences the long-input warning
     data_dir = home / "data" / "data-rand"
-    for split, prompts in (("train", corpus.train_prompts(NUM_TRAIN)), ("heldout", corpus.heldout_prompts("all", NUM_HELDOUT))):
+    splits = {"train": corpus.train_prompts(NUM_TRAIN), "heldout": corpus.heldout_prompts("all", NUM_HELDOUT)}
+    for split, prompts in splits.items():
         ids = [tokenizer(p).input_ids[:16] for p in prompts]
         rows = [response_row(p, r) for p, r in zip(ids, regenerate(target, ids, 24, [tokenizer.eos_token_id]))]
         write_shard(shard_path(data_dir, split, 0), rows)

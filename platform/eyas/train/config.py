@@ -120,7 +120,9 @@ class LoopConfig:
     eval_sequences: int = 16         # held-out sequences in the evaluation batch
     log_every: int = 5               # steps between logged training losses
     checkpoint_every: int | None = None  # checkpoint every N steps too (always at each epoch end)
-    feature_cache: Literal["none", "memory", "disk"] = "none"  # reuse target features across epochs
+    # reuse target features across epochs: "memory" per worker (each worker then keeps its share of the data and
+    # reshuffles only within it), "disk" under <data>/features/ (shared by the workers, global reshuffling)
+    feature_cache: Literal["none", "memory", "disk"] = "none"
     fail_at_step: int | None = None  # testing: rank `fail_rank` dies once at this step (a marker file guards)
     fail_rank: int = 1
 

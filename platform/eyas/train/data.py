@@ -168,6 +168,11 @@ def collate(rows: Sequence[dict[str, list[int]]], max_len: int, pad_id: int = 0)
     return TrainBatch(input_ids_BT=input_ids_BT, loss_mask_BT=loss_mask_BT, valid_BT=valid_BT)
 
 
+def to_device(batch: TrainBatch, device: torch.device | str) -> TrainBatch:
+    return TrainBatch(input_ids_BT=batch.input_ids_BT.to(device), loss_mask_BT=batch.loss_mask_BT.to(device),
+                      valid_BT=batch.valid_BT.to(device))
+
+
 @dataclass(frozen=True)
 class DataPosition:
     """Where training stands: the next batch to run is batch ``batch`` of epoch ``epoch`` (both from 0)."""
@@ -199,31 +204,37 @@ class SequenceDataset:
     def batch(self, indices: Sequence[int]) -> TrainBatch:
         return collate([self.rows[i] for i in indices], self.max_len, self.pad_id)
 
-    def epoch_indices(self, epoch: int, seed: int, rank: int, world_size: int, batch_size: int
-                      ) -> list[list[int]]:
+    def epoch_indices(self, epoch: int, seed: int, rank: int, world_size: int, batch_size: int,
+                      fixed_ranks: bool = False) -> list[list[int]]:
         """This rank's batches of sequence indices in ``epoch``.
 
         One permutation per (seed, epoch), shared by all ranks; rank r takes positions r, r + W, r + 2W, ... of
         the first W * floor(N / W) entries, so every rank runs the same number of steps (a collective per step
         must not wait for a rank that has run out). E.g. N=10, W=2, perm [3 7 0 9 4 1 8 2 6 5]:
         rank 0 -> [3 0 4 8 6], rank 1 -> [7 9 1 2 5]; batch_size 2 -> [[3 0] [4 8] [6]].
+        fixed_ranks: every rank keeps the sequences of epoch 0's split and only reorders them each epoch, so a
+        per-worker feature cache (FeatureCache "memory") is hit for every sequence after the first epoch.
         """
         per_rank = len(self) // world_size
         if per_rank == 0:
             raise ValueError(f"{self.directory / self.split}: {len(self)} sequences cannot feed {world_size} "
                              f"workers; generate more data or lower scaling.num_workers")
-        generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-        order = torch.randperm(len(self), generator=generator)[: per_rank * world_size]
-        mine = order[rank::world_size].tolist()
+        split_epoch = 0 if fixed_ranks else epoch
+        order = torch.randperm(len(self), generator=torch.Generator().manual_seed(seed * 1_000_003 + split_epoch))
+        mine = order[: per_rank * world_size][rank::world_size]
+        if fixed_ranks and epoch > 0:
+            reorder = torch.Generator().manual_seed((seed * 1_000_003 + epoch) * 1_009 + rank)
+            mine = mine[torch.randperm(per_rank, generator=reorder)]
+        mine = mine.tolist()
         return [mine[i:i + batch_size] for i in range(0, per_rank, batch_size)]
 
     def num_batches(self, world_size: int, batch_size: int) -> int:
         return -(-(len(self) // world_size) // batch_size)
 
-    def batches(self, epoch: int, seed: int, rank: int, world_size: int, batch_size: int, start: int = 0
-                ) -> Iterator[tuple[list[int], TrainBatch]]:
+    def batches(self, epoch: int, seed: int, rank: int, world_size: int, batch_size: int, start: int = 0,
+                fixed_ranks: bool = False) -> Iterator[tuple[list[int], TrainBatch]]:
         """(sequence indices, batch) from batch ``start`` of ``epoch`` on (resume skips what was trained)."""
-        for indices in self.epoch_indices(epoch, seed, rank, world_size, batch_size)[start:]:
+        for indices in self.epoch_indices(epoch, seed, rank, world_size, batch_size, fixed_ranks)[start:]:
             yield indices, self.batch(indices)
 
 

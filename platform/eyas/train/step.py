@@ -20,12 +20,25 @@ from typing import Any, Iterable, Mapping
 import torch
 from torch import nn
 
-from eyas.train.config import OptimConfig
+from eyas.train.config import OptimConfig, TrainConfig
 from eyas.train.features import TargetFeatures, TrainBatch
 
 ACC_KEY = re.compile(r"^acc_(\d+)$")
 TRAINER_STATE = "trainer.pt"   # optimizer + scheduler (DDP / single process)
 STATE_FILE = "state.json"      # step, data position, last metrics
+DRAFTER_DIR = "drafter"        # the registry checkpoint inside a training checkpoint
+DEEPSPEED_DIR, DEEPSPEED_TAG = "deepspeed", "state"
+
+
+def build_drafter(cfg: TrainConfig, target, rows) -> nn.Module:
+    """A fresh drafter from the registry; a reduced draft vocabulary (EAGLE-3 ``draft_vocab_size``) is the most
+    frequent prediction targets of the training data ``rows``."""
+    from eyas.drafters import registry
+    from eyas.train.data import token_counts
+
+    options = dict(cfg.drafter.config)
+    counts_V = token_counts(rows, target.config.vocab_size) if options.get("draft_vocab_size") else None
+    return registry.build_model(cfg.drafter.type, options, target, token_counts_V=counts_V)
 
 
 class LossModule(nn.Module):
@@ -159,24 +172,121 @@ def evaluate(drafter: nn.Module, batches: Iterable[tuple[TrainBatch, TargetFeatu
     return out
 
 
-# ---------------------------------------------------------------- resumable state (plain torch / DDP)
+# ---------------------------------------------------------------- parallel strategies and resumable checkpoints
+#
+# A training checkpoint directory holds
+#   drafter/     the registry checkpoint (rank 0)
+#   state.json   step, data position, last metrics (rank 0)
+#   trainer.pt   optimizer + scheduler (ddp, rank 0)  |  deepspeed/state/  every rank's ZeRO partition (zero1/zero2)
+# Every rank writes into its own directory; a launcher merging them (Ray Train does) gets the whole checkpoint.
 
 
-def save_trainer_state(directory: Path, optimizer: torch.optim.Optimizer,
-                       scheduler: torch.optim.lr_scheduler.LRScheduler | None, state: Mapping[str, Any]) -> None:
-    """``trainer.pt`` (optimizer + scheduler) and ``state.json`` (step, data position, ...) into ``directory``."""
+class DDPStrategy:
+    """LossModule(drafter) in DistributedDataParallel (a plain module when there is one process)."""
+
+    def __init__(self, drafter: nn.Module, optim: OptimConfig, batch_size: int, total_steps: int,
+                 world_size: int, device: torch.device) -> None:
+        from torch.nn.parallel import DistributedDataParallel
+
+        self.drafter, self.grad_clip = drafter, optim.grad_clip
+        module = LossModule(drafter)
+        self.optimizer = build_optimizer(module, optim)
+        self.scheduler = build_scheduler(self.optimizer, optim, total_steps)
+        device_ids = [device.index] if device.type == "cuda" else None
+        self.model = DistributedDataParallel(module, device_ids=device_ids) if world_size > 1 else module
+
+    def step(self, batch: TrainBatch, features: TargetFeatures) -> dict[str, float]:
+        return train_step(self.model, batch, features, self.optimizer, self.scheduler, self.grad_clip)
+
+    def save(self, directory: Path, rank: int) -> None:
+        if rank == 0:
+            torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
+                       directory / TRAINER_STATE)
+
+    def load(self, directory: Path) -> None:
+        from safetensors.torch import load_file
+
+        device = next(self.drafter.parameters()).device
+        self.drafter.load_state_dict(load_file(str(directory / DRAFTER_DIR / "model.safetensors"),
+                                               device=str(device)))
+        saved = torch.load(directory / TRAINER_STATE, map_location=device, weights_only=False)
+        self.optimizer.load_state_dict(saved["optimizer"])
+        self.scheduler.load_state_dict(saved["scheduler"])
+
+
+def deepspeed_config(stage: int, batch_size: int, world_size: int, grad_clip: float) -> dict[str, Any]:
+    return {
+        "train_micro_batch_size_per_gpu": batch_size,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": batch_size * world_size,
+        "zero_optimization": {"stage": stage},
+        "gradient_clipping": grad_clip,
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+
+
+class ZeroStrategy:
+    """``deepspeed.initialize`` over LossModule(drafter) with our AdamW and schedule (the engine steps both);
+    ZeRO stage 1 partitions the optimizer state over the ranks, stage 2 the gradients too. torch.distributed must
+    already be initialised (gloo on CPU, NCCL on GPU)."""
+
+    def __init__(self, drafter: nn.Module, optim: OptimConfig, batch_size: int, total_steps: int,
+                 world_size: int, device: torch.device, stage: int = 2) -> None:
+        import logging
+
+        import deepspeed
+
+        deepspeed.utils.logger.setLevel(logging.WARNING)
+        module = LossModule(drafter)
+        optimizer = build_optimizer(module, optim)
+        scheduler = build_scheduler(optimizer, optim, total_steps)
+        self.drafter = drafter
+        self.engine, _, _, _ = deepspeed.initialize(
+            model=module, optimizer=optimizer, lr_scheduler=scheduler, dist_init_required=False,
+            config=deepspeed_config(stage, batch_size, world_size, optim.grad_clip))
+
+    def step(self, batch: TrainBatch, features: TargetFeatures) -> dict[str, float]:
+        return engine_step(self.engine, batch, features)
+
+    def save(self, directory: Path, rank: int) -> None:
+        # a collective: every rank writes its partition (global rank 0 also the module and the schedule); only rank
+        # 0 creates directories itself, so the others' local directories are made here
+        (directory / DEEPSPEED_DIR / DEEPSPEED_TAG).mkdir(parents=True, exist_ok=True)
+        self.engine.save_checkpoint(str(directory / DEEPSPEED_DIR), tag=DEEPSPEED_TAG, save_latest=False)
+
+    def load(self, directory: Path) -> None:
+        path, _ = self.engine.load_checkpoint(str(directory / DEEPSPEED_DIR), tag=DEEPSPEED_TAG,
+                                              load_optimizer_states=True, load_lr_scheduler_states=True)
+        if path is None:
+            raise FileNotFoundError(f"{directory / DEEPSPEED_DIR}: DeepSpeed found no checkpoint to resume from")
+
+
+def make_strategy(name: str, drafter: nn.Module, optim: OptimConfig, batch_size: int, total_steps: int,
+                  world_size: int, device: torch.device):
+    """``ddp``, ``zero1`` or ``zero2`` (TrainConfig.scaling.strategy)."""
+    if name == "ddp":
+        return DDPStrategy(drafter, optim, batch_size, total_steps, world_size, device)
+    if name in ("zero1", "zero2"):
+        return ZeroStrategy(drafter, optim, batch_size, total_steps, world_size, device, stage=int(name[-1]))
+    raise ValueError(f"strategy {name!r}: must be ddp, zero1 or zero2")
+
+
+def save_training_checkpoint(directory: Path, strategy, rank: int, state: Mapping[str, Any],
+                             target_ref: str) -> None:
+    """Every rank calls this (ZeRO saving is a collective); rank 0 adds the drafter and ``state.json``."""
+    from eyas.drafters import registry
+
     directory.mkdir(parents=True, exist_ok=True)
-    torch.save({"optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict() if scheduler is not None else None}, directory / TRAINER_STATE)
-    write_state(directory, state)
+    strategy.save(directory, rank)
+    if rank == 0:
+        registry.save_drafter(strategy.drafter, directory / DRAFTER_DIR, target_ref)
+        write_state(directory, state)
 
 
-def load_trainer_state(directory: Path, optimizer: torch.optim.Optimizer,
-                       scheduler: torch.optim.lr_scheduler.LRScheduler | None) -> dict[str, Any]:
-    saved = torch.load(directory / TRAINER_STATE, map_location="cpu", weights_only=False)
-    optimizer.load_state_dict(saved["optimizer"])
-    if scheduler is not None and saved["scheduler"] is not None:
-        scheduler.load_state_dict(saved["scheduler"])
+def load_training_checkpoint(directory: Path, strategy) -> dict[str, Any]:
+    """Weights, optimizer and schedule into ``strategy``; returns ``state.json`` (step, data position, ...)."""
+    strategy.load(directory)
     return read_state(directory)
 
 
@@ -189,6 +299,18 @@ def read_state(directory: Path) -> dict[str, Any]:
     if not file.is_file():
         raise FileNotFoundError(f"{file}: missing; not a drafter training checkpoint")
     return json.loads(file.read_text())
+
+
+def mean_over_ranks(metrics: Mapping[str, float], device: torch.device) -> dict[str, float]:
+    """The average of each metric over the ranks (one all-reduce; every rank must call it with the same keys)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return dict(metrics)
+    keys = sorted(metrics)
+    values = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=device)
+    dist.all_reduce(values)
+    return dict(zip(keys, (values / dist.get_world_size()).tolist()))
 
 
 # ---------------------------------------------------------------- measured tau and figures

@@ -81,6 +81,10 @@ def test_ranks_get_disjoint_equal_batches_and_resume_skips(dataset_dir):
     assert data.num_batches(3, 3) == len(per_rank[0]) == 3
     assert per_rank[0] == data.epoch_indices(0, 1, 0, 3, 3)  # deterministic
     assert per_rank[0] != data.epoch_indices(1, 1, 0, 3, 3)  # reshuffled each epoch
+    fixed = [[sorted(i for b in data.epoch_indices(e, 1, r, 3, 3, fixed_ranks=True) for i in b) for r in range(3)]
+             for e in range(3)]
+    assert fixed[0] == fixed[1] == fixed[2] and fixed[0] == flat  # same share per rank, every epoch
+    assert data.epoch_indices(1, 1, 0, 3, 3, fixed_ranks=True) != data.epoch_indices(2, 1, 0, 3, 3, fixed_ranks=True)
     resumed = [idx for idx, _ in data.batches(0, 1, 0, 3, 3, start=2)]
     assert resumed == per_rank[0][2:]
     assert DataPosition.from_dict(DataPosition(2, 5).to_dict()) == DataPosition(2, 5)
