@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import replace
-from typing import Any
+from typing import Any, Callable
 
 import ray
 import torch
 
 from eyas.config import resolve_path
-from eyas.methods import SpecConfig, build_drafter
+from eyas.methods import METHODS, SpecConfig, build_drafter
 from eyas.models import load_target
 from eyas.spec.batch import BatchEngine, SequenceRequest, StepOutput
 from eyas.spec.tp import BroadcastChannel, free_port, init_tensor_parallel
@@ -47,6 +47,27 @@ def resolved_spec(spec: SpecConfig) -> SpecConfig:
     if spec.draft_model:
         changes["draft_model"] = resolve_location(spec.draft_model)
     return replace(spec, **changes) if changes else spec
+
+
+def drafter_factory(target, spec: SpecConfig) -> Callable[[], Any] | None:
+    """Makes one drafter per batch row (drafters hold per-sequence state) without loading weights per row: a
+    trained drafter's checkpoint is read once and its rows share the model (registry.drafter_factory); a draft LM
+    is loaded once and each row gets its own KV cache. None for vanilla. The first drafter is built the ordinary
+    way, so a bad spec fails here with methods.build_drafter's message."""
+    first = build_drafter(target, spec)
+    if first is None:
+        return None
+    if METHODS[spec.method].needs_drafter:
+        from eyas.drafters.registry import drafter_factory as shared_factory
+
+        return shared_factory(spec.drafter, target, method=spec.method,
+                              tree=spec.tree or METHODS[spec.method].default_tree, depth=spec.depth,
+                              top_k=spec.top_k, num_nodes=spec.num_nodes)
+    if spec.method == "draft-lm":
+        from eyas.drafters.draft_lm import DraftLMDrafter
+
+        return lambda: DraftLMDrafter(first.model, first.config, first.max_len)
+    return lambda: build_drafter(target, spec)
 
 
 @ray.remote(max_restarts=0)
@@ -75,10 +96,10 @@ class TPWorker:
         tp = init_tensor_parallel(self.rank, args.tensor_parallel_size, master_addr, master_port, self.device,
                                   timeout_s=args.collective_timeout_s)
         target = load_target(resolve_location(args.target), dtype=TORCH_DTYPES[args.dtype], device=self.device, tp=tp)
-        spec = resolved_spec(args.spec) if self.rank == 0 else args.spec
-        factory = None
-        if spec.method != "vanilla":
-            factory = lambda: build_drafter(target, spec)  # noqa: E731 (called on the leader only)
+        if self.rank == 0:  # the leader alone drafts (eyas.spec.batch); the others only need to know it speculates
+            factory = drafter_factory(target, resolved_spec(args.spec))
+        else:
+            factory = None if args.spec.method == "vanilla" else _never_called
         self.engine = BatchEngine(target, capacity=args.max_batch_size, max_len=args.max_len,
                                   drafter_factory=factory, schedule=args.schedule,
                                   eos_token_ids=self.eos_token_ids, max_tree_nodes=args.max_tree_nodes,
@@ -92,3 +113,7 @@ class TPWorker:
 
     def ping(self) -> int:
         return self.rank
+
+
+def _never_called() -> Any:
+    raise AssertionError("only the leader (rank 0) builds drafters")

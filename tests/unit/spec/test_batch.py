@@ -106,6 +106,33 @@ def test_batched_greedy_equals_single_generate(setup, random_draft_checkpoint, m
     assert engine.rows == [] and len(engine.free_drafters) == (3 if factory else 0)
 
 
+@pytest.fixture(scope="module")
+def random_drafters(random_checkpoint, setup, tmp_path_factory):
+    """An untrained checkpoint of every trainable family, saved and loaded through the registry."""
+    from eyas.drafters.registry import build_model, save_drafter
+
+    target = setup[0]
+    out = {}
+    for family, config in (("eagle1", None), ("eagle3", None), ("medusa", None), ("dflash", {"num_taps": 1})):
+        torch.manual_seed(0)
+        model = build_model(family, config, target, token_counts_V=torch.ones(target.config.vocab_size))
+        out[family] = save_drafter(model, tmp_path_factory.mktemp(family), random_checkpoint)
+    return out
+
+
+@pytest.mark.parametrize("method, family", [("eagle2", "eagle1"), ("eagle3", "eagle3"), ("medusa", "medusa"),
+                                            ("dflash", "dflash"), ("dflash-ddtree", "dflash")])
+def test_batched_greedy_with_trained_drafter_families(setup, random_drafters, method, family):
+    target, prompts, eos = setup
+    spec = SpecConfig(method=method, drafter=str(random_drafters[family]))
+    expected = [generate(target, ids, 16, drafter=build_drafter(target, spec), eos_token_ids=eos).token_ids
+                for ids in prompts[:3]]
+    engine = BatchEngine(target, capacity=2, max_len=256, drafter_factory=lambda: build_drafter(target, spec),
+                         schedule=SpeculationSchedule({1: None, 2: 4}), eos_token_ids=eos)
+    done = engine.run([SequenceRequest(str(i), ids, 16) for i, ids in enumerate(prompts[:3])])
+    assert [done[str(i)][0] for i in range(3)] == expected
+
+
 def test_joins_and_leaves_between_cycles(setup):
     target, prompts, eos = setup
     spec = SpecConfig(method="ngram")
