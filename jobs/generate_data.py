@@ -165,6 +165,7 @@ def corpus_shards(cfg: DataConfig, out: Path, target_dir: Path, todo: list[tuple
     from eyas.models import load_tokenizer
 
     tokenizer = load_tokenizer(target_dir)
+    tokenizer.model_max_length = 10**9  # whole documents are tokenized, then cut into chunks
     totals = {"prompts": 0, "rows": 0, "skipped": 0, "new_tokens": 0}
     for split, count in split_plan(cfg).items():
         indices = [index for s, index in todo if s == split]
