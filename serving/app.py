@@ -296,12 +296,16 @@ class EyasServer:
         self.metrics.request(route, 200)
 
 
-def build_app(args: dict[str, Any], deployment_options: dict[str, Any] | None = None) -> Application:
-    """The application builder ``import_path: serving.app:build_app`` names; ``args`` are ServeArgs.
+def build_app(args: dict[str, Any]) -> Application:
+    """The application builder ``import_path: serving.app:build_app`` names (Serve passes exactly the ``args``).
 
     The placement group (bundle 0 for the replica, one bundle per TP rank) follows from the args; a config file's
-    ``deployments:`` entry (autoscaling_config, max_ongoing_requests, ...) overrides these options as usual, and
-    ``deployment_options`` does the same for Python callers (``run_config``)."""
+    ``deployments:`` entry (autoscaling_config, max_ongoing_requests, ...) overrides these options as usual."""
+    return application(args)
+
+
+def application(args: dict[str, Any] | ServeArgs, deployment_options: dict[str, Any] | None = None) -> Application:
+    """``build_app`` with deployment options applied on top, for Python callers (``run_config``)."""
     serve_args = ServeArgs.from_args(args)
     options: dict[str, Any] = {"ray_actor_options": {"num_cpus": serve_args.replica_cpus},
                                "placement_group_bundles": serve_args.bundles(),
@@ -323,7 +327,7 @@ def run_config(config: dict[str, Any]) -> list[str]:
             deployment = dict(deployment)
             if deployment.pop("name") == "EyasServer":
                 options = deployment
-        serve.run(build_app(entry.get("args") or {}, options), name=entry.get("name", "default"),
+        serve.run(application(entry.get("args") or {}, options), name=entry.get("name", "default"),
                   route_prefix=entry.get("route_prefix", "/"))
         names.append(entry.get("name", "default"))
     return names
