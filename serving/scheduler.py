@@ -32,6 +32,7 @@ class Scheduler:
         self.step_timeout_s = step_timeout_s
         self.pending: list[SequenceRequest] = []
         self.active: set[str] = set()  # request ids holding a batch row on the workers
+        self.joining: set[str] = set()  # request ids joining in the round under way
         self.leaving: set[str] = set()
         self.queues: dict[str, asyncio.Queue] = {}
         self.broken: BaseException | None = None
@@ -66,10 +67,12 @@ class Scheduler:
             self.cancel(request.request_id)
 
     def cancel(self, request_id: str) -> None:
-        """Drop a request: dequeue it if waiting, or free its row at the next round if running."""
+        """Drop a request: dequeue it if waiting, or free its row at the next round if it holds one (or is joining
+        in the round under way)."""
         self.queues.pop(request_id, None)
         self.pending = [r for r in self.pending if r.request_id != request_id]
-        if request_id in self.active and request_id not in self.leaving:
+        holds_row = request_id in self.active or request_id in self.joining
+        if holds_row and request_id not in self.leaving:
             self.num_cancelled += 1
             self.leaving.add(request_id)
             if self._wake is not None:
@@ -85,35 +88,40 @@ class Scheduler:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            leaves = sorted(self.leaving & self.active)
-            free = self.capacity - len(self.active) + len(leaves)
-            joins, self.pending = self.pending[:free], self.pending[free:]
             try:
-                outputs = await self._step(joins, leaves)
-            except Exception as err:  # noqa: BLE001 (any worker failure breaks the replica; it is reported)
-                self._break(err, joins)
+                await self._round()
+            except Exception as err:  # noqa: BLE001 (any failure breaks the replica; it is logged and reported)
+                self._break(err)
                 return
-            self.leaving -= set(leaves)
-            self.active = (self.active - set(leaves)) | {r.request_id for r in joins}
-            self.batch_size = len(self.active)
-            if self.on_round is not None:
-                self.on_round(self.batch_size)
-            for out in outputs:
-                if out.finished:
-                    self.active.discard(out.request_id)
-                queue = self.queues.get(out.request_id)
-                if queue is not None:
-                    queue.put_nowait(out)
-            for request_id in list(self.leaving):  # a row that finished before its leave arrived
-                if request_id not in self.active:
-                    self.leaving.discard(request_id)
+
+    async def _round(self) -> None:
+        leaves = sorted(self.leaving & self.active)
+        free = self.capacity - len(self.active) + len(leaves)
+        joins, self.pending = self.pending[:free], self.pending[free:]
+        self.joining = {r.request_id for r in joins}
+        outputs = await self._step(joins, leaves)
+        self.leaving -= set(leaves)
+        self.active = (self.active - set(leaves)) | self.joining
+        self.joining = set()
+        self.batch_size = len(self.active)
+        if self.on_round is not None:
+            self.on_round(self.batch_size)
+        for out in outputs:
+            if out.finished:
+                self.active.discard(out.request_id)
+            queue = self.queues.get(out.request_id)
+            if queue is not None:
+                queue.put_nowait(out)
+        for request_id in list(self.leaving):  # a row that finished before its leave was sent
+            if request_id not in self.active:
+                self.leaving.discard(request_id)
 
     async def _step(self, joins: list[SequenceRequest], leaves: list[str]) -> list[StepOutput]:
         refs = [worker.step.remote(joins, leaves) for worker in self.workers]
         results = await asyncio.wait_for(asyncio.gather(*refs), timeout=self.step_timeout_s)
         return results[0]
 
-    def _break(self, err: BaseException, joins: list[SequenceRequest]) -> None:
+    def _break(self, err: BaseException) -> None:
         logger.error("eyas: a scheduling round failed, marking the replica unhealthy: %r", err)
         self.broken = err
         failure = ReplicaBroken(f"this replica's workers failed ({type(err).__name__}); retry shortly")
@@ -122,4 +130,5 @@ class Scheduler:
         self.queues.clear()
         self.pending.clear()
         self.active.clear()
+        self.joining.clear()
         self.leaving.clear()

@@ -30,3 +30,15 @@ def test_rows_get_their_own_drafter_sharing_weights(target, random_checkpoint, r
     assert a is not b and next(a.model.parameters()) is next(b.model.parameters())
     with pytest.raises(ConfigError, match="needs a trained drafter"):
         drafter_factory(target, SpecConfig(method="eagle3"))
+
+
+def test_build_app_is_a_one_argument_serve_builder():
+    import inspect
+
+    from ray.serve import Application
+
+    from serving.app import application, build_app
+
+    assert len(inspect.signature(build_app).parameters) == 1  # `serve run` refuses any other builder
+    assert isinstance(build_app({"target": "/x", "tensor_parallel_size": 2}), Application)
+    assert isinstance(application({"target": "/x"}, {"num_replicas": 2}), Application)

@@ -1,0 +1,115 @@
+"""The replica's batching loop (serving.scheduler) over a real BatchEngine behind fake worker handles, without Ray:
+requests beyond capacity wait and join as rows free up, a consumer that leaves frees its row (also when it leaves
+while its join is in flight), and a failed round fails every waiter and marks the replica broken."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+
+from eyas.methods import SpecConfig, build_drafter
+from eyas.models import load_target, load_tokenizer
+from eyas.spec.batch import BatchEngine, SequenceRequest
+from eyas.spec.generate import generate
+from serving.scheduler import ReplicaBroken, Scheduler
+
+PROMPTS = ["def add(a, b):\n    return", "import os\nimport sys\n", "The quick brown fox"]
+
+
+class FakeWorker:
+    """``worker.step.remote(joins, leaves)`` as an awaitable that runs the engine after a short pause (a round in
+    flight), like a Ray actor handle; ``fail`` makes the next round raise."""
+
+    def __init__(self, engine: BatchEngine, pause_s: float = 0.005) -> None:
+        self.engine, self.pause_s, self.fail = engine, pause_s, False
+        self.step = self
+
+    def remote(self, joins, leaves):
+        async def run():
+            await asyncio.sleep(self.pause_s)
+            if self.fail:
+                raise RuntimeError("worker died")
+            return self.engine.step(joins, leaves)
+        return run()
+
+
+@pytest.fixture(scope="module")
+def setup(random_checkpoint):
+    target = load_target(random_checkpoint)
+    tokenizer = load_tokenizer(random_checkpoint)
+    return target, [tokenizer.encode(p) for p in PROMPTS], set(target.config.eos_token_ids)
+
+
+def make(setup, capacity: int = 2) -> tuple[Scheduler, FakeWorker]:
+    target, _, eos = setup
+    spec = SpecConfig(method="ngram")
+    engine = BatchEngine(target, capacity, 512, lambda: build_drafter(target, spec), eos_token_ids=eos)
+    worker = FakeWorker(engine)
+    return Scheduler([worker], capacity, step_timeout_s=30), worker
+
+
+async def collect(scheduler: Scheduler, request: SequenceRequest) -> list[int]:
+    tokens = []
+    async for out in scheduler.generate(request):
+        tokens += out.new_token_ids
+    return tokens
+
+
+def test_requests_beyond_capacity_wait_and_each_gets_its_own_output(setup):
+    target, prompts, eos = setup
+    expected = [generate(target, ids, 20, drafter=build_drafter(target, SpecConfig(method="ngram")),
+                         eos_token_ids=eos).token_ids for ids in prompts]
+    scheduler, worker = make(setup, capacity=2)
+
+    async def main():
+        return await asyncio.gather(*[collect(scheduler, SequenceRequest(str(i), ids, 20))
+                                      for i, ids in enumerate(prompts)])
+
+    assert asyncio.run(main()) == expected
+    assert worker.engine.rows == [] and scheduler.load()["running"] == 0
+
+
+def test_a_consumer_that_leaves_frees_its_row_even_mid_join(setup):
+    _, prompts, _ = setup
+    scheduler, worker = make(setup)
+
+    async def main():
+        async with contextlib.aclosing(scheduler.generate(SequenceRequest("early", prompts[0], 200))) as outputs:
+            async for _ in outputs:
+                break  # leaves after its first tokens
+        task = asyncio.create_task(collect(scheduler, SequenceRequest("joining", prompts[1], 200)))
+        while "joining" not in scheduler.joining:  # cancel while its join round is in flight
+            await asyncio.sleep(0.001)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        for _ in range(200):
+            if not worker.engine.rows and not scheduler.active:
+                break
+            await asyncio.sleep(0.01)
+
+    asyncio.run(main())
+    assert worker.engine.rows == [] and scheduler.load()["cancelled"] == 2
+
+
+def test_a_failed_round_fails_every_waiter_and_breaks_the_replica(setup):
+    _, prompts, _ = setup
+    scheduler, worker = make(setup)
+
+    async def main():
+        tasks = [asyncio.create_task(collect(scheduler, SequenceRequest(str(i), ids, 200)))
+                 for i, ids in enumerate(prompts)]
+        await asyncio.sleep(0.05)
+        worker.fail = True
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    results = asyncio.run(main())
+    assert all(isinstance(r, ReplicaBroken) for r in results), results
+    assert scheduler.broken is not None
+
+    async def again():
+        return await collect(scheduler, SequenceRequest("late", prompts[0], 4))
+
+    with pytest.raises(ReplicaBroken):
+        asyncio.run(again())
