@@ -242,6 +242,28 @@ def save_checkpoint(worker: Worker, step: int, position: DataPosition, metrics: 
                          checkpoint_dir_name=f"checkpoint-step{step:07d}")
 
 
+def after_step(worker: Worker, tracker: Tracker, step: int, epoch: int, index: int,
+               last_metrics: dict[str, float]) -> None:
+    """Epoch end (or the last step): evaluation, measured tau and figures on rank 0, then a checkpoint. Otherwise
+    the periodic held-out evaluation and the optional mid-epoch checkpoint."""
+    cfg, rank = worker.cfg, worker.rank
+    epoch_done = index + 1 == worker.steps_per_epoch
+    if epoch_done or step >= worker.total_steps:
+        label = f"epoch_{epoch + 1}" if epoch_done else f"step_{step}"
+        summary = epoch_end(worker, tracker, step, label) if rank == 0 else {}
+        position = DataPosition(epoch + 1, 0) if epoch_done else DataPosition(epoch, index + 1)
+        save_checkpoint(worker, step, position, {**last_metrics, **summary})
+        if rank == 0 and summary:
+            shown = ("heldout_loss", "heldout_acc_1", "heldout_sim_tau", "tau", "greedy_identical")
+            print(f"[train_drafter] {label}: step {step} "
+                  + " ".join(f"{k}={summary[k]:.3f}" for k in shown if k in summary), flush=True)
+        return
+    if rank == 0 and step % cfg.train.eval_every == 0:
+        tracker.metrics(evaluate_heldout(worker), step)
+    if cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0:
+        save_checkpoint(worker, step, DataPosition(epoch, index + 1), last_metrics)
+
+
 def train_loop_per_worker(loop: dict[str, Any]) -> None:
     import ray.train
     import torch
@@ -289,22 +311,7 @@ def train_loop_per_worker(loop: dict[str, Any]) -> None:
                         tracker.metrics({**last_metrics, "epoch": epoch + (index + 1) / worker.steps_per_epoch},
                                         step)
                         progress.update(step, loss=last_metrics["loss"], acc_1=last_metrics.get("acc_1", 0.0))
-                if rank == 0 and step % cfg.train.eval_every == 0:
-                    tracker.metrics(evaluate_heldout(worker), step)
-                epoch_done = index + 1 == worker.steps_per_epoch
-                finished = step >= worker.total_steps
-                if epoch_done or finished:
-                    label = f"epoch_{epoch + 1}" if epoch_done else f"step_{step}"
-                    summary = epoch_end(worker, tracker, step, label) if rank == 0 else {}
-                    next_position = DataPosition(epoch + 1, 0) if epoch_done else DataPosition(epoch, index + 1)
-                    save_checkpoint(worker, step, next_position, {**last_metrics, **summary})
-                    if rank == 0 and summary:
-                        print(f"[train_drafter] {label}: step {step} " + " ".join(
-                            f"{k}={v:.3f}" for k, v in summary.items() if k in (
-                                "heldout_loss", "heldout_acc_1", "heldout_sim_tau", "tau", "greedy_identical")),
-                              flush=True)
-                elif cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0:
-                    save_checkpoint(worker, step, DataPosition(epoch, index + 1), last_metrics)
+                after_step(worker, tracker, step, epoch, index, last_metrics)
             if step >= worker.total_steps:
                 break
         if rank == 0 and worker.features.mode != "none":
