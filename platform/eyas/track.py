@@ -152,7 +152,7 @@ def active_run_id() -> str | None:
 def register_directory(
     directory: str | Path,
     name: str,
-    alias: str | None = "latest",
+    alias: str | None = "champion",  # MLflow reserves "latest"
     artifact_path: str = "model",
     run_id: str | None = None,
     description: str | None = None,
@@ -191,7 +191,7 @@ def register_directory(
     return str(version.version)
 
 
-def model_uri(name: str, alias: str = "latest") -> str:
+def model_uri(name: str, alias: str = "champion") -> str:
     return f"models:/{name}@{alias}"
 
 
