@@ -1,0 +1,222 @@
+"""tune.sweep end to end on a local Ray: an inference sweep (EAGLE-3 node budget x top-k) and a training sweep (DFlash
+block size x loss decay, ASHA), each under two minutes on the micro target; MLflow parent and child runs read back;
+the best-config YAML loaded by jobs.generate (greedy output identical to vanilla), jobs.bench and serving.
+
+The target is the shared random checkpoint (tests/conftest.py) installed as ``target-micro``; the data set is
+regenerated without Ray and the drafters are trained with the sweep's own Ray-free loop (tune.measure.TrialTrainer),
+so the Ray time goes to the sweeps alone.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+INFERENCE = REPO / "tune" / "configs" / "eagle3-tree-micro.yaml"
+TRAINING = REPO / "tune" / "configs" / "dflash-train-micro.yaml"
+NUM_TRAIN, NUM_HELDOUT = 32, 8
+pytestmark = pytest.mark.slow
+
+
+def train_micro_drafter(home: Path, config: Path, epochs: int) -> Path:
+    from eyas.config import load_config
+    from eyas.train.config import TrainConfig
+    from tune.measure import TrialTrainer
+
+    cfg = load_config(TrainConfig, config, [f"train.num_epochs={epochs}"])
+    trainer = TrialTrainer(cfg, home / "targets" / "target-micro", home / "data" / "data-micro")
+    for epoch in range(epochs):
+        trainer.run_epoch(epoch)
+    return trainer.save(home / "drafters" / cfg.name)
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory, random_checkpoint):
+    """EYAS_HOME with target-micro, data-micro and the eagle3-micro drafter; MLflow in a tmp sqlite store."""
+    from eyas import corpus
+    from eyas.models import load_target, load_tokenizer
+    from eyas.train.data import regenerate, response_row, shard_path, write_shard
+
+    root = tmp_path_factory.mktemp("sweep")
+    home = root / "eyas-home"
+    env = {"EYAS_HOME": str(home), "MLFLOW_TRACKING_URI": f"sqlite:///{root / 'mlruns.db'}",
+           "EYAS_MLFLOW_ARTIFACTS": str(root / "mlartifacts")}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    target_dir = home / "targets" / "target-micro"
+    shutil.copytree(random_checkpoint, target_dir)
+    target, tokenizer = load_target(target_dir), load_tokenizer(target_dir)
+    for split, prompts in (("train", corpus.train_prompts(NUM_TRAIN)),
+                           ("heldout", corpus.heldout_prompts("all", NUM_HELDOUT))):
+        ids = [tokenizer(p).input_ids[:16] for p in prompts]
+        rows = [response_row(p, r) for p, r in zip(ids, regenerate(target, ids, 24, [tokenizer.eos_token_id]))]
+        write_shard(shard_path(home / "data" / "data-micro", split, 0), rows)
+    train_micro_drafter(home, REPO / "jobs" / "configs" / "eagle3-micro.yaml", epochs=3)
+    yield {"root": root, "home": home, "target_dir": target_dir, "target": target, "tokenizer": tokenizer}
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+@pytest.fixture(scope="module")
+def local_ray(workspace):
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def mlflow_runs(sweep_name: str):
+    """(parent run, child runs) of the latest sweep called ``sweep_name``."""
+    from mlflow import MlflowClient
+
+    from eyas import track
+
+    client = MlflowClient(track.tracking_uri())
+    experiment = client.get_experiment_by_name("eyas-sweeps")
+    parents = client.search_runs([experiment.experiment_id],
+                                 f"tags.`eyas.kind` = 'sweep' and attributes.run_name = '{sweep_name}'",
+                                 order_by=["attributes.start_time DESC"])
+    assert parents, f"no parent run for {sweep_name}"
+    parent = parents[0]
+    children = client.search_runs([experiment.experiment_id],
+                                  f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+    artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
+    return client, parent, children, artifacts
+
+
+@pytest.fixture(scope="module")
+def inference_sweep(workspace, local_ray):
+    from tune.sweep import main
+
+    out = workspace["root"] / "inference-out"
+    start = time.monotonic()
+    assert main(["--config", str(INFERENCE), f"output.dir={out}"]) == 0
+    return out, time.monotonic() - start
+
+
+def test_inference_sweep_finishes_tracks_and_writes_the_best_config(inference_sweep):
+    out, seconds = inference_sweep
+    assert seconds < 120, f"inference sweep took {seconds:.0f}s"
+    results = json.loads((out / "results.json").read_text())
+    points = sorted((t["point"]["num_nodes"], t["point"]["top_k"]) for t in results["trials"])
+    assert points == [(2, 2), (4, 2), (4, 4), (8, 2), (8, 4)]  # (2, 4) is impossible and skipped
+    for trial in results["trials"]:
+        assert trial["error"] is None
+        assert trial["metrics"]["greedy_identical"] == 1.0
+        assert trial["metrics"]["tau"] >= 1.0 and trial["metrics"]["speedup"] > 0
+    assert set(results["curve"]) == {"top_k=2", "top_k=4"}  # one line per top-k, x = num_nodes
+    assert (out / "curve.png").stat().st_size > 0
+
+    client, parent, children, artifacts = mlflow_runs("eagle3-tree-micro")
+    assert parent.info.status == "FINISHED"
+    assert {"best.yaml", "curve.png", "results.json"} <= artifacts
+    assert "best_speedup" in parent.data.metrics and parent.data.metrics["num_trials"] == 5
+    assert parent.data.params["best.num_nodes"] in {"2", "4", "8"}
+    assert len(children) == 5
+    for child in children:
+        assert child.info.status == "FINISHED"
+        for key in ("speedup", "tau", "tokens_per_s", "vanilla_tokens_per_s", "greedy_identical"):
+            assert key in child.data.metrics, (key, child.data.metrics)
+        assert child.data.params["spec.method"] == "eagle3" and "point.num_nodes" in child.data.params
+
+    best = yaml.safe_load((out / "best.yaml").read_text())
+    assert best["spec"]["method"] == "eagle3" and Path(best["spec"]["drafter"]).is_dir()
+    assert best["spec"]["num_nodes"] == int(parent.data.params["best.num_nodes"])
+
+
+def test_best_config_is_accepted_by_generate_bench_and_serving(workspace, inference_sweep, capsys, tmp_path):
+    from jobs import bench, generate
+    from serving.config import ServeArgs
+
+    best = inference_sweep[0] / "best.yaml"
+    prompt = ",".join(map(str, workspace["tokenizer"]("def parse(text):").input_ids))
+    outputs = {}
+    for name, args in (("spec", ["--config", str(best)]), ("vanilla", ["--method", "vanilla"])):
+        capsys.readouterr()
+        assert generate.main([*args, "--target", str(workspace["target_dir"]), "--prompt-ids", prompt,
+                              "--max-new-tokens", "24", "--json"]) == 0
+        outputs[name] = json.loads(capsys.readouterr().out)
+    assert outputs["spec"]["spec"]["method"] == "eagle3" and outputs["spec"]["stats"]["cycles"] > 0
+    assert outputs["spec"]["token_ids"] == outputs["vanilla"]["token_ids"]
+    # jobs.generate also takes the target from the YAML itself
+    assert generate.main(["--config", str(best), "--prompt-ids", prompt, "--max-new-tokens", "8"]) == 0
+
+    report = tmp_path / "bench.json"
+    assert bench.main(["--methods", "eagle3", "--spec", str(best), "--target", str(workspace["target_dir"]),
+                       "--suite", "code", "--num-prompts", "1", "--max-new-tokens", "8", "--strict",
+                       "--out", str(report)]) == 0
+    spec = yaml.safe_load(best.read_text())["spec"]
+    used = json.loads(report.read_text())["config"]["specs"]["eagle3"]
+    assert (used["num_nodes"], used["top_k"], used["depth"]) == (spec["num_nodes"], spec["top_k"], spec["depth"])
+
+    args = ServeArgs.from_args({"target": str(workspace["target_dir"]), "spec_file": str(best)})
+    assert args.spec.num_nodes == spec["num_nodes"] and args.spec.drafter == spec["drafter"]
+
+
+def test_training_sweep_asha_mlflow_and_best_drafter(workspace, local_ray):
+    from eyas.drafters import registry
+    from eyas.spec.generate import generate
+    from tune.sweep import main
+
+    out = workspace["root"] / "training-out"
+    start = time.monotonic()
+    assert main(["--config", str(TRAINING), f"output.dir={out}"]) == 0
+    seconds = time.monotonic() - start
+    assert seconds < 120, f"training sweep took {seconds:.0f}s"
+
+    results = json.loads((out / "results.json").read_text())
+    trials = results["trials"]
+    assert len(trials) == 4 and all(t["error"] is None for t in trials)
+    for trial in trials:  # one report per epoch, each with the simulated acceptance length
+        assert 1 <= trial["epochs"] <= 2 and len(trial["history"]) == trial["epochs"]
+        assert all("sim_accept_len" in h and "sim_tau" in h for h in trial["history"])
+        assert trial["early_stopped"] == (trial["epochs"] < 2)
+    assert any(t["epochs"] == 2 for t in trials)
+    # a block-2 trial (one drafted position) trails the block-6 ones at epoch 1: ASHA stops it there
+    assert 2 in {t["point"]["drafter.config.block_size"] for t in trials if t["early_stopped"]}
+
+    client, parent, children, artifacts = mlflow_runs("dflash-train-micro")
+    assert {"best.yaml", "best-train.yaml", "curve.png", "epochs.png", "results.json"} <= artifacts
+    assert "best_sim_tau" in parent.data.metrics
+    assert len(children) == 4
+    for child in children:
+        history = client.get_metric_history(child.info.run_id, "sim_accept_len")
+        assert [m.step for m in history] == list(range(1, len(history) + 1))
+        assert child.data.params["training.drafter.type"] == "dflash"
+        assert child.data.tags["eyas.early_stopped"] in ("true", "false")
+
+    best_train = yaml.safe_load((out / "best-train.yaml").read_text())
+    best = yaml.safe_load((out / "best.yaml").read_text())
+    assert best_train["drafter"]["config"]["block_size"] == best["sweep"]["point"]["drafter.config.block_size"]
+    assert best["spec"]["method"] == "dflash"
+    target = workspace["target"]
+    drafter = registry.load_drafter(best["spec"]["drafter"], target, method="dflash")
+    assert drafter.model.config.block_size == best["sweep"]["point"]["drafter.config.block_size"]
+    prompt = workspace["tokenizer"]("class Parser:").input_ids
+    assert generate(target, prompt, 16, drafter=drafter).token_ids == generate(target, prompt, 16).token_ids
+
+
+def test_ray_train_runner_launches_a_torch_trainer_per_trial(workspace, local_ray):
+    """runner: ray-train: each trial launches jobs.train_drafter's TorchTrainer (Ray Train V2 inside Tune); the
+    workers' epoch reports reach Tune (renamed to sim_tau) and the best trial's checkpoint becomes best-drafter/."""
+    from tune.sweep import main
+
+    out = workspace["root"] / "ray-train-out"
+    assert main(["--config", str(TRAINING), f"output.dir={out}", "runner=ray-train", "training.scaling.num_workers=1",
+                 "search.space={drafter.config.block_size: [6, 2]}"]) == 0
+    trials = json.loads((out / "results.json").read_text())["trials"]
+    assert len(trials) == 2 and all(t["error"] is None for t in trials)
+    assert all("sim_tau" in h for t in trials for h in t["history"])
+    assert max(t["epochs"] for t in trials) == 2
+    best = yaml.safe_load((out / "best.yaml").read_text())
+    assert (Path(best["spec"]["drafter"]) / "model.safetensors").is_file()

@@ -1,0 +1,156 @@
+"""tune/config.py without Ray: the search space, every bad input the sweep must refuse before a trial starts, and
+the CLI's exit status for each (no Ray is ever started)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from eyas.config import ConfigError
+from tune.config import load_sweep, parse_param, preflight
+
+REPO = Path(__file__).resolve().parents[3]
+CONFIGS = REPO / "tune" / "configs"
+
+INFERENCE = {
+    "name": "t",
+    "target": "target-x",
+    "spec": {"method": "eagle3", "drafter": "$EYAS_HOME/drafters/eagle3-x"},
+    "search": {"space": {"num_nodes": [4, 8], "top_k": [2, 4]}},
+}
+TRAINING = {
+    "name": "tt",
+    "training": {"target": "target-x", "data": "data-x",
+                 "drafter": {"type": "dflash", "config": {"num_layers": 1, "block_size": 4, "num_taps": 1}}},
+    "search": {"objective": "sim_tau", "space": {"drafter.config.block_size": [4, 8],
+                                                 "drafter.config.loss_decay": [2.0, 7.0]}},
+    "measure": {"num_prompts": 0},
+}
+
+
+def write(tmp_path: Path, data: dict) -> Path:
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def load(tmp_path: Path, data: dict, *overrides: str):
+    return load_sweep(write(tmp_path, data), list(overrides))
+
+
+def test_every_shipped_config_parses():
+    for path in sorted(CONFIGS.glob("*.yaml")):
+        sweep = load_sweep(path)
+        assert sweep.points()[0], path
+
+
+def test_inference_points_and_defaults(tmp_path):
+    sweep = load(tmp_path, INFERENCE)
+    assert sweep.kind == "inference" and sweep.metric == "speedup"
+    points, invalid = sweep.points()
+    assert points == [{"num_nodes": 4, "top_k": 2}, {"num_nodes": 4, "top_k": 4}, {"num_nodes": 8, "top_k": 2},
+                      {"num_nodes": 8, "top_k": 4}] and not invalid
+    spec = sweep.trial_section({"num_nodes": 8, "top_k": 4})
+    assert (spec.method, spec.num_nodes, spec.top_k) == ("eagle3", 8, 4)
+    assert sweep.output_dir.name == "t"
+
+
+def test_training_points_build_train_configs(tmp_path):
+    sweep = load(tmp_path, TRAINING, "search.space.optim.lr=[1.0e-3]")
+    assert sweep.kind == "training" and sweep.training.name == "tt"  # training.name defaults to the sweep's
+    cfg = sweep.trial_section({"drafter.config.block_size": 8, "drafter.config.loss_decay": 7.0})
+    assert cfg.drafter.config["block_size"] == 8 and cfg.drafter.config["loss_decay"] == 7.0
+
+
+def test_ranges_for_grid_and_optuna():
+    assert parse_param("depth", {"low": 2, "high": 8, "step": 3}).grid_values() == [2, 5, 8]
+    assert parse_param("num_nodes", {"low": 4, "high": 6}).grid_values() == [4, 5, 6]
+    assert parse_param("x", {"low": 0.5, "high": 1.0, "step": 0.25}).grid_values() == [0.5, 0.75, 1.0]
+    assert parse_param("lr", {"low": 1e-4, "high": 1e-2, "log": True}).check_values() == [1e-4, 1e-2]
+    with pytest.raises(ConfigError, match="cannot be gridded"):
+        parse_param("lr", {"low": 1e-4, "high": 1e-2}).grid_values()
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"bogus": 1}, r"unknown key\(s\) \['bogus'\]"),
+    ({"search": {"space": {"nodes": [4]}}}, "unknown key for an inference sweep; searchable spec fields"),
+    ({"search": {"space": {"num_nodes": []}}}, "empty list"),
+    ({"search": {"space": {"num_nodes": {"low": 16, "high": 4}}}}, "empty range: low=16 is above high=4"),
+    ({"search": {"space": {}}}, "search.space=.*is empty"),
+    ({"search": {"space": {"num_nodes": [4, 8], "top_k": [8]}}},
+     r"impossible combination.*spec.top_k=8: cannot exceed the node budget spec.num_nodes=4"),
+    ({"search": {"space": {"num_nodes": [64]}}}, "at most 63"),
+    ({"search": {"space": {"num_nodes": [4]}, "objective": "sim_tau"}}, "sim_tau is a training metric"),
+    ({"search": {"space": {"num_nodes": [4]}, "objective": "accuracy"}}, "must be one of"),
+    ({"search": {"algorithm": "optuna", "skip_invalid": True, "space": {"num_nodes": [4]}}},
+     "only a grid can drop"),
+    ({"search": {"space": {"num_nodes": {"low": 4.0, "high": 8.5}}}}, "cannot be gridded"),
+    ({"spec": {"method": "vanilla"}}, "vanilla does not speculate"),
+    ({"spec": {"method": "eagle3", "top_k": 16, "num_nodes": 8}}, "spec.top_k=16: cannot exceed"),
+    ({"training": TRAINING["training"]}, "give exactly one of"),
+    ({"resources": {"cpus_per_trial": 0}}, "a trial needs some CPU or GPU"),
+])
+def test_bad_inference_input_is_a_config_error(tmp_path, change, message):
+    with pytest.raises(ConfigError, match=message):
+        load(tmp_path, {**INFERENCE, **change})
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"search": {"objective": "sim_tau", "space": {"drafter.config.blocksize": [4]}}},
+     r"unknown key; drafter.config has \[.*'block_size'"),
+    ({"search": {"objective": "sim_tau", "space": {"scaling.num_workers": [1, 2]}}},
+     "unknown key for a training sweep"),
+    ({"search": {"objective": "sim_tau", "space": {"drafter.config.block_size": [1, 4]}}},
+     r"impossible combination.*dflash.block_size=1"),
+    ({"search": {"objective": "speedup", "space": {"optim.lr": [1e-3]}}}, "needs measure.num_prompts >= 1"),
+    ({"target": "target-x"}, "reads its target from training.target"),
+    ({"runner": "ray-train", "search": {"objective": "speedup", "space": {"optim.lr": [1e-3]}},
+      "measure": {"num_prompts": 2}}, "runner ray-train reports sim_tau and tau"),
+])
+def test_bad_training_input_is_a_config_error(tmp_path, change, message):
+    with pytest.raises(ConfigError, match=message):
+        load(tmp_path, {**TRAINING, **change})
+
+
+def test_skip_invalid_drops_impossible_grid_points(tmp_path):
+    sweep = load(tmp_path, {**INFERENCE, "search": {"space": {"num_nodes": [2, 8], "top_k": [2, 4]},
+                                                    "skip_invalid": True}})
+    points, invalid = sweep.points()
+    assert {"num_nodes": 2, "top_k": 4} not in points and len(points) == 3
+    assert invalid == [({"num_nodes": 2, "top_k": 4}, "spec.top_k=4: cannot exceed the node budget spec.num_nodes=2")]
+
+
+def test_missing_files_fail_the_preflight(tmp_path, eyas_home):
+    sweep = load(tmp_path, INFERENCE)
+    with pytest.raises(ConfigError, match="target=.*target-x: no checkpoint there"):
+        preflight(sweep)
+    (eyas_home / "targets" / "target-x").mkdir(parents=True)
+    (eyas_home / "targets" / "target-x" / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match=r"spec.drafter=.*no drafter checkpoint at .*eagle3-x \(missing"):
+        preflight(sweep)
+    training = load(tmp_path, TRAINING)
+    with pytest.raises(ConfigError, match="training.data='data-x': .* holds no shards"):
+        preflight(training)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["search.space.num_nodes=[]"], "empty list"),
+    (["search.space.top_k=[16]"], "impossible combination"),
+    (["spec.method=eagle9"], "spec.method='eagle9': must be one of"),
+    (["search.space.depht=[2]"], "unknown key for an inference sweep"),
+    ([], "spec.drafter=.*no drafter checkpoint"),
+])
+def test_cli_refuses_bad_input_before_starting_ray(tmp_path, eyas_home, capsys, overrides, message):
+    import ray
+
+    from tune.sweep import main
+
+    target = eyas_home / "targets" / "target-x"
+    target.mkdir(parents=True)
+    (target / "config.json").write_text(json.dumps({}))
+    assert main(["--config", str(write(tmp_path, INFERENCE)), *overrides]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and __import__("re").search(message, err), err
+    assert not ray.is_initialized()

@@ -1,0 +1,82 @@
+"""tune/measure.py and tune/report.py without Ray: the interleaved speed measurement on a tiny random target, the
+curve table, the choice of the best trial and the best-config YAML that jobs.generate reads."""
+from __future__ import annotations
+
+import argparse
+
+import torch
+import yaml
+
+from eyas.methods import SpecConfig, build_drafter
+from eyas.models import Decoder, ModelConfig
+from tune.config import SweepConfig, load_sweep
+from tune.measure import measure_speed
+from tune.report import best_documents, best_row, curve_table, x_key
+
+torch.set_num_threads(1)
+
+
+def tiny_target() -> Decoder:
+    torch.manual_seed(0)
+    config = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+                         num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=256)
+    target = Decoder(config).eval().requires_grad_(False)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(8.0)  # sharp: greedy continuations repeat, so n-grams get accepted
+    return target
+
+
+def test_measure_speed_interleaves_and_matches_vanilla():
+    target = tiny_target()
+    drafter = build_drafter(target, SpecConfig(method="ngram", num_draft=3))
+    prompts = [[1, 2, 3, 4, 1, 2], [5, 6, 7], [9, 9, 9, 9]]
+    metrics = measure_speed(target, drafter, prompts, 16, eos_token_ids=(), warmup_prompts=1, repeats=2)
+    assert metrics["greedy_identical"] == 1.0
+    assert metrics["tau"] >= 1.0 and metrics["cycles"] > 0
+    assert metrics["speedup"] == metrics["tokens_per_s"] / metrics["vanilla_tokens_per_s"]
+    assert metrics["new_tokens"] == 2 * 3 * 16  # two timed passes over three prompts
+
+
+def sweep(tmp_path) -> SweepConfig:
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": "s", "target": str(tmp_path / "target"),
+        "spec": {"method": "eagle3", "drafter": str(tmp_path / "drafter")},
+        "search": {"space": {"num_nodes": [4, 8], "top_k": [2, 4], "depth": [3]}}}))
+    return load_sweep(path)
+
+
+def row(point, speedup, tau, error=None):
+    return {"trial_id": str(point), "point": point, "metrics": {"speedup": speedup, "tau": tau}, "epochs": 1,
+            "history": [], "early_stopped": False, "error": error, "checkpoint": None}
+
+
+def test_curve_table_has_one_line_per_other_key_and_best_skips_failures(tmp_path):
+    s = sweep(tmp_path)
+    rows = [row({"num_nodes": 4, "top_k": 2, "depth": 3}, 1.1, 2.0),
+            row({"num_nodes": 8, "top_k": 2, "depth": 3}, 1.3, 2.4),
+            row({"num_nodes": 8, "top_k": 2, "depth": 3}, 1.5, 2.6),  # a second sample of the same point
+            row({"num_nodes": 4, "top_k": 4, "depth": 3}, 0.9, 2.1),
+            row({"num_nodes": 8, "top_k": 4, "depth": 3}, 9.9, 9.9, error="RuntimeError: boom")]
+    assert x_key(s) == "num_nodes"
+    table = curve_table(s, rows)
+    assert list(table) == ["top_k=2, depth=3", "top_k=4, depth=3"]
+    assert table["top_k=2, depth=3"][8] == {"speedup": 1.4, "tau": 2.5}
+    assert 8 not in table["top_k=4, depth=3"]  # the failed trial is left out
+    assert best_row(s, rows)["metrics"]["speedup"] == 1.5
+
+
+def test_best_yaml_is_read_by_jobs_generate(tmp_path):
+    from jobs.generate import spec_from_args
+
+    s = sweep(tmp_path)
+    best = row({"num_nodes": 8, "top_k": 4, "depth": 3}, 1.2, 2.2)
+    document = best_documents(s, best, tmp_path)["best.yaml"]
+    path = tmp_path / "best.yaml"
+    path.write_text(yaml.safe_dump(document, sort_keys=False))
+    args = argparse.Namespace(config=str(path), target=None, method=None, drafter=None, draft_model=None, tree=None,
+                              tree_depth=None, tree_top_k=None, tree_nodes=None, num_draft=None)
+    spec, target = spec_from_args(args)
+    assert (spec.method, spec.num_nodes, spec.top_k, spec.depth) == ("eagle3", 8, 4, 3)
+    assert target == str((tmp_path / "target").resolve())
+    assert document["sweep"]["objective"] == "speedup" and document["sweep"]["value"] == 1.2

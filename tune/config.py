@@ -1,0 +1,433 @@
+"""SweepConfig: what ``python -m tune.sweep --config tune/configs/X.yaml`` reads, and every check that runs before a
+trial starts.
+
+An inference sweep has a ``spec:`` section (the base ``eyas.methods.SpecConfig``: method, drafter, tree); a training
+sweep has a ``training:`` section (the base ``eyas.train.config.TrainConfig``, as in ``jobs/configs/<family>-*.yaml``).
+The search space names fields of that section and lists their values or ranges:
+
+    name: eagle3-tree
+    target: target-tiny                   # inference: a name under $EYAS_HOME/targets/ or a checkpoint path
+    spec: {method: eagle3, drafter: $EYAS_HOME/drafters/eagle3-tiny}
+    search:
+      algorithm: grid                     # grid | optuna
+      objective: speedup                  # speedup | tau | sim_tau (training: held-out simulated tau)
+      space:
+        num_nodes: [8, 16, 32, 48]        # a list: exactly these values
+        top_k: {low: 2, high: 8, step: 2} # a range: ints step through it; floats need optuna (or a step)
+        depth: [4, 6]
+
+Training keys are dotted paths into the training section: ``drafter.config.block_size``,
+``drafter.config.loss_decay``, ``optim.lr``, ``drafter.config.num_layers``.
+
+Every combination the search can produce is built and validated here (grid: all of them; optuna: the product of
+each parameter's values or range ends), so an impossible one (top_k > num_nodes, block_size < 2) is a ConfigError
+before Ray starts. ``search.skip_invalid: true`` drops impossible grid points instead (the sweep prints them).
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from eyas.config import ConfigError, apply_overrides, eyas_home, from_dict, require, resolve_path, to_dict
+from eyas.methods import METHODS, SpecConfig
+from eyas.train.config import SUITES, TrainConfig, data_path, target_path
+
+# SpecConfig fields an inference sweep may search (method / drafter / draft_model are fixed per sweep)
+SPEC_KEYS = ("tree", "depth", "top_k", "num_nodes", "num_draft", "max_matches")
+# TrainConfig sections a training sweep may search (drafter.config.* is checked against the family's config)
+TRAIN_SECTIONS = ("optim", "train", "drafter.config")
+# generate() reserves this many context slots for a draft tree, root included (eyas.spec.generate)
+MAX_TREE_NODES = 64
+MAX_CHECKED_COMBINATIONS = 20_000
+SPACE_PREFIX = "search.space."
+
+
+# ---------------------------------------------------------------- the search space
+
+
+@dataclass(frozen=True)
+class Param:
+    """One searched key: an explicit list of ``values``, or a range ``low..high`` (``step``, ``log`` optional)."""
+
+    key: str
+    values: tuple[Any, ...] | None = None
+    low: float | None = None
+    high: float | None = None
+    step: float | None = None
+    log: bool = False
+
+    @property
+    def is_int(self) -> bool:
+        return all(isinstance(v, int) and not isinstance(v, bool) for v in (self.low, self.high)) and \
+            (self.step is None or isinstance(self.step, int))
+
+    @property
+    def enumerable(self) -> bool:
+        return self.values is not None or self.is_int or self.step is not None
+
+    def grid_values(self) -> list[Any]:
+        """Every value a grid visits (ranges: low, low + step, ... <= high; ints step 1 by default)."""
+        if self.values is not None:
+            return list(self.values)
+        if not self.enumerable:
+            raise ConfigError(f"search.space.{self.key}: a continuous range {{low: {self.low}, high: {self.high}}} "
+                              "cannot be gridded; give a step, a list of values, or search.algorithm=optuna")
+        step = self.step if self.step is not None else 1
+        count = int(math.floor((self.high - self.low) / step + 1e-9)) + 1
+        values = [self.low + i * step for i in range(count)]
+        return values if self.is_int else [round(v, 12) for v in values]
+
+    def check_values(self) -> list[Any]:
+        """Values that validation builds: all of a list or a small int range, else the range's two ends."""
+        if self.values is not None:
+            return list(self.values)
+        if self.is_int and (self.high - self.low) // (self.step or 1) < 64:
+            return self.grid_values()
+        return [self.low, self.high]
+
+
+def parse_param(key: str, raw: Any) -> Param:
+    where = f"search.space.{key}"
+    if isinstance(raw, (list, tuple)):
+        require(len(raw) > 0, where, raw, "empty list: give at least one value")
+        require(len(set(map(repr, raw))) == len(raw), where, raw, "values repeat")
+        return Param(key, values=tuple(raw))
+    if isinstance(raw, dict):
+        unknown = sorted(set(raw) - {"low", "high", "step", "log"})
+        require(not unknown, where, raw, f"unknown range key(s) {unknown}; a range has low, high, step, log")
+        require("low" in raw and "high" in raw, where, raw, "a range needs both low and high")
+        low, high, step, log = raw["low"], raw["high"], raw.get("step"), raw.get("log", False)
+        for name, value in (("low", low), ("high", high), ("step", step)):
+            is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            require(is_number or (name == "step" and value is None), f"{where}.{name}", value, "expected a number")
+        require(isinstance(log, bool), f"{where}.log", log, "expected true or false")
+        require(low <= high, where, raw, f"empty range: low={low} is above high={high}")
+        require(step is None or step > 0, f"{where}.step", step, "must be > 0")
+        require(not log or low > 0, f"{where}.low", low, "a log range needs low > 0")
+        require(not (log and step is not None), where, raw, "a range is either log or stepped, not both")
+        return Param(key, low=low, high=high, step=step, log=log)
+    raise ConfigError(f"{where}={raw!r}: expected a list of values or a range {{low: ..., high: ...}}")
+
+
+# ---------------------------------------------------------------- sections
+
+
+@dataclass(frozen=True)
+class SearchConfig:
+    algorithm: Literal["grid", "optuna"] = "grid"
+    objective: Literal["speedup", "tau", "sim_tau"] = "speedup"
+    space: dict[str, Any] = field(default_factory=dict)  # key -> [values] | {low, high, step?, log?}
+    num_samples: int = 1        # grid: passes over the whole grid; optuna: trials
+    skip_invalid: bool = False  # grid: drop impossible points (e.g. top_k > num_nodes) instead of failing
+    seed: int = 0               # optuna's sampler
+
+    def __post_init__(self) -> None:
+        require(bool(self.space), "search.space", self.space, "is empty: name at least one key to search")
+        require(self.num_samples >= 1, "search.num_samples", self.num_samples, "must be >= 1")
+        if self.algorithm == "grid":
+            for param in self.params:
+                param.grid_values()  # raises for a continuous range
+        require(not (self.skip_invalid and self.algorithm == "optuna"), "search.skip_invalid", True,
+                "only a grid can drop impossible points; with optuna narrow the ranges instead")
+
+    @property
+    def params(self) -> tuple[Param, ...]:
+        return tuple(parse_param(key, raw) for key, raw in self.space.items())
+
+
+@dataclass(frozen=True)
+class MeasureConfig:
+    """How a trial measures speed: greedy generation on held-out prompts, vanilla and speculative interleaved."""
+
+    suite: str = "all"           # held-out prompts: code, prose or all (eyas.corpus)
+    num_prompts: int = 8         # 0: no speed measurement (training sweeps on sim_tau only)
+    max_new_tokens: int = 64
+    max_prompt_tokens: int = 192  # prompts are cut to their first tokens (and to what the context leaves)
+    warmup_prompts: int = 1      # untimed generations first (allocations, lazy init)
+    repeats: int = 1             # timed passes over the prompts
+
+    def __post_init__(self) -> None:
+        require(self.suite in SUITES, "measure.suite", self.suite, f"must be one of {list(SUITES)}")
+        require(self.num_prompts >= 0, "measure.num_prompts", self.num_prompts, "must be >= 0")
+        for key in ("max_new_tokens", "max_prompt_tokens", "repeats"):
+            require(getattr(self, key) >= 1, f"measure.{key}", getattr(self, key), "must be >= 1")
+        require(self.warmup_prompts >= 0, "measure.warmup_prompts", self.warmup_prompts, "must be >= 0")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """ASHA on the objective, reported once per epoch (training sweeps; an inference trial reports once)."""
+
+    asha: bool = True
+    grace_period: int = 1        # epochs every trial runs before it can be stopped
+    reduction_factor: int = 2    # keep the top 1/reduction_factor at each rung
+
+    def __post_init__(self) -> None:
+        require(self.grace_period >= 1, "scheduler.grace_period", self.grace_period, "must be >= 1")
+        require(self.reduction_factor >= 2, "scheduler.reduction_factor", self.reduction_factor, "must be >= 2")
+
+
+@dataclass(frozen=True)
+class ResourcesConfig:
+    """What one trial holds (tune.with_resources); Tune runs as many at once as the cluster fits."""
+
+    cpus_per_trial: float = 1.0
+    gpus_per_trial: float = 0.0
+    max_concurrent_trials: int | None = None  # a cap below what the cluster fits (null: no cap)
+    torch_threads: int | None = None          # per trial; default: its whole CPUs (at least 1)
+
+    def __post_init__(self) -> None:
+        require(self.cpus_per_trial >= 0, "resources.cpus_per_trial", self.cpus_per_trial, "must be >= 0")
+        require(self.gpus_per_trial >= 0, "resources.gpus_per_trial", self.gpus_per_trial, "must be >= 0")
+        require(self.cpus_per_trial > 0 or self.gpus_per_trial > 0, "resources.cpus_per_trial",
+                self.cpus_per_trial, "a trial needs some CPU or GPU")
+        require(self.max_concurrent_trials is None or self.max_concurrent_trials >= 1,
+                "resources.max_concurrent_trials", self.max_concurrent_trials, "must be >= 1 or null")
+        require(self.torch_threads is None or self.torch_threads >= 1, "resources.torch_threads",
+                self.torch_threads, "must be >= 1 or null")
+
+    @property
+    def threads(self) -> int:
+        return self.torch_threads or max(1, int(self.cpus_per_trial))
+
+    def tune_resources(self) -> dict[str, float]:
+        return {"cpu": self.cpus_per_trial, **({"gpu": self.gpus_per_trial} if self.gpus_per_trial else {})}
+
+
+@dataclass(frozen=True)
+class TrackingConfig:
+    enabled: bool = True
+    experiment: str = "eyas-sweeps"
+
+
+@dataclass(frozen=True)
+class OutputConfig:
+    dir: str | None = None                       # best.yaml, results.json, curve.png; default $EYAS_HOME/sweeps/<name>
+    storage_path: str = "$EYAS_HOME/ray_results"  # Tune's trial dirs and checkpoints (shared storage on a cluster)
+
+
+# ---------------------------------------------------------------- the sweep
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    name: str
+    search: SearchConfig                  # what to search and the objective
+    target: str | None = None             # inference: target checkpoint (training sweeps use training.target)
+    spec: SpecConfig | None = None        # inference sweep: the base speculative settings
+    training: TrainConfig | None = None   # training sweep: the base drafter training config
+    runner: Literal["trial", "ray-train"] = "trial"  # training: a loop inside the trial, or a TorchTrainer per trial
+    measure: MeasureConfig = field(default_factory=MeasureConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    resources: ResourcesConfig = field(default_factory=ResourcesConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+
+    def __post_init__(self) -> None:
+        require(bool(self.name) and "/" not in self.name and not self.name.startswith("."), "name", self.name,
+                "must be a plain name (it names the output directory and the MLflow run)")
+        require((self.spec is None) != (self.training is None), "spec", self.spec,
+                "give exactly one of `spec:` (an inference sweep) or `training:` (a training sweep)")
+        objective = self.search.objective
+        if self.kind == "inference":
+            require(self.target is not None, "target", self.target,
+                    "an inference sweep needs the target checkpoint (a name under $EYAS_HOME/targets/ or a path)")
+            require(objective != "sim_tau", "search.objective", objective,
+                    "sim_tau is a training metric; an inference sweep measures speedup or tau")
+            require(self.spec.method != "vanilla", "spec.method", self.spec.method,
+                    "vanilla does not speculate: pick a speculative method")
+            require(self.measure.num_prompts >= 1, "measure.num_prompts", self.measure.num_prompts,
+                    "an inference sweep measures on at least one prompt")
+            require(self.runner == "trial", "runner", self.runner, "ray-train runs training sweeps only")
+        else:
+            drafter_config_class(self.training.drafter.type)  # an unknown family fails here, not per point
+            require(self.target is None, "target", self.target,
+                    "a training sweep reads its target from training.target; drop the top-level target")
+            if self.runner == "ray-train":  # jobs.train_drafter's workers report sim_tau and (measured) tau
+                require(objective != "speedup", "search.objective", objective,
+                        "runner ray-train reports sim_tau and tau (training.measure), not speedup")
+                require(objective != "tau" or self.training.measure.num_prompts >= 1, "search.objective",
+                        objective, "tau under runner ray-train needs training.measure.num_prompts >= 1")
+            else:
+                require(objective == "sim_tau" or self.measure.num_prompts >= 1, "search.objective", objective,
+                        "measuring speedup or tau needs measure.num_prompts >= 1 (or use objective sim_tau)")
+        for param in self.search.params:
+            check_key(self, param.key)
+        points, invalid = self.points()
+        if invalid and not self.search.skip_invalid:
+            shown = "; ".join(f"{point}: {why}" for point, why in invalid[:5])
+            more = f" (and {len(invalid) - 5} more)" if len(invalid) > 5 else ""
+            hint = ("narrow the ranges" if self.search.algorithm == "optuna" else
+                    "drop those values, or set search.skip_invalid=true to skip impossible grid points")
+            raise ConfigError(f"search.space: {len(invalid)} impossible combination(s): {shown}{more}; {hint}")
+        require(bool(points), "search.space", self.search.space, "every combination is impossible")
+
+    @property
+    def kind(self) -> Literal["inference", "training"]:
+        return "inference" if self.spec is not None else "training"
+
+    @property
+    def metric(self) -> str:
+        """The reported metric Tune optimises (mode max)."""
+        return self.search.objective
+
+    @property
+    def output_dir(self) -> Path:
+        return resolve_path(self.output.dir) if self.output.dir else eyas_home() / "sweeps" / self.name
+
+    @property
+    def target_dir(self) -> Path:
+        return target_path(self.target if self.kind == "inference" else self.training.target)
+
+    @property
+    def max_epochs(self) -> int:
+        return self.training.train.num_epochs if self.training is not None else 1
+
+    def points(self) -> tuple[list[dict[str, Any]], list[tuple[dict[str, Any], str]]]:
+        """(valid points, [(impossible point, why)]): every grid point, or for optuna the checked corners."""
+        params = self.search.params
+        grid = self.search.algorithm == "grid"
+        choices = [p.grid_values() if grid else p.check_values() for p in params]
+        total = math.prod(len(c) for c in choices)
+        if total > MAX_CHECKED_COMBINATIONS:
+            if grid:
+                raise ConfigError(f"search.space: the grid has {total} points (more than "
+                                  f"{MAX_CHECKED_COMBINATIONS}); use fewer values or search.algorithm=optuna")
+            choices = [[c[0], c[-1]] for c in choices]
+        valid, invalid = [], []
+        for values in itertools.product(*choices):
+            point = dict(zip((p.key for p in params), values))
+            try:
+                self.trial_section(point)
+            except ConfigError as err:
+                invalid.append((point, str(err)))
+            else:
+                valid.append(point)
+        return valid, invalid
+
+    def trial_section(self, point: dict[str, Any]) -> SpecConfig | TrainConfig:
+        """The SpecConfig (inference) or TrainConfig (training) a trial runs for ``point``; ConfigError if impossible."""
+        if self.kind == "inference":
+            spec = from_dict(SpecConfig, {**to_dict(self.spec), **point}, prefix="spec.")
+            for key in ("num_nodes", "depth"):
+                require(getattr(spec, key) < MAX_TREE_NODES, f"spec.{key}", getattr(spec, key),
+                        f"the speculative loop reserves {MAX_TREE_NODES} context slots for a draft tree (root "
+                        f"included): at most {MAX_TREE_NODES - 1}")
+            return spec
+        data = to_dict(self.training)
+        for key, value in point.items():
+            set_dotted(data, key, value)
+        train_config = from_dict(TrainConfig, data, prefix="training.")
+        from_dict(drafter_config_class(train_config.drafter.type), dict(train_config.drafter.config),
+                  prefix="training.drafter.config.")
+        return train_config
+
+
+def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    """``set_dotted(d, "optim.lr", 1e-3)``: d["optim"]["lr"] = 1e-3 (sections created as needed)."""
+    *sections, leaf = key.split(".")
+    for section in sections:
+        data = data.setdefault(section, {})
+    data[leaf] = value
+
+
+def drafter_config_class(drafter_type: str) -> type:
+    from eyas.drafters import registry
+
+    try:
+        return registry.family(drafter_type).config_cls
+    except ValueError as err:
+        raise ConfigError(f"training.drafter.type: {err}") from None
+
+
+def check_key(sweep: SweepConfig, key: str) -> None:
+    """A search key must name a field the trial's section has (inference: SPEC_KEYS; training: TRAIN_SECTIONS)."""
+    if sweep.kind == "inference":
+        require(key in SPEC_KEYS, f"search.space.{key}", sweep.search.space[key],
+                f"unknown key for an inference sweep; searchable spec fields: {list(SPEC_KEYS)}")
+        return
+    section = next((s for s in sorted(TRAIN_SECTIONS, key=len, reverse=True) if key.startswith(s + ".")), None)
+    require(section is not None, f"search.space.{key}", sweep.search.space[key],
+            f"unknown key for a training sweep; search fields of {list(TRAIN_SECTIONS)}, "
+            "e.g. drafter.config.block_size, drafter.config.loss_decay, optim.lr")
+    leaf = key[len(section) + 1:]
+    if section == "drafter.config":
+        known = [f.name for f in dataclasses.fields(drafter_config_class(sweep.training.drafter.type))]
+    else:
+        known = [f.name for f in dataclasses.fields(type(getattr(sweep.training, section)))]
+    require(leaf in known, f"search.space.{key}", sweep.search.space[key],
+            f"unknown key; {section} has {known}")
+
+
+# ---------------------------------------------------------------- loading and pre-flight checks
+
+
+def load_sweep(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> SweepConfig:
+    """Read the YAML, apply ``section.key=value`` overrides, validate. ``training.name`` defaults to the sweep's.
+
+    ``search.space.KEY=[values]`` sets one search key, dots in KEY included (``search.space.optim.lr=[1e-3]``)."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        file = Path(path)
+        if not file.is_file():
+            raise ConfigError(f"config file {file} does not exist")
+        data = yaml.safe_load(file.read_text()) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{file}: the top level must be a mapping")
+    # a search key may hold dots itself (drafter.config.block_size): everything after `search.space.` is the key
+    space_overrides = [o for o in overrides if o.startswith(SPACE_PREFIX) and "=" in o]
+    data = apply_overrides(data, [o for o in overrides if o not in space_overrides])
+    for item in space_overrides:
+        key, raw = item[len(SPACE_PREFIX):].split("=", 1)
+        space = data.setdefault("search", {}).setdefault("space", {})
+        if not isinstance(space, dict):
+            raise ConfigError(f"override {item!r}: search.space is not a mapping")
+        space[key.strip()] = yaml.safe_load(raw)
+    if isinstance(data.get("training"), dict) and "name" not in data["training"]:
+        data["training"]["name"] = str(data.get("name", "sweep"))
+    where = f" in {path}" if path else ""
+    try:
+        return from_dict(SweepConfig, data)
+    except ConfigError as err:
+        raise ConfigError(f"{err}{where}") from None
+
+
+def preflight(sweep: SweepConfig) -> None:
+    """The files a sweep needs exist: target, drafter checkpoint (inference), data set (training)."""
+    target_dir = sweep.target_dir
+    where = "target" if sweep.kind == "inference" else "training.target"
+    if not (target_dir / "config.json").is_file():
+        raise ConfigError(f"{where}={target_dir}: no checkpoint there (config.json missing); build it with "
+                          "`python -m jobs.train_target --config jobs/configs/target-tiny.yaml`")
+    if sweep.kind == "inference":
+        check_spec_files(sweep.spec)
+        return
+    data_dir = data_path(sweep.training.data)
+    if not any((data_dir / "train").glob("shard-*.parquet")):
+        raise ConfigError(f"training.data={sweep.training.data!r}: {data_dir}/train holds no shards; build them with "
+                          "`python -m jobs.generate_data --config jobs/configs/data-tiny.yaml`")
+    if sweep.search.objective == "sim_tau" and not any((data_dir / "heldout").glob("shard-*.parquet")):
+        raise ConfigError(f"search.objective=sim_tau needs held-out data: {data_dir}/heldout holds no shards "
+                          "(set num_heldout_prompts > 0 in the data config)")
+
+
+def check_spec_files(spec: SpecConfig) -> None:
+    method = METHODS[spec.method]
+    if method.needs_drafter:
+        if not spec.drafter:
+            raise ConfigError(f"spec.method={spec.method} needs a trained drafter: set spec.drafter to a checkpoint "
+                              "directory or models:/NAME@ALIAS")
+        if not str(spec.drafter).startswith(("models:/", "runs:/")):
+            directory = resolve_path(spec.drafter)
+            missing = [name for name in ("config.json", "model.safetensors") if not (directory / name).is_file()]
+            if missing:
+                raise ConfigError(f"spec.drafter={spec.drafter}: no drafter checkpoint at {directory} (missing "
+                                  f"{missing}); train one with `python -m jobs.train_drafter --config ...`")
+    if spec.method == "draft-lm" and spec.draft_model and not (resolve_path(spec.draft_model) / "config.json").is_file():
+        raise ConfigError(f"spec.draft_model={spec.draft_model}: no checkpoint there (config.json missing)")
