@@ -120,8 +120,8 @@ def parse_param(key: str, raw: Any) -> Param:
 
 @dataclass(frozen=True)
 class SearchConfig:
-    algorithm: Literal["grid", "optuna"] = "grid"
-    objective: Literal["speedup", "tau", "sim_tau"] = "speedup"
+    algorithm: Literal["grid", "optuna"] = "grid"  # every point of the space, or Optuna's TPE over it
+    objective: Literal["speedup", "tau", "sim_tau"] = "speedup"  # maximised; sim_tau: held-out, training only
     space: dict[str, Any] = field(default_factory=dict)  # key -> [values] | {low, high, step?, log?}
     num_samples: int = 1        # grid: passes over the whole grid; optuna: trials
     skip_invalid: bool = False  # grid: drop impossible points (e.g. top_k > num_nodes) instead of failing
@@ -147,7 +147,7 @@ class MeasureConfig:
 
     suite: str = "all"           # held-out prompts: code, prose or all (eyas.corpus)
     num_prompts: int = 8         # 0: no speed measurement (training sweeps on sim_tau only)
-    max_new_tokens: int = 64
+    max_new_tokens: int = 64      # greedy tokens per prompt and method
     max_prompt_tokens: int = 192  # prompts are cut to their first tokens (and to what the context leaves)
     warmup_prompts: int = 1      # untimed generations first (allocations, lazy init)
     repeats: int = 1             # timed passes over the prompts
@@ -164,7 +164,7 @@ class MeasureConfig:
 class SchedulerConfig:
     """ASHA on the objective, reported once per epoch (training sweeps; an inference trial reports once)."""
 
-    asha: bool = True
+    asha: bool = True            # off: every trial runs all its epochs
     grace_period: int = 1        # epochs every trial runs before it can be stopped
     reduction_factor: int = 2    # keep the top 1/reduction_factor at each rung
 
@@ -177,8 +177,8 @@ class SchedulerConfig:
 class ResourcesConfig:
     """What one trial holds (tune.with_resources); Tune runs as many at once as the cluster fits."""
 
-    cpus_per_trial: float = 1.0
-    gpus_per_trial: float = 0.0
+    cpus_per_trial: float = 1.0   # tune.with_resources; a trial loads its own target copy
+    gpus_per_trial: float = 0.0   # > 0: the trial runs on CUDA (0.5: two trials share a GPU)
     max_concurrent_trials: int | None = None  # a cap below what the cluster fits (null: no cap)
     torch_threads: int | None = None          # per trial; default: its whole CPUs (at least 1)
 
@@ -202,8 +202,8 @@ class ResourcesConfig:
 
 @dataclass(frozen=True)
 class TrackingConfig:
-    enabled: bool = True
-    experiment: str = "eyas-sweeps"
+    enabled: bool = True             # a parent MLflow run per sweep, a child per trial
+    experiment: str = "eyas-sweeps"  # MLflow experiment
 
 
 @dataclass(frozen=True)
@@ -217,7 +217,7 @@ class OutputConfig:
 
 @dataclass(frozen=True)
 class SweepConfig:
-    name: str
+    name: str                             # names the output dir and the MLflow parent run
     search: SearchConfig                  # what to search and the objective
     target: str | None = None             # inference: target checkpoint (training sweeps use training.target)
     spec: SpecConfig | None = None        # inference sweep: the base speculative settings

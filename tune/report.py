@@ -38,7 +38,9 @@ def numeric_metrics(result: dict[str, Any]) -> dict[str, float]:
 
 
 def point_label(point: dict[str, Any]) -> str:
-    return ", ".join(f"{key.split('.')[-1]}={value}" for key, value in point.items()) or "base"
+    """``{"drafter.config.loss_decay": 6.5420, "top_k": 4}`` -> ``loss_decay=6.542, top_k=4``."""
+    shown = (f"{v:.4g}" if isinstance(v, float) else str(v) for v in point.values())
+    return ", ".join(f"{key.split('.')[-1]}={value}" for key, value in zip(point, shown)) or "all trials"
 
 
 # ---------------------------------------------------------------- MLflow: a child run per trial
@@ -177,8 +179,17 @@ def curve_figure(sweep: SweepConfig, rows: list[dict[str, Any]]):
         ax.set_ylabel(metric)
         ax.set_title(f"{metric} vs {x.split('.')[-1]}")
         ax.legend(fontsize=7)
-    figure.suptitle(f"sweep {sweep.name} ({sweep.search.algorithm}, objective {sweep.metric})")
+    figure.suptitle(f"sweep {sweep.name}: {fixed_settings(sweep)} ({sweep.search.algorithm}, objective "
+                    f"{sweep.metric})")
     return figure
+
+
+def fixed_settings(sweep: SweepConfig) -> str:
+    """What the lines share: the method and the tree settings the search leaves fixed."""
+    if sweep.kind == "training":
+        return f"{sweep.training.drafter.type} training"
+    fixed = {k: getattr(sweep.spec, k) for k in ("depth", "top_k", "num_nodes") if k not in sweep.search.space}
+    return f"{sweep.spec.method} {point_label(fixed)}".strip()
 
 
 def epoch_figure(histories: dict[str, list[dict[str, float]]], sweep: SweepConfig):

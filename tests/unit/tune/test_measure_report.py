@@ -80,3 +80,16 @@ def test_best_yaml_is_read_by_jobs_generate(tmp_path):
     assert (spec.method, spec.num_nodes, spec.top_k, spec.depth) == ("eagle3", 8, 4, 3)
     assert target == str((tmp_path / "target").resolve())
     assert document["sweep"]["objective"] == "speedup" and document["sweep"]["value"] == 1.2
+
+
+def test_optuna_domains_follow_the_ranges(tmp_path):
+    from ray.tune.search.sample import Categorical, Float, Integer
+
+    from tune.config import parse_param
+    from tune.sweep import domain
+
+    assert isinstance(domain(parse_param("num_nodes", [4, 8])), Categorical)
+    depth = domain(parse_param("depth", {"low": 2, "high": 6}))
+    assert isinstance(depth, Integer) and (depth.lower, depth.upper) == (2, 7)  # randint's upper is exclusive
+    lr = domain(parse_param("optim.lr", {"low": 1e-4, "high": 1e-2, "log": True}))
+    assert isinstance(lr, Float) and (lr.lower, lr.upper) == (1e-4, 1e-2)
