@@ -278,17 +278,19 @@ class BatchEngine:
 
     @torch.inference_mode()
     def step(self, joins: Sequence[SequenceRequest] = (), leaves: Iterable[str] = ()) -> list[StepOutput]:
-        for request in joins:
+        leaving = set(leaves)
+        staying = [r.request.request_id for r in self.rows if r.request.request_id not in leaving]
+        for request in joins:  # every check before any change, so a refused step leaves the engine as it was
             self.check_request(request)
-        ids = [r.request.request_id for r in self.rows] + [r.request_id for r in joins]
+        ids = staying + [r.request_id for r in joins]
         if len(set(ids)) != len(ids):
             raise ValueError(f"duplicate request ids among {ids}")
-        leaving = set(leaves)
+        if len(ids) > self.capacity:
+            raise ValueError(f"{len(joins)} requests cannot join: {self.capacity - len(staying)} of "
+                             f"{self.capacity} rows free")
         for i in reversed(range(len(self.rows))):
             if self.rows[i].request.request_id in leaving:
                 self._release(i)
-        if len(joins) > self.num_free:
-            raise ValueError(f"{len(joins)} requests cannot join: {self.num_free} of {self.capacity} rows free")
         outputs: list[StepOutput] = []
         if joins:
             self._admit(joins)

@@ -183,6 +183,12 @@ def test_first_token_can_finish_and_bad_requests_are_refused(setup):
         with pytest.raises(ValueError, match=match):
             engine.step([request])
     assert engine.rows == []
+    engine.step([SequenceRequest("f", prompts[1], 8)])
+    with pytest.raises(ValueError, match="cannot join"):  # refused whole: the running row is untouched
+        engine.step([SequenceRequest("g", prompts[2], 4), SequenceRequest("h", prompts[3], 4)], leaves=["zzz"])
+    with pytest.raises(ValueError, match="duplicate"):
+        engine.step([SequenceRequest("f", prompts[2], 4)])
+    assert engine.active_request_ids() == ["f"]
 
 
 # ---------------------------------------------------------------- tensor parallel
