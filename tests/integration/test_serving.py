@@ -309,6 +309,22 @@ def test_tp2_greedy_equals_vanilla(serve_port, random_checkpoint, reference):
         serve.delete("tp2")
 
 
+def test_jobs_load_measures_spec_and_vanilla(serve_port, random_checkpoint, tmp_path):
+    from jobs import load
+
+    out = tmp_path / "load.json"
+    code = load.main(["--config", str(REPO_ROOT / "serving" / "configs" / "micro.yaml"), "--target",
+                      str(random_checkpoint), "--port", str(serve_port), "--concurrency", "1,2",
+                      "--requests-per-level", "2", "--max-tokens", "8", "--num-prompts", "2", "--out", str(out)])
+    assert code == 0
+    report = json.loads(out.read_text())
+    rows = {(r["mode"], r["concurrency"]): r for r in report["results"]}
+    assert set(rows) == {("spec", 1), ("vanilla", 1), ("spec", 2), ("vanilla", 2)}
+    assert rows[("vanilla", 2)]["speedup"] == 1.0 and rows[("spec", 1)]["scaling"] == 1.0
+    assert all(r["tokens_per_s"] > 0 and r["latency_p99_s"] >= r["latency_p50_s"] for r in rows.values())
+    assert rows[("spec", 1)]["tau"] >= 1.0 and rows[("vanilla", 1)]["tau"] is None
+
+
 # ---------------------------------------------------------------- autoscaling
 
 

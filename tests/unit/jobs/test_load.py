@@ -1,0 +1,34 @@
+"""jobs.load's pieces that need no server: the two applications it deploys, percentiles and ratios."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from jobs.load import add_ratios, app_configs, percentile
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def test_spec_and_vanilla_twins_run_on_one_replica_each():
+    config = yaml.safe_load((REPO / "serving" / "configs" / "tiny.yaml").read_text())
+    configs = app_configs(config, "/t", 8123, ["max_batch_size=4", "spec.num_draft=3"])
+    spec, vanilla = (configs[m]["applications"][0] for m in ("spec", "vanilla"))
+    assert (spec["route_prefix"], vanilla["route_prefix"]) == ("/spec", "/vanilla")
+    assert spec["args"]["target"] == vanilla["args"]["target"] == "/t"
+    assert spec["args"]["spec"]["num_draft"] == 3 and vanilla["args"]["spec"] == {"method": "vanilla"}
+    assert spec["args"]["max_batch_size"] == vanilla["args"]["max_batch_size"] == 4
+    for app in (spec, vanilla):
+        assert app["deployments"][0]["num_replicas"] == 1 and "autoscaling_config" not in app["deployments"][0]
+    assert configs["spec"]["http_options"] == {"host": "127.0.0.1", "port": 8123}
+    assert config["applications"][0]["deployments"][0]["autoscaling_config"]  # the input is left as it was
+
+
+def test_percentiles_and_ratios():
+    assert percentile([3.0, 1.0, 2.0, 4.0], 50) == pytest.approx(2.5)
+    assert percentile([1.0, 2.0], 99) == pytest.approx(1.99)
+    results = [{"mode": m, "concurrency": c, "tokens_per_s": t}
+               for m, c, t in (("spec", 1, 30.0), ("vanilla", 1, 10.0), ("spec", 4, 90.0), ("vanilla", 4, 45.0))]
+    add_ratios(results)
+    assert [(r["speedup"], r["scaling"]) for r in results] == [(3.0, 1.0), (1.0, 1.0), (2.0, 3.0), (1.0, 4.5)]
