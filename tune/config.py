@@ -234,29 +234,10 @@ class SweepConfig:
                 "must be a plain name (it names the output directory and the MLflow run)")
         require((self.spec is None) != (self.training is None), "spec", self.spec,
                 "give exactly one of `spec:` (an inference sweep) or `training:` (a training sweep)")
-        objective = self.search.objective
         if self.kind == "inference":
-            require(self.target is not None, "target", self.target,
-                    "an inference sweep needs the target checkpoint (a name under $EYAS_HOME/targets/ or a path)")
-            require(objective != "sim_tau", "search.objective", objective,
-                    "sim_tau is a training metric; an inference sweep measures speedup or tau")
-            require(self.spec.method != "vanilla", "spec.method", self.spec.method,
-                    "vanilla does not speculate: pick a speculative method")
-            require(self.measure.num_prompts >= 1, "measure.num_prompts", self.measure.num_prompts,
-                    "an inference sweep measures on at least one prompt")
-            require(self.runner == "trial", "runner", self.runner, "ray-train runs training sweeps only")
+            self._check_inference()
         else:
-            drafter_config_class(self.training.drafter.type)  # an unknown family fails here, not per point
-            require(self.target is None, "target", self.target,
-                    "a training sweep reads its target from training.target; drop the top-level target")
-            if self.runner == "ray-train":  # jobs.train_drafter's workers report sim_tau and (measured) tau
-                require(objective != "speedup", "search.objective", objective,
-                        "runner ray-train reports sim_tau and tau (training.measure), not speedup")
-                require(objective != "tau" or self.training.measure.num_prompts >= 1, "search.objective",
-                        objective, "tau under runner ray-train needs training.measure.num_prompts >= 1")
-            else:
-                require(objective == "sim_tau" or self.measure.num_prompts >= 1, "search.objective", objective,
-                        "measuring speedup or tau needs measure.num_prompts >= 1 (or use objective sim_tau)")
+            self._check_training()
         for param in self.search.params:
             check_key(self, param.key)
         points, invalid = self.points()
@@ -267,6 +248,31 @@ class SweepConfig:
                     "drop those values, or set search.skip_invalid=true to skip impossible grid points")
             raise ConfigError(f"search.space: {len(invalid)} impossible combination(s): {shown}{more}; {hint}")
         require(bool(points), "search.space", self.search.space, "every combination is impossible")
+
+    def _check_inference(self) -> None:
+        require(self.target is not None, "target", self.target,
+                "an inference sweep needs the target checkpoint (a name under $EYAS_HOME/targets/ or a path)")
+        require(self.search.objective != "sim_tau", "search.objective", self.search.objective,
+                "sim_tau is a training metric; an inference sweep measures speedup or tau")
+        require(self.spec.method != "vanilla", "spec.method", self.spec.method,
+                "vanilla does not speculate: pick a speculative method")
+        require(self.measure.num_prompts >= 1, "measure.num_prompts", self.measure.num_prompts,
+                "an inference sweep measures on at least one prompt")
+        require(self.runner == "trial", "runner", self.runner, "ray-train runs training sweeps only")
+
+    def _check_training(self) -> None:
+        objective = self.search.objective
+        drafter_config_class(self.training.drafter.type)  # an unknown family fails here, not per point
+        require(self.target is None, "target", self.target,
+                "a training sweep reads its target from training.target; drop the top-level target")
+        if self.runner == "ray-train":  # jobs.train_drafter's workers report sim_tau and (measured) tau
+            require(objective != "speedup", "search.objective", objective,
+                    "runner ray-train reports sim_tau and tau (training.measure), not speedup")
+            require(objective != "tau" or self.training.measure.num_prompts >= 1, "search.objective", objective,
+                    "tau under runner ray-train needs training.measure.num_prompts >= 1")
+        else:
+            require(objective == "sim_tau" or self.measure.num_prompts >= 1, "search.objective", objective,
+                    "measuring speedup or tau needs measure.num_prompts >= 1 (or use objective sim_tau)")
 
     @property
     def kind(self) -> Literal["inference", "training"]:
@@ -415,6 +421,16 @@ def preflight(sweep: SweepConfig) -> None:
     if sweep.search.objective == "sim_tau" and not any((data_dir / "heldout").glob("shard-*.parquet")):
         raise ConfigError(f"search.objective=sim_tau needs held-out data: {data_dir}/heldout holds no shards "
                           "(set num_heldout_prompts > 0 in the data config)")
+
+
+def absolute_spec(spec: SpecConfig) -> dict[str, Any]:
+    """``to_dict(spec)`` with drafter / draft_model paths made absolute (trials run in their own directories;
+    a best-config YAML must not depend on the directory it is read from)."""
+    data = to_dict(spec)
+    for key in ("drafter", "draft_model"):
+        if data.get(key) and not str(data[key]).startswith(("models:/", "runs:/")):
+            data[key] = str(resolve_path(data[key]).resolve())
+    return data
 
 
 def check_spec_files(spec: SpecConfig) -> None:

@@ -20,8 +20,8 @@ from typing import Any
 import yaml
 
 from eyas import track
-from eyas.config import flatten, resolve_path, to_dict
-from tune.config import SweepConfig
+from eyas.config import flatten, to_dict
+from tune.config import SweepConfig, absolute_spec
 
 # Tune's own result entries: not our metrics
 TUNE_KEYS = {"timestamp", "training_iteration", "time_this_iter_s", "time_total_s", "pid", "date", "hostname",
@@ -230,11 +230,7 @@ def best_documents(sweep: SweepConfig, best: dict[str, Any], output_dir: Path) -
                "point": best["point"], "trial_id": best["trial_id"],
                "metrics": {k: round(v, 6) for k, v in best["metrics"].items()}}
     if sweep.kind == "inference":
-        spec = to_dict(sweep.trial_section(best["point"]))
-        if spec.get("drafter") and not str(spec["drafter"]).startswith(("models:/", "runs:/")):
-            spec["drafter"] = str(resolve_path(spec["drafter"]).resolve())
-        if spec.get("draft_model"):
-            spec["draft_model"] = str(resolve_path(spec["draft_model"]).resolve())
+        spec = absolute_spec(sweep.trial_section(best["point"]))
         return {"best.yaml": {"target": str(sweep.target_dir.resolve()), "spec": spec, "sweep": summary}}
     train_config = to_dict(sweep.trial_section(best["point"]))
     docs = {"best-train.yaml": train_config}

@@ -36,7 +36,7 @@ from typing import Any
 
 from eyas.config import ConfigError, flatten, resolve_path, to_dict
 from eyas.models import CheckpointError
-from tune.config import Param, SweepConfig, load_sweep, preflight
+from tune.config import Param, SweepConfig, absolute_spec, load_sweep, preflight
 
 
 # Tune needs a non-empty bundle per trial: a ray-train trial's driver (it only waits on its TorchTrainer) holds this
@@ -67,7 +67,7 @@ def build_context(sweep: SweepConfig) -> dict[str, Any]:
     if tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)
     context["eos"] = sorted(eos)
-    context["spec"] = to_dict(sweep.spec)
+    context["spec"] = absolute_spec(sweep.spec)
     return context
 
 
