@@ -296,15 +296,21 @@ def test_killing_a_worker_replaces_the_replica(serve_port, tp1, reference):
 # ---------------------------------------------------------------- tp=2
 
 
-def test_tp2_greedy_equals_vanilla(serve_port, random_checkpoint, reference):
+def test_tp2_greedy_equals_vanilla_and_a_dead_rank_replaces_the_replica(serve_port, random_checkpoint, reference):
     deploy(micro_config(random_checkpoint, "tp2", "/tp2", tensor_parallel_size=2))
     try:
         http = client(serve_port, "/tp2", key=None)
         assert len(worker_names("tp2")) == 2
         for prompt in PROMPTS[:2]:
             assert complete(http, prompt)["choices"][0]["token_ids"] == reference[prompt]
-        ids = [complete(http, p, max_tokens=8)["choices"][0]["token_ids"] for p in PROMPTS]  # batched at tp=2
+        ids = [complete(http, p, max_tokens=8)["choices"][0]["token_ids"] for p in PROMPTS]
         assert ids == [reference[p][:8] for p in PROMPTS]
+        # a dead rank breaks the TP group: the whole replica is replaced, both ranks anew
+        old = worker_names("tp2")
+        ray.kill(ray.get_actor(sorted(old)[1], namespace="eyas-serving"))
+        wait_until(lambda: len(worker_names("tp2") - old) == 2, 120, every_s=1.0, what="a replacement tp=2 replica")
+        wait_until(lambda: http.get("/health").status_code == 200, 60, what="the new replica to serve")
+        assert complete(http, PROMPTS[1])["choices"][0]["token_ids"] == reference[PROMPTS[1]]
     finally:
         serve.delete("tp2")
 
