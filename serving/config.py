@@ -10,8 +10,8 @@
             autoscaling_config: {min_replicas: 1, max_replicas: 2, ...}    health_check_period_s, ...
 
 ``spec`` is the ``spec:`` section that jobs.generate, jobs.bench and tune.sweep's best-config YAML share
-(eyas.methods.SpecConfig), taken as is; ``spec_file`` names such a YAML instead (its other keys are ignored) and
-``spec`` keys, when both are given, override the file's. The placement group of a replica (bundle 0: the replica,
+(eyas.methods.SpecConfig), taken as is; ``spec_file`` names such a YAML instead (best.yaml: its ``target:`` serves
+when the args name none, ``sweep:`` is ignored), and ``spec`` keys, when both are given, override the file's. The placement group of a replica (bundle 0: the replica,
 then one bundle per tensor-parallel rank) is derived from these arguments by ``serving.app.build_app``.
 """
 from __future__ import annotations
@@ -94,8 +94,14 @@ class ServeArgs:
         data = dict(args)
         spec = dict(data.get("spec") or {})
         if data.get("spec_file"):
-            spec = {**read_spec_file(data["spec_file"]), **spec}
+            best = read_spec_file(data["spec_file"])
+            spec = {**best["spec"], **spec}
+            if not data.get("target") and best.get("target"):
+                data["target"] = best["target"]
         data["spec"] = spec
+        if not data.get("target"):
+            raise ConfigError("args.target is missing: set it to the target's checkpoint directory (or give a "
+                              "spec_file whose YAML names a `target:`)")
         return from_dict(cls, data, prefix="args.")
 
     @property
@@ -125,10 +131,11 @@ class ServeArgs:
 
 
 def read_spec_file(path: str) -> dict[str, Any]:
+    """A best-config YAML (tune.sweep's best.yaml): its ``spec:`` section and, if present, its ``target:``."""
     file = resolve_path(path)
     if not file.is_file():
         raise ConfigError(f"args.spec_file={path!r}: file does not exist")
     data = yaml.safe_load(file.read_text()) or {}
     if not isinstance(data, dict) or not isinstance(data.get("spec"), dict):
         raise ConfigError(f"args.spec_file={path!r}: expected a YAML mapping with a `spec:` section")
-    return dict(data["spec"])
+    return {"spec": dict(data["spec"]), "target": data.get("target")}

@@ -119,6 +119,10 @@ def test_serve_args_merge_spec_file_and_validate(tmp_path):
     assert (args.spec.method, args.spec.num_draft, args.spec.max_matches) == ("ngram", 5, 2)
     assert args.speculation_by_batch == {1: None, 4: 2} and args.served_name == "tiny"
     assert args.bundles() == [{"CPU": 0.5}, {"CPU": 1.0, "GPU": 1.0}, {"CPU": 1.0, "GPU": 1.0}]
+    best.write_text(yaml.safe_dump({"target": "/sweeps/target-tiny", "spec": {"method": "ngram"}, "sweep": {}}))
+    assert ServeArgs.from_args({"spec_file": str(best)}).target == "/sweeps/target-tiny"  # tune.sweep's best.yaml
+    with pytest.raises(ConfigError, match="args.target is missing"):
+        ServeArgs.from_args({"spec": {"method": "ngram"}})
     for bad, field in (({"tensor_parallel_size": 0}, "tensor_parallel_size"), ({"spec": {"method": "nope"}},
                        "spec.method"), ({"speculation_by_batch": {2: 0}}, "speculation_by_batch"),
                        ({"bogus": 1}, "bogus"), ({"spec_file": str(tmp_path / "none.yaml")}, "spec_file"),
