@@ -3,6 +3,9 @@
     python -m jobs.train_target --config jobs/configs/target-tiny.yaml [--force] [section.key=value ...]
     ray job submit --working-dir . -- python -m jobs.train_target --config jobs/configs/target-micro.yaml
 
+(under ``ray job submit`` the driver runs in an unpacked copy of the working dir: pass ``EYAS_HOME`` and
+``MLFLOW_TRACKING_URI`` as absolute paths in ``--runtime-env-json '{"env_vars": {...}}'`` to keep the results)
+
 Output: ``$EYAS_HOME/targets/<name>/`` holding a Hugging Face checkpoint (config.json, model.safetensors, float32)
 plus the tokenizer, so ``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained`` both load it,
 and ``meta.json`` (held-out loss, config, timings, greedy samples). ``meta.json`` is written last and marks a
@@ -14,11 +17,13 @@ that target's tokenizer, so target and draft share one vocabulary; ``meta.json``
 
 Training: ``TorchTrainer`` with ``num_workers`` CPU workers (gloo DDP via ``prepare_model``). Each step every worker
 samples ``batch_size`` random windows of ``seq_len + 1`` tokens from the packed train stream (documents joined as
-``<|bos|> doc <|eos|>``); AdamW, linear warmup then cosine decay. Rank 0 reports the loss every ``log_every`` steps
+``<|bos|> doc <|eos|>``); AdamW, GPT-2 residual init scaling, linear warmup then cosine decay over
+``num_steps`` or over the wall-time budget ``max_minutes``, whichever ends first (a loaded machine trains on fewer
+tokens instead of taking longer; meta.json says how many steps ran). Rank 0 reports the loss every ``log_every`` steps
 and saves the checkpoint; the held-out loss is computed by all ranks on disjoint windows and all-reduced. The driver
 logs params, the loss curve and the held-out loss to MLflow (experiment ``eyas-targets``).
 
-Shape legend: B batch (sequences), T tokens per sequence, V vocab.
+Shape legend: B batch (sequences), T tokens per sequence, V vocab, N tokens of a packed stream, W eval windows.
 """
 from __future__ import annotations
 
@@ -34,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from eyas.config import eyas_home, flatten, from_dict, require, to_dict
+from eyas.config import eyas_home, flatten, from_dict, require, resolve_path, to_dict
 from eyas.tokenizer import BOS_ID, EOS_ID, PAD_ID, TokenizerConfig
 
 META_FILE = "meta.json"
@@ -89,6 +94,9 @@ class TrainConfig:
     # wall-time budget for the training loop: the schedule runs on max(step fraction, time fraction), so a slow or
     # loaded machine ends early *with a fully decayed LR*; meta.json records the steps done (null: no budget)
     max_minutes: float | None = None
+    # Ray Train storage for the final checkpoint (null: $EYAS_HOME/ray_results); shared storage on a multi-node
+    # cluster, since the driver copies the checkpoint from there into $EYAS_HOME/targets/<name>
+    storage_path: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_workers", "cpus_per_worker", "seq_len", "batch_size", "num_steps", "eval_tokens",
@@ -168,19 +176,6 @@ def prepare_tokenizer(cfg: TargetJobConfig) -> Path:
     return out
 
 
-def slice_documents(documents: list[str], max_chars: int | None) -> list[str]:
-    """The first ``max_chars`` characters of ``documents`` (all when None), cutting the last document short."""
-    if max_chars is None:
-        return documents
-    out, total = [], 0
-    for doc in documents:
-        if total >= max_chars:
-            break
-        out.append(doc[: max_chars - total])
-        total += len(out[-1])
-    return out
-
-
 def pack_documents(tokenizer_dir: Path, documents: list[str]) -> np.ndarray:
     """One int32 stream ``<|bos|> doc <|eos|> <|bos|> doc <|eos|> ...`` (documents in the given order)."""
     from tokenizers import Tokenizer
@@ -199,7 +194,7 @@ def token_stream(tokenizer_dir: Path, split: str, kind: str, max_chars: int | No
     cache = eyas_home() / "data" / "tokens" / f"{key}.npy"
     if cache.is_file():
         return np.load(cache)
-    ids = pack_documents(tokenizer_dir, slice_documents(corpus.documents(split, kind), max_chars))
+    ids = pack_documents(tokenizer_dir, corpus.slice_documents(corpus.documents(split, kind), max_chars))
     cache.parent.mkdir(parents=True, exist_ok=True)
     tmp = cache.with_suffix(f".{time.time_ns()}.tmp.npy")
     np.save(tmp, ids)
@@ -227,6 +222,17 @@ def llama_config(cfg: TargetJobConfig, vocab_size: int):
         pad_token_id=PAD_ID,
         dtype="float32",
     )
+
+
+def scale_residual_init(model, num_layers: int) -> None:
+    """GPT-2's residual scaling: the projections that write into the residual stream (attention o_proj, MLP
+    down_proj) start 1/sqrt(2 * num_layers) smaller, so a deep, narrow stack trains faster from step 0."""
+    import torch
+
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.mul_((2 * num_layers) ** -0.5)
+            layer.mlp.down_proj.weight.mul_((2 * num_layers) ** -0.5)
 
 
 def lr_at(step: int, train: TrainConfig, time_fraction: float = 0.0) -> float:
@@ -285,6 +291,27 @@ def summed_loss(model, windows_WT1: np.ndarray, batch_size: int) -> tuple[float,
 # ---------------------------------------------------------------- Ray Train worker
 
 
+def distributed_heldout_loss(model, heldout_streams: dict[str, np.ndarray], train: TrainConfig, rank: int,
+                             world_size: int) -> dict[str, float]:
+    """Mean held-out cross-entropy per kind and overall: rank r takes windows r, r + world_size, ...; the
+    (loss sum, token count) pairs are all-reduced, so every rank returns the same numbers."""
+    import torch
+    import torch.distributed as dist
+
+    model.eval()
+    heldout: dict[str, float] = {}
+    total_loss, total_count = 0.0, 0
+    for kind, stream_N in sorted(heldout_streams.items()):
+        windows_WT1 = eval_windows(stream_N, train.seq_len, train.eval_tokens)[rank::world_size]
+        sums_2 = torch.tensor(summed_loss(model, windows_WT1, train.batch_size), dtype=torch.float64)
+        dist.all_reduce(sums_2)
+        if sums_2[1] > 0:
+            heldout[f"heldout_loss_{kind}"] = (sums_2[0] / sums_2[1]).item()
+            total_loss, total_count = total_loss + sums_2[0].item(), total_count + int(sums_2[1].item())
+    heldout["heldout_loss"] = total_loss / total_count if total_count else float("nan")
+    return heldout
+
+
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     """Runs on every Ray Train worker: DDP training, then the all-reduced held-out loss; rank 0 saves."""
     import tempfile
@@ -308,9 +335,10 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     heldout_streams = {kind: ray.get(ref) for kind, ref in loop_config["heldout_ids"].items()}
 
     model = LlamaForCausalLM(llama_config(cfg, loop_config["vocab_size"]))
+    scale_residual_init(model, cfg.model.num_layers)
     model = ray.train.torch.prepare_model(model)
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    decay = [p for p in model.parameters() if p.ndim >= 2]  # matrices; norms (1-d) get no weight decay
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": train.weight_decay},
                                    {"params": no_decay, "weight_decay": 0.0}], lr=train.lr, betas=(0.9, 0.95))
     rng = np.random.default_rng([train.seed, rank])
@@ -361,19 +389,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
               f"of {train.num_steps}", flush=True)
     train_seconds = time.monotonic() - start
 
-    # held-out loss: each rank takes every world_size-th window, sums are all-reduced
     base_model = model.module if hasattr(model, "module") else model
-    base_model.eval()
-    heldout: dict[str, float] = {}
-    total_loss, total_count = 0.0, 0
-    for kind, stream_N in sorted(heldout_streams.items()):
-        windows_WT1 = eval_windows(stream_N, train.seq_len, train.eval_tokens)[rank::world_size]
-        sums = torch.tensor(summed_loss(base_model, windows_WT1, train.batch_size), dtype=torch.float64)
-        dist.all_reduce(sums)
-        if sums[1] > 0:
-            heldout[f"heldout_loss_{kind}"] = (sums[0] / sums[1]).item()
-            total_loss, total_count = total_loss + sums[0].item(), total_count + int(sums[1].item())
-    heldout["heldout_loss"] = total_loss / total_count if total_count else float("nan")
+    heldout = distributed_heldout_loss(base_model, heldout_streams, train, rank, world_size)
     final = {"step": step, "train_seconds": train_seconds,
              "stopped_early": float(stopped_early), **heldout}
     if rank == 0:
@@ -414,7 +431,7 @@ def run_trainer(cfg: TargetJobConfig, tokenizer_dir: Path, vocab_size: int) -> P
     print(f"[data] {len(train_ids):,} train tokens, held-out "
           f"{ {k: len(v) for k, v in heldout_ids.items()} } in {time.monotonic() - start:.1f}s", flush=True)
 
-    storage = eyas_home() / "ray_results"
+    storage = resolve_path(train.storage_path) if train.storage_path else eyas_home() / "ray_results"
     run_name = f"train_target-{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     trainer = TorchTrainer(
         train_loop_per_worker,

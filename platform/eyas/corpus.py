@@ -17,7 +17,7 @@ whole file / whole topic, so a held-out prompt never shares a document with trai
 
 Prompts (same shape for both splits; the held-out ones feed benchmarks, the train ones data regeneration)
 - ``code``: a function that has a docstring and at least two statements: its ``def`` line(s), the docstring and
-  the first ``NUM_BODY_LINES`` source lines after it, dedented, ending with a newline.
+  the first ``NUM_BODY_LINES`` source lines after it, dedented, with no trailing newline (see ``function_prompts``).
 - ``prose``: a section heading and the first ``NUM_PROSE_SENTENCES`` sentences of a prose paragraph under it
   (every paragraph of at least ``MIN_PARAGRAPH_WORDS`` words), original line wrapping kept.
 Prompts are ordered by a stable hash of their key (so the first N mix many files) and ``"all"`` alternates code and
@@ -103,6 +103,19 @@ def documents(split: Split, kind: Kind = "all") -> list[str]:
     return [text for key, text in _keyed(kind) if is_heldout(key) == want_heldout]
 
 
+def slice_documents(documents: list[str], max_chars: int | None) -> list[str]:
+    """The first ``max_chars`` characters of ``documents`` (all when None), cutting the last document short."""
+    if max_chars is None:
+        return list(documents)
+    out, total = [], 0
+    for doc in documents:
+        if total >= max_chars:
+            break
+        out.append(doc[: max_chars - total])
+        total += len(out[-1])
+    return out
+
+
 def train_documents(kind: Kind = "all") -> list[str]:
     """Whole files / topics of the train split, sorted (code by path, then prose by topic name)."""
     return documents("train", kind)
@@ -133,9 +146,12 @@ def function_prompts(rel: str, text: str) -> list[tuple[str, str]]:
         stop = min(doc_end + NUM_BODY_LINES, node.end_lineno - 1)  # leave at least one line to continue
         if stop <= doc_end:
             continue
-        prompt = textwrap.dedent("".join(lines[node.lineno - 1 : stop]))
-        if len(prompt) <= MAX_PROMPT_CHARS and prompt.strip():
-            out.append((f"code:{rel}:{node.lineno}:{node.name}", prompt if prompt.endswith("\n") else prompt + "\n"))
+        # no trailing newline: byte-level BPE merges a newline with the next line's indentation ("\n        "),
+        # so a prompt ending in a bare "\n" token is a sequence training never shows (the model then emits blank
+        # lines); ending at the last character lets the model produce the newline + indentation token itself
+        prompt = textwrap.dedent("".join(lines[node.lineno - 1 : stop])).rstrip()
+        if len(prompt) <= MAX_PROMPT_CHARS and prompt:
+            out.append((f"code:{rel}:{node.lineno}:{node.name}", prompt))
     return out
 
 

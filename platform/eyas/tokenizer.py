@@ -81,18 +81,6 @@ def train_bpe(documents: Iterable[str], vocab_size: int, min_frequency: int = 2)
     return tokenizer
 
 
-def _slice(documents: list[str], max_chars: int | None) -> list[str]:
-    if max_chars is None:
-        return documents
-    out, total = [], 0
-    for doc in documents:
-        if total >= max_chars:
-            break
-        out.append(doc[: max_chars - total])
-        total += len(out[-1])
-    return out
-
-
 def build_tokenizer(config: TokenizerConfig, out_dir: str | Path, documents: list[str] | None = None):
     """Train on ``documents`` (default: the corpus train split of ``config.corpus``), save to ``out_dir``,
     return the ``transformers`` tokenizer."""
@@ -100,7 +88,9 @@ def build_tokenizer(config: TokenizerConfig, out_dir: str | Path, documents: lis
 
     from eyas import corpus
 
-    docs = _slice(documents if documents is not None else corpus.train_documents(config.corpus), config.max_chars)
+    docs = corpus.slice_documents(
+        documents if documents is not None else corpus.train_documents(config.corpus), config.max_chars
+    )
     raw = train_bpe(docs, config.vocab_size, config.min_frequency)
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=raw, bos_token=BOS, eos_token=EOS, pad_token=PAD, mask_token=MASK,
