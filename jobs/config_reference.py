@@ -56,7 +56,7 @@ def field_comments(cls) -> dict[str, str]:
 
 def type_name(tp) -> str:
     text = tp if isinstance(tp, str) else getattr(tp, "__name__", None) or str(tp)
-    return str(text).replace("typing.", "").replace("NoneType", "None")
+    return str(text).replace("typing.", "").replace("NoneType", "None").replace(" | ", " or ")
 
 
 def default_text(field: dataclasses.Field) -> str:

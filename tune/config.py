@@ -6,7 +6,7 @@ sweep has a ``training:`` section (the base ``eyas.train.config.TrainConfig``, a
 The search space names fields of that section and lists their values or ranges:
 
     name: eagle3-tree
-    target: target-tiny                   # inference: a name under $EYAS_HOME/targets/ or a checkpoint path
+    target: tiny                   # inference: a name under $EYAS_HOME/targets/ or a checkpoint path
     spec: {method: eagle3, drafter: $EYAS_HOME/drafters/eagle3-tiny}
     search:
       algorithm: grid                     # grid | optuna

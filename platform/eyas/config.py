@@ -146,6 +146,17 @@ def flatten(config: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def parse_scalar(raw: str) -> Any:
+    """YAML rules, except that ``5e-3`` is a number (YAML 1.1 would read it as a string)."""
+    value = yaml.safe_load(raw)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
 def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
     """Apply ``section.key=value`` strings to a raw mapping (values parsed as YAML). Types are checked later."""
     data = yaml.safe_load(yaml.safe_dump(data)) or {}
@@ -159,7 +170,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]
             node = node.setdefault(key, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override {item!r}: {key!r} is not a section")
-        node[keys[-1]] = yaml.safe_load(raw)
+        node[keys[-1]] = parse_scalar(raw)
     return data
 
 

@@ -2,7 +2,7 @@
 block size x loss decay, ASHA), each under two minutes on the micro target; MLflow parent and child runs read back;
 the best-config YAML loaded by jobs.generate (greedy output identical to vanilla), jobs.bench and serving.
 
-The target is the shared random checkpoint (tests/conftest.py) installed as ``target-micro``; the data set is
+The target is the shared random checkpoint (tests/conftest.py) installed as ``micro``; the data set is
 regenerated without Ray and the drafters are trained with the sweep's own Ray-free loop (tune.measure.TrialTrainer),
 so the Ray time goes to the sweeps alone.
 """
@@ -30,7 +30,7 @@ def train_micro_drafter(home: Path, config: Path, epochs: int) -> Path:
     from tune.measure import TrialTrainer
 
     cfg = load_config(TrainConfig, config, [f"train.num_epochs={epochs}"])
-    trainer = TrialTrainer(cfg, home / "targets" / "target-micro", home / "data" / "data-micro")
+    trainer = TrialTrainer(cfg, home / "targets" / "micro", home / "data" / "data-micro")
     for epoch in range(epochs):
         trainer.run_epoch(epoch)
     return trainer.save(home / "drafters" / cfg.name)
@@ -38,7 +38,7 @@ def train_micro_drafter(home: Path, config: Path, epochs: int) -> Path:
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory, random_checkpoint):
-    """EYAS_HOME with target-micro, data-micro and the eagle3-micro drafter; MLflow in a tmp sqlite store."""
+    """EYAS_HOME with micro, data-micro and the eagle3-micro drafter; MLflow in a tmp sqlite store."""
     from eyas import corpus
     from eyas.models import load_target, load_tokenizer
     from eyas.train.data import regenerate, response_row, shard_path, write_shard
@@ -49,7 +49,7 @@ def workspace(tmp_path_factory, random_checkpoint):
            "EYAS_MLFLOW_ARTIFACTS": str(root / "mlartifacts")}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
-    target_dir = home / "targets" / "target-micro"
+    target_dir = home / "targets" / "micro"
     shutil.copytree(random_checkpoint, target_dir)
     target, tokenizer = load_target(target_dir), load_tokenizer(target_dir)
     for split, prompts in (("train", corpus.train_prompts(NUM_TRAIN)),

@@ -70,12 +70,12 @@ def test_micro_target_builds_through_ray_train(job_env):
         target_cfg = load_config(TargetJobConfig, MICRO, ["train.num_steps=20", "num_samples=1"])
         assert target_cfg.train.num_workers == 2
         out = build(target_cfg)
-        assert out == home / "targets" / "target-micro"
+        assert out == home / "targets" / "micro"
         meta = assert_loadable_checkpoint(out, vocab_size=512)
         assert meta["steps"] == 20 and meta["kind"] == "target" and len(meta["samples"]) == 1
 
         run = MlflowClient(tracking_uri=uri).get_run(meta["mlflow_run_id"])
-        assert run.info.status == "FINISHED" and run.info.run_name == "target-micro"
+        assert run.info.status == "FINISHED" and run.info.run_name == "micro"
         assert run.data.params["train.num_workers"] == "2" and run.data.params["model.num_layers"] == "2"
         assert abs(run.data.metrics["heldout_loss"] - meta["heldout_loss"]) < 1e-9
         losses = MlflowClient(tracking_uri=uri).get_metric_history(run.info.run_id, "loss")
@@ -183,7 +183,7 @@ def test_ray_job_submit_builds_micro_target(ray_head, tmp_path):
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-4000:]
     assert "succeeded" in output, output[-4000:]
-    meta = assert_loadable_checkpoint(home / "targets" / "target-micro", vocab_size=512)
+    meta = assert_loadable_checkpoint(home / "targets" / "micro", vocab_size=512)
     assert meta["steps"] == 10
     run = MlflowClient(tracking_uri=uri).get_run(meta["mlflow_run_id"])
     assert run.info.status == "FINISHED"

@@ -16,7 +16,7 @@ SUITES = ("all", "code", "prose")
 
 
 def target_path(target: str) -> Path:
-    """``target-tiny`` -> ``$EYAS_HOME/targets/target-tiny``; a path (with ``/``) is used as is."""
+    """``tiny`` -> ``$EYAS_HOME/targets/tiny``; a path (with ``/``) is used as is."""
     return resolve_path(target) if "/" in target else eyas_home() / "targets" / target
 
 
@@ -40,7 +40,7 @@ class DataConfig:
     """
 
     name: str
-    target: str = "target-tiny"
+    target: str = "tiny"
     source: Literal["regenerate", "corpus"] = "regenerate"
     suite: str = "all"               # prompts / documents: code, prose or all
     num_prompts: int = 512           # train sequences (prompts regenerated, or corpus chunks)
@@ -184,7 +184,7 @@ class TrainConfig:
     """``jobs.train_drafter``: one YAML file per family and size in ``jobs/configs/``."""
 
     name: str                        # output: $EYAS_HOME/drafters/<name>, MLflow model <name>
-    target: str = "target-tiny"      # target checkpoint: a name under $EYAS_HOME/targets or a path
+    target: str = "tiny"      # target checkpoint: a name under $EYAS_HOME/targets or a path
     data: str = "data-tiny"          # generate_data output: a name under $EYAS_HOME/data or a path
     drafter: DrafterSection = field(default_factory=DrafterSection)
     optim: OptimConfig = field(default_factory=OptimConfig)

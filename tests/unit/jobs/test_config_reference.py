@@ -1,0 +1,16 @@
+"""The README's configuration reference is generated from the config dataclasses and must match them."""
+from jobs import config_reference
+
+
+def test_readme_reference_matches_the_dataclasses():
+    readme = config_reference.README.read_text()
+    assert config_reference.START in readme, "README lacks the generated configuration reference"
+    assert config_reference.rewrite(readme) == readme, (
+        "README's configuration reference is stale: run `python -m jobs.config_reference --write`")
+
+
+def test_every_section_lists_fields():
+    text = config_reference.reference()
+    for title, _ in config_reference.SECTIONS:
+        assert f"#### {title}" in text
+    assert "| `spec.num_nodes`" not in text and "| `num_nodes` | int | `24` |" in text
