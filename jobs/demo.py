@@ -110,7 +110,9 @@ def serve_one_request(head, profile: Profile, env: dict[str, str]) -> None:
             if time.monotonic() > deadline:
                 raise StepFailed(f"Serve did not become healthy at {base}/health within 300 s")
             time.sleep(2)
-        body = json.dumps({"model": serve_cfg["applications"][0].get("name", "eyas"), "prompt": "def fib(n):\n",
+        app = serve_cfg["applications"][0]
+        model = (app.get("args") or {}).get("model_name") or app.get("name", "eyas")
+        body = json.dumps({"model": model, "prompt": "def fib(n):\n",
                            "max_tokens": 32, "temperature": 0}).encode()
         request = urllib.request.Request(f"{base}/v1/completions", data=body,
                                          headers={"Content-Type": "application/json"})
