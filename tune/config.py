@@ -6,7 +6,7 @@ sweep has a ``training:`` section (the base ``eyas.train.config.TrainConfig``, a
 The search space names fields of that section and lists their values or ranges:
 
     name: eagle3-tree
-    target: tiny                   # inference: a name under $EYAS_HOME/targets/ or a checkpoint path
+    target: tiny                          # inference: a name under $EYAS_HOME/targets/ or a checkpoint path
     spec: {method: eagle3, drafter: $EYAS_HOME/drafters/eagle3-tiny}
     search:
       algorithm: grid                     # grid | optuna
@@ -92,9 +92,20 @@ class Param:
         return [self.low, self.high]
 
 
+def _number(value: Any) -> Any:
+    """YAML 1.1 reads ``5e-3`` as a string; in a search space it is meant as a number."""
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
 def parse_param(key: str, raw: Any) -> Param:
     where = f"search.space.{key}"
     if isinstance(raw, (list, tuple)):
+        raw = [_number(v) for v in raw]
         require(len(raw) > 0, where, raw, "empty list: give at least one value")
         require(len(set(map(repr, raw))) == len(raw), where, raw, "values repeat")
         return Param(key, values=tuple(raw))
@@ -102,7 +113,8 @@ def parse_param(key: str, raw: Any) -> Param:
         unknown = sorted(set(raw) - {"low", "high", "step", "log"})
         require(not unknown, where, raw, f"unknown range key(s) {unknown}; a range has low, high, step, log")
         require("low" in raw and "high" in raw, where, raw, "a range needs both low and high")
-        low, high, step, log = raw["low"], raw["high"], raw.get("step"), raw.get("log", False)
+        low, high, step = (_number(raw.get(name)) for name in ("low", "high", "step"))
+        log = raw.get("log", False)
         for name, value in (("low", low), ("high", high), ("step", step)):
             is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
             require(is_number or (name == "step" and value is None), f"{where}.{name}", value, "expected a number")
@@ -318,7 +330,7 @@ class SweepConfig:
         return valid, invalid
 
     def trial_section(self, point: dict[str, Any]) -> SpecConfig | TrainConfig:
-        """The SpecConfig (inference) or TrainConfig (training) a trial runs for ``point``; ConfigError if impossible."""
+        """The SpecConfig (inference) or TrainConfig (training) a trial runs at ``point``; ConfigError if impossible."""
         if self.kind == "inference":
             spec = from_dict(SpecConfig, {**to_dict(self.spec), **point}, prefix="spec.")
             for key in ("num_nodes", "depth"):
@@ -445,5 +457,6 @@ def check_spec_files(spec: SpecConfig) -> None:
             if missing:
                 raise ConfigError(f"spec.drafter={spec.drafter}: no drafter checkpoint at {directory} (missing "
                                   f"{missing}); train one with `python -m jobs.train_drafter --config ...`")
-    if spec.method == "draft-lm" and spec.draft_model and not (resolve_path(spec.draft_model) / "config.json").is_file():
+    draft_model = resolve_path(spec.draft_model) if spec.draft_model else None
+    if spec.method == "draft-lm" and draft_model is not None and not (draft_model / "config.json").is_file():
         raise ConfigError(f"spec.draft_model={spec.draft_model}: no checkpoint there (config.json missing)")

@@ -33,8 +33,8 @@ X_PREFERENCE = ("num_nodes", "depth", "num_draft", "max_matches", "top_k", "draf
 
 def numeric_metrics(result: dict[str, Any]) -> dict[str, float]:
     return {key: float(value) for key, value in result.items()
-            if key not in TUNE_KEYS and "/" not in key and isinstance(value, (int, float)) and not isinstance(value, bool)
-            and math.isfinite(float(value))}
+            if key not in TUNE_KEYS and "/" not in key and isinstance(value, (int, float))
+            and not isinstance(value, bool) and math.isfinite(float(value))}
 
 
 def point_label(point: dict[str, Any]) -> str:

@@ -248,10 +248,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[sweep] skipping impossible point {point}: {why}", file=sys.stderr)
         if args.dry_run:
             build_context(sweep)
-            listed = points if sweep.search.algorithm == "grid" else sweep.search.space
+            grid = sweep.search.algorithm == "grid"
+            num_trials = sweep.search.num_samples * (len(points) if grid else 1)
             print(f"[sweep] {sweep.name}: {sweep.kind} sweep, {sweep.search.algorithm}, objective {sweep.metric}; "
-                  f"{len(points) * sweep.search.num_samples if sweep.search.algorithm == 'grid' else sweep.search.num_samples} "
-                  f"trials over {listed}")
+                  f"{num_trials} trials over {points if grid else sweep.search.space}")
             return 0
         return run_sweep(sweep, command, points)
     except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as err:

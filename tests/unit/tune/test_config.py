@@ -69,6 +69,8 @@ def test_ranges_for_grid_and_optuna():
     assert parse_param("num_nodes", {"low": 4, "high": 6}).grid_values() == [4, 5, 6]
     assert parse_param("x", {"low": 0.5, "high": 1.0, "step": 0.25}).grid_values() == [0.5, 0.75, 1.0]
     assert parse_param("lr", {"low": 1e-4, "high": 1e-2, "log": True}).check_values() == [1e-4, 1e-2]
+    assert parse_param("lr", {"low": "1e-4", "high": "1e-2"}).low == 1e-4  # YAML 1.1 reads 1e-4 as a string
+    assert parse_param("lr", ["5e-3", 1.0e-3]).values == (5e-3, 1e-3)
     with pytest.raises(ConfigError, match="cannot be gridded"):
         parse_param("lr", {"low": 1e-4, "high": 1e-2}).grid_values()
 
