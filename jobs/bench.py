@@ -130,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts-file", help='JSONL with one {"prompt": "..."} per line')
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--max-prompt-tokens", type=int, help="cut prompts to their first N tokens")
     parser.add_argument("--repeats", type=int, default=1, help="passes over the prompts")
     parser.add_argument("--target", default=str(eyas_home() / "targets" / "tiny"))
     parser.add_argument("--draft-model", default=str(eyas_home() / "targets" / "draft-tiny"))
@@ -186,6 +187,12 @@ def run_bench(args: argparse.Namespace) -> dict:
         hf = HFRunner(target_path, args.draft_model if "hf-assisted" in drafters else None,
                       num_lookup=spec_for("ngram", args, target_name, overrides).num_draft)
     suites = load_prompts(args)
+    # long prompts keep their first tokens: room for the new tokens and a draft tree must stay in the context
+    max_prompt_tokens = min(args.max_prompt_tokens or 10**9,
+                            target.config.max_position_embeddings - args.max_new_tokens - 64)
+    if max_prompt_tokens < 1:
+        raise ConfigError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the target's "
+                          f"context of {target.config.max_position_embeddings} tokens")
     tallies = {(m, s): Tally() for m in drafters for s in suites}
     order = list(drafters)
     total = sum(len(p) for p in suites.values()) * args.repeats
@@ -193,7 +200,7 @@ def run_bench(args: argparse.Namespace) -> dict:
     for rep in range(args.repeats):
         for suite, prompts in suites.items():
             for prompt in prompts:
-                prompt_ids = tokenizer.encode(prompt)
+                prompt_ids = tokenizer.encode(prompt)[:max_prompt_tokens]
                 order = order[1:] + order[:1]  # rotate: no method always runs first
                 for method in order:
                     spec, drafter = drafters[method]
