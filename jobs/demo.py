@@ -53,7 +53,8 @@ PROFILES = {
         bench_args=("--suite", "code", "--num-prompts", "2", "--max-new-tokens", "16")),
 }
 
-BENCH_METHODS = "vanilla,hf,hf-assisted,ngram,draft-lm,eagle1,eagle2,eagle3,dflash,dflash-ddtree,medusa"
+BENCH_METHODS = ("vanilla,hf,hf-assisted,hf-prompt-lookup,ngram,draft-lm,eagle1,eagle2,eagle3,dflash,dflash-ddtree,"
+                 "medusa")
 
 
 class StepFailed(RuntimeError):
