@@ -34,7 +34,8 @@ from typing import Any, Literal
 
 import yaml
 
-from eyas.config import ConfigError, apply_overrides, eyas_home, from_dict, require, resolve_path, to_dict
+from eyas.config import (ConfigError, apply_overrides, eyas_home, from_dict, read_yaml_mapping, require,
+                         resolve_path, to_dict)
 from eyas.methods import METHODS, SpecConfig
 from eyas.train.config import SUITES, TrainConfig, data_path, target_path
 
@@ -390,14 +391,7 @@ def load_sweep(path: str | Path | None, overrides: list[str] | tuple[str, ...] =
     """Read the YAML, apply ``section.key=value`` overrides, validate. ``training.name`` defaults to the sweep's.
 
     ``search.space.KEY=[values]`` sets one search key, dots in KEY included (``search.space.optim.lr=[1e-3]``)."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        file = Path(path)
-        if not file.is_file():
-            raise ConfigError(f"config file {file} does not exist")
-        data = yaml.safe_load(file.read_text()) or {}
-        if not isinstance(data, dict):
-            raise ConfigError(f"{file}: the top level must be a mapping")
+    data = read_yaml_mapping(path)
     # a search key may hold dots itself (drafter.config.block_size): everything after `search.space.` is the key
     space_overrides = [o for o in overrides if o.startswith(SPACE_PREFIX) and "=" in o]
     data = apply_overrides(data, [o for o in overrides if o not in space_overrides])

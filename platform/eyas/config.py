@@ -174,17 +174,22 @@ def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]
     return data
 
 
+def read_yaml_mapping(path: str | os.PathLike | None) -> dict[str, Any]:
+    """The top-level mapping of a YAML config file ({} for no file); a clear error when it is missing or not one."""
+    if path is None:
+        return {}
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"config file {file} does not exist")
+    data = yaml.safe_load(file.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{file}: the top level must be a mapping")
+    return data
+
+
 def load_config(cls: type[C], path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = ()) -> C:
     """Read YAML ``path`` (or start from defaults), apply dotted overrides, validate as ``cls``."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        file = Path(path)
-        if not file.is_file():
-            raise ConfigError(f"config file {file} does not exist")
-        data = yaml.safe_load(file.read_text()) or {}
-        if not isinstance(data, dict):
-            raise ConfigError(f"{file}: the top level must be a mapping")
-    data = apply_overrides(data, list(overrides))
+    data = apply_overrides(read_yaml_mapping(path), list(overrides))
     try:
         return from_dict(cls, data)
     except ConfigError as err:
