@@ -94,7 +94,20 @@ class LocalRayHead:
                 self.__exit__(None, None, None)
                 raise RuntimeError(f"ray start did not come up in {self.start_timeout_s:.0f} s")
             time.sleep(0.5)
+        self._wait_for_job_agent(deadline)
         return self
+
+    def _wait_for_job_agent(self, deadline: float) -> None:
+        """The dashboard's job agent comes up after `ray start` returns ("No available agent to submit job")."""
+        while True:
+            probe = subprocess.run([ray_cli(), "job", "list", "--address", self.address], env=self.env,
+                                   capture_output=True, text=True, timeout=60)
+            if probe.returncode == 0:
+                return
+            if time.monotonic() > deadline:
+                self.__exit__(None, None, None)
+                raise RuntimeError(f"Ray's job agent did not come up: {probe.stderr[-2000:]}")
+            time.sleep(2)
 
     def __exit__(self, *exc) -> None:
         proc = self.proc

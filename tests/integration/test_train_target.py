@@ -9,16 +9,14 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 import pytest
+
+from jobs import local_ray
+from jobs.local_ray import LocalRayHead
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MICRO = REPO_ROOT / "jobs" / "configs" / "target-micro.yaml"
@@ -141,65 +139,11 @@ def test_draft_without_built_target_says_what_to_do(job_env):
 # ---------------------------------------------------------------- a real cluster + ray job submit
 
 
-def free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
-def ray_cli() -> str:
-    return str(Path(sys.executable).with_name("ray"))
-
-
-def stop_session(proc: subprocess.Popen) -> None:
-    """End `ray start --block` and every process of its session (ours alone: it ran with start_new_session).
-
-    On SIGTERM `ray start --block` shuts its node down gracefully but slowly (~30 s on a busy box); after a few
-    seconds the rest of the session gets SIGKILL (a test cluster keeps no state worth saving).
-    """
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:  # the whole session already exited
-        pass
-    proc.wait(timeout=10)
-
-
 @pytest.fixture()
 def ray_head():
-    """A head node of our own (token auth on), yielding the dashboard address; torn down by pid."""
-    temp_dir = tempfile.mkdtemp(prefix="eyr", dir="/tmp")  # short: Unix socket paths are limited to 107 bytes
-    gcs, dashboard, client, agent_listen, agent_grpc = free_ports(5)
-    env = {**os.environ, "RAY_AUTH_MODE": "token"}
-    env.pop("RAY_ADDRESS", None)
-    log = open(Path(temp_dir) / "start.log", "w")
-    proc = subprocess.Popen(
-        [ray_cli(), "start", "--head", "--block", f"--port={gcs}", "--dashboard-host=127.0.0.1",
-         f"--dashboard-port={dashboard}", "--include-dashboard=true", f"--ray-client-server-port={client}",
-         f"--dashboard-agent-listen-port={agent_listen}", f"--dashboard-agent-grpc-port={agent_grpc}",
-         f"--temp-dir={temp_dir}", "--num-cpus=2", "--disable-usage-stats"],
-        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-    )
-    try:
-        deadline = time.monotonic() + 150
-        while "block forever" not in (Path(temp_dir) / "start.log").read_text():
-            assert proc.poll() is None, (Path(temp_dir) / "start.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "ray start did not come up in 150 s"
-            time.sleep(1)
-        yield f"http://127.0.0.1:{dashboard}"
-    finally:
-        stop_session(proc)
-        log.close()
-        shutil.rmtree(temp_dir, ignore_errors=True)
+    """A head node of our own (token auth on), yielding the dashboard address; torn down by its process group."""
+    with LocalRayHead(num_cpus=2) as head:
+        yield head.address
 
 
 def test_ray_job_submit_builds_micro_target(ray_head, tmp_path):
@@ -211,7 +155,7 @@ def test_ray_job_submit_builds_micro_target(ray_head, tmp_path):
         "excludes": [".git", ".venv", "mlartifacts", "mlruns.db", "out"],
         "env_vars": {"EYAS_HOME": str(home), "MLFLOW_TRACKING_URI": uri, "TOKENIZERS_PARALLELISM": "false"},
     }
-    cmd = [ray_cli(), "job", "submit", "--address", ray_head, "--working-dir", ".",
+    cmd = [local_ray.ray_cli(), "job", "submit", "--address", ray_head, "--working-dir", ".",
            "--runtime-env-json", json.dumps(runtime_env), "--",
            sys.executable, "-m", "jobs.train_target", "--config", "jobs/configs/target-micro.yaml",
            "train.num_steps=10", "num_samples=0"]
