@@ -158,7 +158,7 @@ def prepare_tokenizer(cfg: TargetJobConfig) -> Path:
         if not is_tokenizer_dir(source):
             raise FileNotFoundError(
                 f"tokenizer_from={cfg.tokenizer_from!r}: {source} holds no tokenizer; build that target first, "
-                f"e.g. `python -m jobs.train_target --config jobs/configs/{cfg.tokenizer_from}.yaml`"
+                f"e.g. `python -m jobs.train_target --config jobs/configs/target-{cfg.tokenizer_from}.yaml`"
             )
         return source
     out = eyas_home() / "tokenizers" / cfg.name
