@@ -265,12 +265,14 @@ def test_metrics_reach_prometheus(ray_session, tp1):
               "ray_eyas_tau_bucket", "ray_eyas_ttft_seconds_bucket", "ray_eyas_latency_seconds_bucket",
               "ray_eyas_batch_size")
 
-    def exported() -> str | None:
+    labels = ('status="400"', 'status="200"', 'position="1"')
+
+    def exported() -> str | None:  # series appear one export at a time: wait for names and labels alike
         text = httpx.get(url, timeout=10).text
-        return text if all(name in text for name in wanted) else None
+        return text if all(name in text for name in wanted + labels) else None
 
     text = wait_until(exported, 180, every_s=1.0, what=f"{wanted} at {url}")  # Ray exports every ~10 s; slower under load
-    assert 'status="400"' in text and 'status="200"' in text and 'position="1"' in text
+    assert all(label in text for label in labels)
 
 
 def test_killing_a_worker_replaces_the_replica(serve_port, tp1, reference):
