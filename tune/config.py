@@ -34,7 +34,7 @@ from typing import Any, Literal
 
 import yaml
 
-from eyas.config import (ConfigError, apply_overrides, eyas_home, from_dict, read_yaml_mapping, require,
+from eyas.config import (ConfigError, apply_overrides, as_number, eyas_home, from_dict, read_yaml_mapping, require,
                          resolve_path, to_dict)
 from eyas.methods import METHODS, SpecConfig
 from eyas.train.config import SUITES, TrainConfig, data_path, target_path
@@ -93,20 +93,10 @@ class Param:
         return [self.low, self.high]
 
 
-def _number(value: Any) -> Any:
-    """YAML 1.1 reads ``5e-3`` as a string; in a search space it is meant as a number."""
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            return value
-    return value
-
-
 def parse_param(key: str, raw: Any) -> Param:
     where = f"search.space.{key}"
     if isinstance(raw, (list, tuple)):
-        raw = [_number(v) for v in raw]
+        raw = [as_number(v) for v in raw]
         require(len(raw) > 0, where, raw, "empty list: give at least one value")
         require(len(set(map(repr, raw))) == len(raw), where, raw, "values repeat")
         return Param(key, values=tuple(raw))
@@ -114,7 +104,7 @@ def parse_param(key: str, raw: Any) -> Param:
         unknown = sorted(set(raw) - {"low", "high", "step", "log"})
         require(not unknown, where, raw, f"unknown range key(s) {unknown}; a range has low, high, step, log")
         require("low" in raw and "high" in raw, where, raw, "a range needs both low and high")
-        low, high, step = (_number(raw.get(name)) for name in ("low", "high", "step"))
+        low, high, step = (as_number(raw.get(name)) for name in ("low", "high", "step"))
         log = raw.get("log", False)
         for name, value in (("low", low), ("high", high), ("step", step)):
             is_number = isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -146,15 +146,19 @@ def flatten(config: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def parse_scalar(raw: str) -> Any:
-    """YAML rules, except that ``5e-3`` is a number (YAML 1.1 would read it as a string)."""
-    value = yaml.safe_load(raw)
+def as_number(value: Any) -> Any:
+    """A string that spells a float (``5e-3``, which YAML 1.1 leaves a string) as that float; anything else as is."""
     if isinstance(value, str):
         try:
             return float(value)
         except ValueError:
             return value
     return value
+
+
+def parse_scalar(raw: str) -> Any:
+    """YAML rules, except that ``5e-3`` is a number."""
+    return as_number(yaml.safe_load(raw))
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
