@@ -45,7 +45,10 @@ def init_tensor_parallel(rank: int, size: int, master_addr: str, master_port: in
 
 
 def shutdown_tensor_parallel() -> None:
+    """Leave the group together: a rank that tears gloo down while a peer is still mid-collective (or still
+    connecting) aborts the peer's process ("terminate called without an active exception")."""
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
 
 
