@@ -25,15 +25,6 @@ TREE_PARENTS = [-1, 0, 0, 1, 1, 2, 3, 3, 4, 6]  # depths 0 1 1 2 2 2 3 3 3 4
 ACCEPTED = [0, 1, 3, 6, 9]  # a root-to-leaf path that skips siblings, so keep() has to move K/V
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run fastest on one intra-op thread, and it keeps a shared CPU from being oversubscribed."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def target(request) -> Decoder:
     torch.manual_seed(0)

@@ -15,15 +15,6 @@ CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_s
           "max_position_embeddings": 64, "torch_dtype": "float32"}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run fastest on one intra-op thread, and it keeps a shared CPU from being oversubscribed."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 def hf_state_dict() -> dict[str, torch.Tensor]:
     """Random weights under Hugging Face's names (``model.`` prefix, lm_head at the top)."""
     torch.manual_seed(0)

@@ -37,15 +37,6 @@ VARIANTS = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run fastest on one intra-op thread, and it keeps a shared CPU from being oversubscribed."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 def randomize(model: torch.nn.Module, seed: int) -> None:
     """Weights far from HF's tiny init, so logits have clear margins and every bias/norm weight matters."""
     gen = torch.Generator().manual_seed(seed)
