@@ -39,9 +39,9 @@ class Profile:
 DEMO_EPOCHS = 2
 
 PROFILES = {
-    # The 30-minute budget of a fresh `make demo` (target 13 min, draft LM 3 min, the rest ~5 min) leaves ~9 min
+    # The 30-minute budget of a fresh `make demo` (installs 1.5 min, target 13, draft LM 3, the rest ~3) leaves ~9 min
     # for drafters, so the demo trains the three the table needs (EAGLE-1 for eagle1/eagle2, EAGLE-3, DFlash) for
-    # DEMO_EPOCHS epochs each. `python -m jobs.train_drafter --config jobs/configs/<family>-tiny.yaml` trains the
+    # DEMO_EPOCHS epochs each and measures tau on 4 prompts per epoch. `python -m jobs.train_drafter --config jobs/configs/<family>-tiny.yaml` trains the
     # full configs (README "Measured results"); a drafter already in $EYAS_HOME is reused either way.
     "tiny": Profile(
         target="jobs/configs/target-tiny.yaml", draft="jobs/configs/draft-tiny.yaml",
@@ -49,7 +49,7 @@ PROFILES = {
         drafters=("jobs/configs/eagle1-tiny.yaml", "jobs/configs/eagle3-tiny.yaml", "jobs/configs/dflash-tiny.yaml"),
         sweep="tune/configs/eagle3-tree-demo.yaml", serve="serving/configs/tiny.yaml",
         bench_args=("--suite", "all", "--num-prompts", "8", "--max-new-tokens", "128"),
-        overrides={config: (f"train.num_epochs={DEMO_EPOCHS}",) for config in (
+        overrides={config: (f"train.num_epochs={DEMO_EPOCHS}", "measure.num_prompts=4") for config in (
             "jobs/configs/eagle1-tiny.yaml", "jobs/configs/eagle3-tiny.yaml", "jobs/configs/dflash-tiny.yaml")}),
     "micro": Profile(
         target="jobs/configs/target-micro.yaml", draft="jobs/configs/draft-micro.yaml",
