@@ -10,6 +10,10 @@ step j-1 (training-time test, TTT; the mask and indexing are in eagle.py), at tr
 Loss: sum_j step_decay^j * CE_j, where CE_j at index i is the soft cross-entropy against the target's distribution
 for t_{i+2+j}, restricted to the draft vocabulary and renormalised; indices whose target argmax lies outside the
 draft vocabulary are masked (the reference's choice: the drafter cannot propose that token anyway). No feature loss.
+``loss_target: argmax`` swaps the soft distribution for a one-hot on the target's argmax (not in the paper): under
+greedy verification the chance that a drafted token is accepted is the chance that it IS the target's argmax, so a
+drafter trained this way has confidences calibrated to greedy acceptance even when the target's own distribution is
+flat, which the dynamic tree's value V (a product of confidences) relies on (papers.md, EAGLE-2).
 
 Draft vocabulary: the ``draft_vocab_size`` most frequent target tokens of the training data (``build_draft_vocab``),
 kept as d2t (draft index -> target token id, ascending ids) and saved in the checkpoint's config.json.
@@ -52,6 +56,9 @@ def build_draft_vocab(token_counts_V: torch.Tensor, size: int) -> torch.Tensor:
     return order_V[:size].sort().values.long()
 
 
+LOSS_TARGETS = ("soft", "argmax")
+
+
 @dataclass(frozen=True)
 class Eagle3Config:
     layer: DraftLayerConfig = field(default_factory=DraftLayerConfig)
@@ -60,6 +67,7 @@ class Eagle3Config:
     ttt_steps: int = 7  # training-time-test steps
     step_decay: float = 0.8  # weight of step j: step_decay ** j
     noise_scale: float = 0.0  # uniform noise on the fused input states (training only)
+    loss_target: str = "soft"  # "soft": the target's distribution (paper); "argmax": one-hot on its argmax (doc)
 
     def __post_init__(self) -> None:
         require(self.taps is None or len(self.taps) >= 1, "taps", self.taps, "needs at least one tap layer")
@@ -68,6 +76,7 @@ class Eagle3Config:
         require(self.ttt_steps >= 1, "ttt_steps", self.ttt_steps, "must be >= 1")
         require(0 < self.step_decay <= 1, "step_decay", self.step_decay, "must be in (0, 1]")
         require(self.noise_scale >= 0, "noise_scale", self.noise_scale, "must be >= 0")
+        require(self.loss_target in LOSS_TARGETS, "loss_target", self.loss_target, f"must be one of {LOSS_TARGETS}")
 
 
 class Eagle3Model(EagleModel):
@@ -125,6 +134,14 @@ class Eagle3Model(EagleModel):
         full[..., self.d2t] = probs
         return full
 
+    def loss_target_probs(self, target_logits_BTV: torch.Tensor, target_draft_BT: torch.Tensor) -> torch.Tensor:
+        """What step j's CE is taken against, over the draft vocabulary [B, T, X]: the target's distribution
+        restricted and renormalised ("soft"), or a one-hot on its argmax ("argmax"; rows whose argmax lies outside
+        the draft vocabulary are masked by the caller)."""
+        if self.config.loss_target == "argmax":
+            return torch.nn.functional.one_hot(target_draft_BT.clamp(min=0), self.d2t.numel()).float()
+        return target_logits_BTV[..., self.d2t].softmax(-1)
+
     def training_loss(self, batch: TrainBatch, features: TargetFeatures) -> tuple[torch.Tensor, dict[str, float]]:
         config = self.config
         taps = {layer: features.taps[layer].detach() for layer in self.target_taps}
@@ -135,7 +152,7 @@ class Eagle3Model(EagleModel):
             target_logits_BTV = shift_left(features.logits_BTV, 1 + j).float()
             target_draft_BT = self.t2d[target_logits_BTV.argmax(-1)]  # -1: outside the draft vocabulary
             learn_BT = step_mask(batch, 2 + j)
-            ce = soft_cross_entropy(logits_BTX, target_logits_BTV[..., self.d2t].softmax(-1),
+            ce = soft_cross_entropy(logits_BTX, self.loss_target_probs(target_logits_BTV, target_draft_BT),
                                     learn_BT * (target_draft_BT >= 0))
             loss = loss + config.step_decay ** j * ce
             # acceptance counts out-of-vocabulary targets as misses: the drafter can never propose them

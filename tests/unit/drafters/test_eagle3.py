@@ -48,3 +48,37 @@ def test_sampled_run_completes(setup):
     result = generate(setup["target"], setup["prompts"][0], 40, drafter=drafter,
                       sampling=SamplingParams(temperature=0.8, top_p=0.95, seed=0))
     assert len(result.token_ids) == 40 and all(0 <= t < 64 for t in result.token_ids)
+
+
+def test_argmax_loss_target_is_one_hot_on_target_argmax(setup):
+    target, batch = setup["target"], regenerated_batch(setup["target"])
+    counts_V = torch.bincount(batch.input_ids_BT.flatten(), minlength=64)
+    model = Eagle3Model(Eagle3Config(ttt_steps=2, draft_vocab_size=48, loss_target="argmax"), target,
+                        build_draft_vocab(counts_V, 48))
+    logits_BTV = torch.randn(2, 5, 64)
+    target_draft_BT = model.t2d[logits_BTV.argmax(-1)]
+    probs_BTX = model.loss_target_probs(logits_BTV, target_draft_BT)
+    inside_BT = target_draft_BT >= 0
+    assert torch.equal(probs_BTX.sum(-1), torch.ones(2, 5))
+    assert torch.equal(model.d2t[probs_BTX.argmax(-1)][inside_BT], logits_BTV.argmax(-1)[inside_BT])
+    soft = Eagle3Model(Eagle3Config(ttt_steps=2, draft_vocab_size=48), target, build_draft_vocab(counts_V, 48))
+    assert torch.allclose(soft.loss_target_probs(logits_BTV, target_draft_BT),
+                          logits_BTV[..., soft.d2t].softmax(-1))
+
+
+def test_argmax_loss_target_trains_and_stays_lossless(setup):
+    target = setup["target"]
+    batch = regenerated_batch(target)
+    counts_V = torch.bincount(batch.input_ids_BT.flatten(), minlength=64)
+    torch.manual_seed(2)
+    model = Eagle3Model(Eagle3Config(ttt_steps=3, draft_vocab_size=48, loss_target="argmax"), target,
+                        build_draft_vocab(counts_V, 48))
+    history = train(model, batch, target)
+    assert history[-1]["loss"] < 0.8 * history[0]["loss"] and history[-1]["acc_1"] > history[0]["acc_1"] + 0.2
+    drafter = EagleDrafter(model, TREES["dynamic"])
+    assert assert_greedy_identity(target, drafter, setup["prompts"], setup["vanilla"]) > 0
+
+
+def test_unknown_loss_target_is_rejected():
+    with pytest.raises(Exception, match="loss_target"):
+        Eagle3Config(loss_target="hard")
