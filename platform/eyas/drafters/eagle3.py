@@ -67,7 +67,7 @@ class Eagle3Config:
     ttt_steps: int = 7  # training-time-test steps
     step_decay: float = 0.8  # weight of step j: step_decay ** j
     noise_scale: float = 0.0  # uniform noise on the fused input states (training only)
-    loss_target: str = "soft"  # "soft": the target's distribution (paper); "argmax": one-hot on its argmax (doc)
+    loss_target: str = "soft"  # "soft": the target's distribution (paper); "argmax": one-hot on its argmax
 
     def __post_init__(self) -> None:
         require(self.taps is None or len(self.taps) >= 1, "taps", self.taps, "needs at least one tap layer")
