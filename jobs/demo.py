@@ -65,6 +65,11 @@ BENCH_METHODS = ("vanilla,hf,hf-assisted,hf-prompt-lookup,ngram,draft-lm,eagle1,
                  "medusa")
 
 
+# The one HTTP request: a stdlib-shaped prompt (the tiny target learned from the stdlib, so it continues this one
+# with code-looking text; a bare "def fib(n):" is far from its data).
+DEMO_PROMPT = "class Queue:\n    def __init__(self):\n        "
+
+
 class StepFailed(RuntimeError):
     pass
 
@@ -121,7 +126,7 @@ def serve_one_request(head, profile: Profile, env: dict[str, str]) -> None:
             time.sleep(2)
         app = serve_cfg["applications"][0]
         model = (app.get("args") or {}).get("model_name") or app.get("name", "eyas")
-        body = json.dumps({"model": model, "prompt": "def fib(n):\n",
+        body = json.dumps({"model": model, "prompt": DEMO_PROMPT,
                            "max_tokens": 32, "temperature": 0}).encode()
         request = urllib.request.Request(f"{base}/v1/completions", data=body,
                                          headers={"Content-Type": "application/json"})
