@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from eyas.config import eyas_home
+from eyas.config import eyas_home, read_yaml_mapping
 from eyas import track
 
 
@@ -37,20 +37,20 @@ class Profile:
 
 
 DEMO_EPOCHS = 2
+# The 30-minute budget of a fresh `make demo` (installs 1 min, target 13, draft LM 2.5, the rest ~3) leaves ~9 min for
+# drafters, so the demo trains the three its table needs (EAGLE-1 for eagle1/eagle2, EAGLE-3, DFlash) for DEMO_EPOCHS
+# epochs each and measures tau on 4 prompts per epoch. `python -m jobs.train_drafter --config
+# jobs/configs/<family>-tiny.yaml` trains a full config (README "Measured results"); a drafter already in
+# $EYAS_HOME is reused either way.
+TINY_DRAFTERS = ("jobs/configs/eagle1-tiny.yaml", "jobs/configs/eagle3-tiny.yaml", "jobs/configs/dflash-tiny.yaml")
 
 PROFILES = {
-    # The 30-minute budget of a fresh `make demo` (installs 1.5 min, target 13, draft LM 3, the rest ~3) leaves ~9 min
-    # for drafters, so the demo trains the three the table needs (EAGLE-1 for eagle1/eagle2, EAGLE-3, DFlash) for
-    # DEMO_EPOCHS epochs each and measures tau on 4 prompts per epoch. `python -m jobs.train_drafter --config jobs/configs/<family>-tiny.yaml` trains the
-    # full configs (README "Measured results"); a drafter already in $EYAS_HOME is reused either way.
     "tiny": Profile(
         target="jobs/configs/target-tiny.yaml", draft="jobs/configs/draft-tiny.yaml",
-        data="jobs/configs/data-tiny.yaml",
-        drafters=("jobs/configs/eagle1-tiny.yaml", "jobs/configs/eagle3-tiny.yaml", "jobs/configs/dflash-tiny.yaml"),
+        data="jobs/configs/data-tiny.yaml", drafters=TINY_DRAFTERS,
         sweep="tune/configs/eagle3-tree-demo.yaml", serve="serving/configs/tiny.yaml",
         bench_args=("--suite", "all", "--num-prompts", "8", "--max-new-tokens", "128"),
-        overrides={config: (f"train.num_epochs={DEMO_EPOCHS}", "measure.num_prompts=4") for config in (
-            "jobs/configs/eagle1-tiny.yaml", "jobs/configs/eagle3-tiny.yaml", "jobs/configs/dflash-tiny.yaml")}),
+        overrides={config: (f"train.num_epochs={DEMO_EPOCHS}", "measure.num_prompts=4") for config in TINY_DRAFTERS}),
     "micro": Profile(
         target="jobs/configs/target-micro.yaml", draft="jobs/configs/draft-micro.yaml",
         data="jobs/configs/data-micro.yaml",
@@ -85,9 +85,7 @@ def run_python(module: str, *args: str, env: dict[str, str]) -> None:
 
 
 def config_name(path: str) -> str:
-    import yaml
-
-    return yaml.safe_load(Path(path).read_text())["name"]
+    return read_yaml_mapping(path)["name"]
 
 
 def drafter_built(config_path: str) -> bool:
@@ -99,11 +97,9 @@ def serve_one_request(head, profile: Profile, env: dict[str, str]) -> None:
     import json
     import urllib.request
 
-    import yaml
-
     from jobs.local_ray import port_free
 
-    serve_cfg = yaml.safe_load(Path(profile.serve).read_text())
+    serve_cfg = read_yaml_mapping(profile.serve)
     port = int((serve_cfg.get("http_options") or {}).get("port", 8000))
     if not port_free(port):
         raise StepFailed(f"port {port} (Serve HTTP) is already taken on 127.0.0.1; free it or change "

@@ -215,7 +215,8 @@ def _tp_rank(rank: int, size: int, port: int, checkpoint: str, prompts: list[lis
         shutdown_tensor_parallel()
     # Leave without interpreter finalization: under a loaded machine gloo's worker threads sometimes abort it
     # ("terminate called without an active exception", SIGABRT, seen in full-suite runs; pytorch/pytorch#179291
-    # describes the finalization race) after the results are already on disk. Failures above still raise and reach mp.spawn as usual.
+    # describes the finalization race) after the results are already on disk. Failures above still raise and reach
+    # mp.spawn as usual.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
