@@ -25,8 +25,8 @@ from eyas import corpus
 from eyas.config import ConfigError, eyas_home, from_dict, resolve_path
 from eyas.methods import METHODS, SpecConfig, build_drafter
 from eyas.models import CheckpointError, load_target, load_tokenizer
-from eyas.spec.generate import generate
-from eyas.spec.stats import SpecStats
+from eyas.decoding.generate import generate
+from eyas.decoding.stats import SpecStats
 
 HF_METHODS = ("hf", "hf-assisted", "hf-prompt-lookup")
 ALL_METHODS = ("vanilla", "hf", "hf-assisted", "hf-prompt-lookup", "ngram", "draft-lm", "medusa", "eagle1",

@@ -18,7 +18,7 @@ import yaml
 from eyas.config import ConfigError, eyas_home, from_dict, resolve_path, to_dict
 from eyas.methods import TREES, SpecConfig, build_drafter
 from eyas.models import CheckpointError, load_target, load_tokenizer
-from eyas.spec.generate import SamplingParams, generate
+from eyas.decoding.generate import SamplingParams, generate
 
 # flag -> SpecConfig field; a flag left unset keeps the --config value (or the default)
 SPEC_FLAGS = {"method": "method", "drafter": "drafter", "draft_model": "draft_model", "tree": "tree",

@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         if not path.is_file():
             raise ConfigError(f"--config {path}: file does not exist")
         config = yaml.safe_load(path.read_text()) or {}
-        from eyas.spec.tp import free_port
+        from eyas.decoding.tp import free_port
 
         port = args.port or free_port()
         configs = app_configs(config, args.target, port, args.arg)

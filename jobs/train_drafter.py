@@ -195,7 +195,7 @@ def evaluate_heldout(worker: Worker) -> dict[str, float]:
 def epoch_end(worker: Worker, tracker: Tracker, step: int, epoch_label: str) -> dict[str, float]:
     """Rank 0: held-out evaluation, tau measured with eyas generate, and the two figures."""
     from eyas.drafters import registry
-    from eyas.spec.generate import generate
+    from eyas.decoding.generate import generate
     from eyas.train.step import acceptance_curve, acceptance_figure, calibration_figure, measure_tau
 
     cfg = worker.cfg

@@ -37,9 +37,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from eyas.config import to_dict
 from eyas.models import ModelConfig, load_tokenizer
-from eyas.spec.batch import SequenceRequest
-from eyas.spec.generate import SamplingParams
-from eyas.spec.stats import SpecStats
+from eyas.decoding.batch import SequenceRequest
+from eyas.decoding.generate import SamplingParams
+from eyas.decoding.stats import SpecStats
 from serving.config import ServeArgs
 from serving.metrics import ServingMetrics
 from serving.protocol import (GREEDY_BELOW, ApiError, ChatBody, CompletionBody, Limits, TextStream, chat_prompt_ids,

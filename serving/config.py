@@ -25,7 +25,7 @@ import yaml
 
 from eyas.config import ConfigError, from_dict, require, resolve_path
 from eyas.methods import SpecConfig
-from eyas.spec.batch import DEFAULT_MAX_TREE_NODES, SpeculationSchedule
+from eyas.decoding.batch import DEFAULT_MAX_TREE_NODES, SpeculationSchedule
 
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")

@@ -14,7 +14,7 @@ import asyncio
 import logging
 from typing import Any, AsyncIterator, Callable
 
-from eyas.spec.batch import SequenceRequest, StepOutput
+from eyas.decoding.batch import SequenceRequest, StepOutput
 
 logger = logging.getLogger("ray.serve")
 

@@ -4,7 +4,7 @@ Every rank holds 1/tp of the target (Megatron-style: attention heads and MLP col
 row-parallel and all-reduced; see eyas.models.decoder) and runs the same ``BatchEngine`` SPMD: the replica sends
 every rank the same ``step(joins, leaves)`` and the ranks' collectives line up. Rank 0 is the leader: it alone holds
 the drafters (one per batch row) and the sampling generators, drafts and verifies, and broadcasts the tree shapes
-and accepted paths (why there and not on every rank: eyas.spec.batch's module docstring). Only rank 0's step result
+and accepted paths (why there and not on every rank: eyas.decoding.batch's module docstring). Only rank 0's step result
 carries tokens; the others return None.
 
 Collectives use gloo on CPU and NCCL on GPU. A worker is never restarted in place (max_restarts=0): a dead rank
@@ -23,8 +23,8 @@ import torch
 from eyas.config import resolve_path
 from eyas.methods import METHODS, SpecConfig, build_drafter
 from eyas.models import load_target
-from eyas.spec.batch import BatchEngine, SequenceRequest, StepOutput
-from eyas.spec.tp import BroadcastChannel, free_port, init_tensor_parallel
+from eyas.decoding.batch import BatchEngine, SequenceRequest, StepOutput
+from eyas.decoding.tp import BroadcastChannel, free_port, init_tensor_parallel
 from serving.config import ServeArgs
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -96,7 +96,7 @@ class TPWorker:
         tp = init_tensor_parallel(self.rank, args.tensor_parallel_size, master_addr, master_port, self.device,
                                   timeout_s=args.collective_timeout_s)
         target = load_target(resolve_location(args.target), dtype=TORCH_DTYPES[args.dtype], device=self.device, tp=tp)
-        if self.rank == 0:  # the leader alone drafts (eyas.spec.batch); the others only need to know it speculates
+        if self.rank == 0:  # the leader alone drafts (eyas.decoding.batch); the others only need to know it speculates
             factory = drafter_factory(target, resolved_spec(args.spec))
         else:
             factory = None if args.spec.method == "vanilla" else _never_called

@@ -43,7 +43,7 @@ from eyas.train.config import SUITES, TrainConfig, data_path, target_path
 SPEC_KEYS = ("tree", "depth", "top_k", "num_nodes", "num_draft", "max_matches")
 # TrainConfig sections a training sweep may search (drafter.config.* is checked against the family's config)
 TRAIN_SECTIONS = ("optim", "train", "drafter.config")
-# generate() reserves this many context slots for a draft tree, root included (eyas.spec.generate)
+# generate() reserves this many context slots for a draft tree, root included (eyas.decoding.generate)
 MAX_TREE_NODES = 64
 MAX_CHECKED_COMBINATIONS = 20_000
 SPACE_PREFIX = "search.space."

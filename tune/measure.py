@@ -19,8 +19,8 @@ from typing import Any, Sequence
 
 import torch
 
-from eyas.spec.generate import generate
-from eyas.spec.stats import SpecStats
+from eyas.decoding.generate import generate
+from eyas.decoding.stats import SpecStats
 
 TREE_ROOM = 65  # context slots generate() keeps free for a draft tree, plus one
 

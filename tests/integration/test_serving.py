@@ -45,7 +45,7 @@ def wait_until(condition, timeout_s: float, every_s: float = 0.5, what: str = "c
 @pytest.fixture(scope="module")
 def ray_session():
     """(HTTP port, Prometheus metrics port) of a local Ray with Serve on loopback."""
-    from eyas.spec.tp import free_port
+    from eyas.decoding.tp import free_port
 
     # autoscaling metrics reach the controller every half second instead of every 10 s (read by Serve's actors,
     # which inherit this process's environment through the local Ray it starts)
@@ -71,7 +71,7 @@ def serve_port(ray_session):
 def reference(random_checkpoint):
     """The library's own vanilla greedy continuation of each prompt, and the prompts' token ids."""
     from eyas.models import load_target, load_tokenizer
-    from eyas.spec.generate import generate
+    from eyas.decoding.generate import generate
 
     target = load_target(random_checkpoint)
     tokenizer = load_tokenizer(random_checkpoint)

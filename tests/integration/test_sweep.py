@@ -165,7 +165,7 @@ def test_best_config_is_accepted_by_generate_bench_and_serving(workspace, infere
 
 def test_training_sweep_asha_mlflow_and_best_drafter(workspace, local_ray):
     from eyas.drafters import registry
-    from eyas.spec.generate import generate
+    from eyas.decoding.generate import generate
     from tune.sweep import main
 
     out = workspace["root"] / "training-out"

@@ -77,7 +77,7 @@ def assert_greedy_identical(workspace, drafter_dir: Path) -> float:
     """The engine loads the checkpoint, and speculative greedy output equals plain greedy output."""
     from eyas import corpus
     from eyas.drafters import registry
-    from eyas.spec.generate import generate
+    from eyas.decoding.generate import generate
 
     target, tokenizer = workspace["target"], workspace["tokenizer"]
     drafter = registry.load_drafter(drafter_dir, target)

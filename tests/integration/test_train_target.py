@@ -102,7 +102,7 @@ def assert_lossless_on_trained_target(target_dir: Path, home: Path) -> None:
     from eyas.drafters.draft_lm import DraftLMDrafter
     from eyas.drafters.ngram import NgramConfig, NgramDrafter
     from eyas.models import load_target, load_tokenizer
-    from eyas.spec.generate import generate
+    from eyas.decoding.generate import generate
 
     torch.manual_seed(0)
     target = load_target(target_dir)

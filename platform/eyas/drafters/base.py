@@ -11,7 +11,7 @@ from typing import Protocol
 
 import torch
 
-from eyas.spec.tree import DraftTree
+from eyas.decoding.tree import DraftTree
 
 
 class Drafter(Protocol):

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from eyas.models.decoder import Decoder
-from eyas.spec.tree import DraftTree, chain
+from eyas.decoding.tree import DraftTree, chain
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from eyas.drafters.trees import TreeConfig, grow_tree
 from eyas.models.cache import KVCache
 from eyas.models.config import ModelConfig
 from eyas.models.decoder import MLP, Decoder, RMSNorm, TensorParallel, apply_rope, rope_inv_freq
-from eyas.spec.tree import DraftTree, PartialTree
+from eyas.decoding.tree import DraftTree, PartialTree
 
 KV = tuple[torch.Tensor, torch.Tensor]  # (k_BHSD, v_BHSD)
 

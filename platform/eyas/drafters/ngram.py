@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eyas.spec.tree import DraftTree, from_paths
+from eyas.decoding.tree import DraftTree, from_paths
 
 
 @dataclass(frozen=True)

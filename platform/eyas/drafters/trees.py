@@ -1,7 +1,7 @@
 """Tree options for drafters that grow a tree through an ``expand`` callback (EAGLE-1, EAGLE-3, Medusa).
 
 A drafter supplies ``expand(parent_ids, partial) -> probs_PV``, its next-token distribution at each given node of
-the partial tree (one batched call); the options below pick which builder of ``eyas.spec.tree`` uses it:
+the partial tree (one batched call); the options below pick which builder of ``eyas.decoding.tree`` uses it:
 
   chain       the top-1 chain of ``depth`` tokens
   static      a fixed shape of sibling ranks (``shape``; default: EAGLE-1's 26-node tree), one call per depth
@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from eyas.config import require
-from eyas.spec.tree import CHAIN, EAGLE_DEFAULT, DraftTree, Expand, build_best_first, build_dynamic, build_static
+from eyas.decoding.tree import CHAIN, EAGLE_DEFAULT, DraftTree, Expand, build_best_first, build_dynamic, build_static
 
 TREE_MODES = ("chain", "static", "dynamic", "best-first")
 

@@ -25,7 +25,7 @@ from typing import Iterator, Sequence
 import torch
 
 from eyas.models.decoder import Decoder
-from eyas.spec.verify import process_logits
+from eyas.decoding.verify import process_logits
 from eyas.train.features import TargetFeatures, TrainBatch, target_features
 
 SPLITS = ("train", "heldout")

@@ -319,8 +319,8 @@ def mean_over_ranks(metrics: Mapping[str, float], device: torch.device) -> dict[
 def measure_tau(target, drafter, prompts: Iterable[list[int]], max_new_tokens: int,
                 eos_token_ids: Iterable[int] = ()) -> tuple[Any, list[list[int]]]:
     """Greedy speculative generation with ``drafter`` on every prompt: (merged SpecStats, continuations)."""
-    from eyas.spec.generate import generate
-    from eyas.spec.stats import SpecStats
+    from eyas.decoding.generate import generate
+    from eyas.decoding.stats import SpecStats
 
     stats, outputs = SpecStats(), []
     for prompt in prompts:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from eyas.models import Decoder, ModelConfig
-from eyas.spec.generate import generate
+from eyas.decoding.generate import generate
 from eyas.train.features import TrainBatch, target_features
 
 torch.set_num_threads(1)  # tiny tensors: on a loaded 2-core machine a second thread only spins

@@ -12,7 +12,7 @@ from eyas.drafters.dflash_train import anchor_block_mask, block_logits, draw_anc
 from eyas.drafters.registry import build_model, load_drafter, load_model, save_drafter
 from eyas.models.config import CheckpointError, ModelConfig
 from eyas.models.decoder import Decoder
-from eyas.spec.generate import SamplingParams, generate
+from eyas.decoding.generate import SamplingParams, generate
 from eyas.train.features import TrainBatch, target_features
 
 VOCAB, MASK_ID = 64, 63  # the last id is reserved as <|mask|>: the target never sees it in prompts

@@ -10,7 +10,7 @@ from eyas.drafters.eagle import EagleDrafter, shift_left, ttt_attention_mask, un
 from eyas.drafters.eagle1 import Eagle1Config, Eagle1Model
 from eyas.drafters.eagle3 import Eagle3Config, Eagle3Model, build_draft_vocab, eagle3_taps
 from eyas.drafters.trees import TreeConfig
-from eyas.spec.tree import PartialTree
+from eyas.decoding.tree import PartialTree
 from eyas.train.features import target_features
 
 

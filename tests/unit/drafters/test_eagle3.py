@@ -7,7 +7,7 @@ from drafter_testing import assert_greedy_identity, random_prompts, regenerated_
 from eyas.drafters.eagle import EagleDrafter
 from eyas.drafters.eagle3 import Eagle3Config, Eagle3Model, build_draft_vocab
 from eyas.drafters.trees import TreeConfig
-from eyas.spec.generate import SamplingParams, generate
+from eyas.decoding.generate import SamplingParams, generate
 
 TREES = {
     "chain": TreeConfig(mode="chain", depth=4),

@@ -7,8 +7,8 @@ from drafter_testing import assert_greedy_identity, random_prompts, regenerated_
 from eyas.config import ConfigError
 from eyas.drafters.medusa import MedusaConfig, MedusaDrafter, MedusaModel
 from eyas.drafters.trees import TreeConfig
-from eyas.spec.generate import SamplingParams, generate
-from eyas.spec.tree import EAGLE_DEFAULT
+from eyas.decoding.generate import SamplingParams, generate
+from eyas.decoding.tree import EAGLE_DEFAULT
 
 
 @pytest.fixture(scope="module")

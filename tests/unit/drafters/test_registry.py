@@ -11,7 +11,7 @@ from eyas.drafters.eagle import EagleDrafter
 from eyas.drafters.medusa import MedusaDrafter
 from eyas.models.config import CheckpointError
 from eyas.models.decoder import Decoder
-from eyas.spec.generate import generate
+from eyas.decoding.generate import generate
 
 FAMILY_CONFIGS = {"eagle1": {}, "eagle3": {"draft_vocab_size": 40, "ttt_steps": 2}, "medusa": {"num_heads": 3}}
 

@@ -115,7 +115,7 @@ def greedy_hf(hf_model, prompt_ids: list[int], num_new: int) -> list[int]:
 
 
 def test_greedy_generation_matches_transformers(pair):
-    from eyas.spec.generate import generate
+    from eyas.decoding.generate import generate
 
     name, hf_model, target = pair
     prompt_ids = random_batch(1, 12, hf_model.config.vocab_size, seed=2)[0].tolist()

@@ -10,8 +10,8 @@ import pytest
 
 from eyas.methods import SpecConfig, build_drafter
 from eyas.models import load_target, load_tokenizer
-from eyas.spec.batch import BatchEngine, SequenceRequest
-from eyas.spec.generate import generate
+from eyas.decoding.batch import BatchEngine, SequenceRequest
+from eyas.decoding.generate import generate
 from serving.scheduler import ReplicaBroken, Scheduler
 
 PROMPTS = ["def add(a, b):\n    return", "import os\nimport sys\n", "The quick brown fox"]

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from eyas.models import load_target
-from eyas.spec.generate import generate
+from eyas.decoding.generate import generate
 from eyas.train.data import (DataPosition, FeatureCache, SequenceDataset, collate, corpus_chunks, regenerate,
                              response_row, shard_path, write_shard)
 from eyas.train.features import target_features

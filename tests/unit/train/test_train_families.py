@@ -9,7 +9,7 @@ import torch
 
 from eyas.drafters import registry
 from eyas.models import Decoder, ModelConfig
-from eyas.spec.generate import generate
+from eyas.decoding.generate import generate
 from eyas.train.config import OptimConfig
 from eyas.train.data import collate, response_row, token_counts
 from eyas.train.features import target_features

@@ -11,7 +11,7 @@ from torch import nn
 
 from eyas.config import ConfigError, load_config
 from eyas.models import Decoder, ModelConfig
-from eyas.spec.generate import generate
+from eyas.decoding.generate import generate
 from eyas.train.config import DataConfig, OptimConfig, TrainConfig
 from eyas.train.data import collate, response_row
 from eyas.train.features import TrainBatch, target_features

@@ -1,4 +1,4 @@
-"""The continuous-batching speculative loop (eyas.spec.batch) and its tensor-parallel form (eyas.spec.tp).
+"""The continuous-batching speculative loop (eyas.decoding.batch) and its tensor-parallel form (eyas.decoding.tp).
 
 Every batched sequence must come out exactly as it would alone: greedy equals `generate` token for token for every
 drafter, load-adaptive schedule and join/leave pattern; seeded sampling equals seeded `generate` (same random
@@ -16,10 +16,10 @@ import torch.multiprocessing as mp
 
 from eyas.methods import SpecConfig, build_drafter
 from eyas.models import load_target, load_tokenizer
-from eyas.spec.batch import (BatchEngine, SequenceRequest, SpeculationSchedule, pack_trees, prune)
-from eyas.spec.generate import SamplingParams, generate
-from eyas.spec.tp import BroadcastChannel, free_port, init_tensor_parallel, shutdown_tensor_parallel
-from eyas.spec.tree import DraftTree, chain
+from eyas.decoding.batch import (BatchEngine, SequenceRequest, SpeculationSchedule, pack_trees, prune)
+from eyas.decoding.generate import SamplingParams, generate
+from eyas.decoding.tp import BroadcastChannel, free_port, init_tensor_parallel, shutdown_tensor_parallel
+from eyas.decoding.tree import DraftTree, chain
 
 PROMPTS = ["def add(a, b):\n    return", "import os\nimport sys\n", "The quick brown fox", "class A:\n    def",
            "for i in range(10):\n"]

@@ -11,7 +11,7 @@ tried in node order:
   deterministic children (q = point mass at x):  accept w.p. p(x); on reject p(x) <- 0, renormalise
   (the second rule is the first with q = one_hot(x)). If every child is rejected the bonus is sampled from the
 residual p; after accepting a leaf, from the target p at the leaf. Either way each committed token follows the
-target distribution exactly (lossless); tests/unit/spec/test_verify.py checks this with a chi-square test.
+target distribution exactly (lossless); tests/unit/decoding/test_verify.py checks this with a chi-square test.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eyas.spec.tree import DraftTree
+from eyas.decoding.tree import DraftTree
 
 # A residual whose mass is at most this is treated as empty (see _normalised).
 _MIN_MASS = 1e-12

@@ -42,10 +42,10 @@ import torch
 
 from eyas.models.cache import KVCache
 from eyas.models.decoder import Decoder
-from eyas.spec.generate import SamplingParams, judged_nodes, make_generator, pick_token, truncate_at_stop
-from eyas.spec.stats import SpecStats
-from eyas.spec.tree import DraftTree, chain
-from eyas.spec.verify import Accepted, process_logits, verify_greedy, verify_sampling
+from eyas.decoding.generate import SamplingParams, judged_nodes, make_generator, pick_token, truncate_at_stop
+from eyas.decoding.stats import SpecStats
+from eyas.decoding.tree import DraftTree, chain
+from eyas.decoding.verify import Accepted, process_logits, verify_greedy, verify_sampling
 
 DEFAULT_MAX_TREE_NODES = 64  # a cycle's tree (root included) never exceeds this; also the context room it needs
 

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 import torch
 
 from eyas.models.decoder import Decoder
-from eyas.spec.stats import SpecStats
-from eyas.spec.tree import DraftTree
-from eyas.spec.verify import process_logits, sample, verify_greedy, verify_sampling
+from eyas.decoding.stats import SpecStats
+from eyas.decoding.tree import DraftTree
+from eyas.decoding.verify import process_logits, sample, verify_greedy, verify_sampling
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from eyas.spec.tree import (CHAIN, EAGLE_DEFAULT, KARY, DraftTree, PartialTree, build_best_first,
+from eyas.decoding.tree import (CHAIN, EAGLE_DEFAULT, KARY, DraftTree, PartialTree, build_best_first,
                             build_best_first_block, build_dynamic, build_static, chain, from_paths)
 
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from eyas.spec import verify
-from eyas.spec.tree import KARY, DraftTree, build_static, chain, from_paths
-from eyas.spec.verify import Accepted, process_logits, sample, verify_greedy, verify_sampling
+from eyas.decoding import verify
+from eyas.decoding.tree import KARY, DraftTree, build_static, chain, from_paths
+from eyas.decoding.verify import Accepted, process_logits, sample, verify_greedy, verify_sampling
 
 
 def logits_choosing(tree: DraftTree, choice: dict[int, int], vocab: int = 10, default: int = 9) -> torch.Tensor:
