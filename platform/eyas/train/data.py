@@ -48,6 +48,11 @@ def regenerate(target: Decoder, prompts: Sequence[Sequence[int]], max_new_tokens
                                                       0  0  b1 | m1 ...              0 0 0 | 1 ...
     A real token attends to real tokens at or before it (mask over cached + new slots); a pad token attends only
     to itself, so no row of the attention is empty (an all-masked row would turn into NaN keys/values).
+
+    Sliding window (Mistral): the decoder's own window mask assumes slot s holds position s, which left padding
+    breaks (row b's slot s holds position s - pad_b, so the decoder would let it see pad_b keys too many). Every
+    real token of row b is shifted by the same pad_b, so the distance between a query and a key is their slot
+    distance: the window is applied here, in slots, and the decoder's looser mask ANDed on top changes nothing.
     """
     assert prompts and all(len(p) > 0 for p in prompts), "regenerate: every prompt needs at least one token"
     B, P = len(prompts), max(len(p) for p in prompts)
@@ -60,9 +65,9 @@ def regenerate(target: Decoder, prompts: Sequence[Sequence[int]], max_new_tokens
         tokens_BP[b, P - len(prompt):] = torch.as_tensor(list(prompt), device=device)
         valid_BS[b, P - len(prompt):P] = True
     positions_BP = (torch.arange(P, device=device)[None] - pad_B[:, None]).clamp(min=0)
-    causal_PP = torch.ones(P, P, dtype=torch.bool, device=device).tril()
+    window_SS = slot_window(S, target.config.sliding_window, device)
     eye_PP = torch.eye(P, dtype=torch.bool, device=device)
-    mask_BPP = (causal_PP[None] & valid_BS[:, None, :P]) | eye_PP[None]
+    mask_BPP = (window_SS[None, :P, :P] & valid_BS[:, None, :P]) | eye_PP[None]
     cache = target.new_cache(B, S)
     logits_BTV, _ = target(tokens_BP, positions_BP, cache, mask=mask_BPP, logits_slice=slice(-1, None))
 
@@ -79,8 +84,21 @@ def regenerate(target: Decoder, prompts: Sequence[Sequence[int]], max_new_tokens
             break
         valid_BS[:, P + step] = True
         positions_B1 = (P + step - pad_B)[:, None]
-        logits_BTV, _ = target(next_B[:, None], positions_B1, cache, mask=valid_BS[:, None, :P + step + 1])
+        span = P + step + 1
+        mask_B1S = valid_BS[:, None, :span] & window_SS[None, span - 1:span, :span]
+        logits_BTV, _ = target(next_B[:, None], positions_B1, cache, mask=mask_B1S)
     return out
+
+
+def slot_window(num_slots: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """[S, S] causal mask over slots, limited to the last ``window`` slots when the target has a sliding window:
+    query slot i sees key slot j iff j <= i and i - j < window (window 3: row 4 of the mask is 0 0 1 1 1)."""
+    query_S1 = torch.arange(num_slots, device=device)[:, None]
+    key_1S = torch.arange(num_slots, device=device)[None, :]
+    mask_SS = key_1S <= query_S1
+    if window is not None:
+        mask_SS &= (query_S1 - key_1S) < window
+    return mask_SS
 
 
 def _pick(logits_BV: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None

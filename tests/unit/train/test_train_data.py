@@ -7,7 +7,7 @@ import torch
 from eyas.models import load_target
 from eyas.decoding.generate import generate
 from eyas.train.data import (DataPosition, FeatureCache, SequenceDataset, collate, corpus_chunks, regenerate,
-                             response_row, shard_path, write_shard)
+                             response_row, shard_path, slot_window, write_shard)
 from eyas.train.features import target_features
 
 
@@ -22,6 +22,38 @@ def test_batched_regeneration_equals_greedy_generate(target):
     batched = regenerate(target, prompts, max_new_tokens=12)
     for prompt, got in zip(prompts, batched):
         assert got == generate(target, prompt, 12).token_ids
+
+
+@pytest.fixture(scope="module")
+def windowed_target(tmp_path_factory):
+    """A random Mistral-type target whose layers all see only the last 4 positions."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    config = MistralConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                           sliding_window=4, tie_word_embeddings=False)
+    model = MistralForCausalLM(config)
+    with torch.no_grad():  # sharper logits: a wrong key in the window changes the argmax
+        model.lm_head.weight.mul_(8.0)
+    directory = tmp_path_factory.mktemp("mistral-window4")
+    model.save_pretrained(str(directory))
+    return load_target(directory)
+
+
+def test_slot_window():
+    assert slot_window(5, 3, torch.device("cpu")).int().tolist() == [
+        [1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [0, 1, 1, 1, 0], [0, 0, 1, 1, 1]]
+    assert slot_window(3, None, torch.device("cpu")).int().tolist() == [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
+
+
+def test_left_padded_rows_keep_the_sliding_window(windowed_target):
+    """Issue 16: a row padded by 6 once saw 6 keys beyond its window and drifted from the 5th token on."""
+    assert windowed_target.config.sliding_window == 4
+    long, short = [1, 5, 9, 31, 7, 100, 3, 8, 12], [1, 17, 40]
+    batched = regenerate(windowed_target, [long, short], max_new_tokens=12)
+    assert batched[0] == generate(windowed_target, long, 12).token_ids
+    assert batched[1] == generate(windowed_target, short, 12).token_ids
 
 
 def test_regeneration_stops_each_row_at_eos(target):
