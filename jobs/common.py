@@ -1,40 +1,15 @@
-"""Ray-side helpers shared by every job: connect to Ray, parse ``--config`` + overrides, print progress."""
+"""Helpers shared by every job: parse ``--config`` + overrides, print progress (Ray glue: ``eyas_ray``)."""
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
-from pathlib import Path
 from typing import Any, Mapping, TypeVar
 
 from eyas.config import load_config
+from eyas_ray.cluster import init_ray  # noqa: F401  (jobs import it from here)
 
 C = TypeVar("C")
-
-AUTH_TOKEN_FILE = Path.home() / ".ray" / "auth_token"
-
-
-def init_ray(**kwargs: Any) -> None:
-    """``ray.init()``: a fresh local Ray unless ``RAY_ADDRESS`` names a cluster (``ray job submit`` sets it).
-
-    Ray 2.60 clusters started with ``ray start --head`` use token auth: the head writes ``~/.ray/auth_token`` and a
-    client must run with ``RAY_AUTH_MODE=token``; we set that when connecting to an existing cluster and a token is
-    available (``~/.ray/auth_token``, ``RAY_AUTH_TOKEN`` or ``RAY_AUTH_TOKEN_PATH``); an explicit
-    ``RAY_AUTH_MODE`` wins. A fresh local Ray enables token auth by itself. Idempotent: a second call does nothing.
-    """
-    import ray
-
-    if ray.is_initialized():
-        return
-    kwargs.setdefault("log_to_driver", True)
-    if os.environ.get("RAY_ADDRESS"):
-        if AUTH_TOKEN_FILE.is_file() or os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH"):
-            os.environ.setdefault("RAY_AUTH_MODE", "token")
-        ray.init(address=os.environ["RAY_ADDRESS"], **kwargs)
-    else:
-        kwargs.setdefault("include_dashboard", False)
-        ray.init(**kwargs)
 
 
 def job_argparser(description: str) -> argparse.ArgumentParser:

@@ -97,7 +97,7 @@ def serve_one_request(head, profile: Profile, env: dict[str, str]) -> None:
     import json
     import urllib.request
 
-    from jobs.local_ray import port_free
+    from eyas_ray.local_head import port_free
 
     serve_cfg = read_yaml_mapping(profile.serve)
     port = int((serve_cfg.get("http_options") or {}).get("port", 8000))
@@ -136,7 +136,7 @@ def serve_one_request(head, profile: Profile, env: dict[str, str]) -> None:
 
 
 def run_demo(profile: Profile, args: argparse.Namespace) -> int:
-    from jobs.local_ray import LocalRayHead
+    from eyas_ray.local_head import LocalRayHead
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -188,7 +188,8 @@ def run_demo(profile: Profile, args: argparse.Namespace) -> int:
         print(f"\n[demo] cannot start Ray: {err}", file=sys.stderr)
         return 1
     with head:
-        print(f"  dashboard {head.address} (RAY_AUTH_MODE=token, token in ~/.ray/auth_token)")
+        print(f"  dashboard {head.address} (RAY_AUTH_MODE=token; this head has a token of its own: "
+              f"RAY_AUTH_TOKEN_PATH={head.env['RAY_AUTH_TOKEN_PATH']})")
         for index, (title, action, retry) in enumerate(steps, start=2):
             banner(index, total, title)
             step_start = time.monotonic()

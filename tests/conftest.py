@@ -2,12 +2,28 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+# Nothing may depend on state that earlier runs left in the home directory (a Ray token in ~/.ray, ~/.cache/eyas,
+# Hugging Face caches, MLflow stores): the session runs with an empty HOME of its own, inherited by every process it
+# starts (Ray heads, jobs, Serve), and with none of the variables that would point elsewhere.
+SESSION_HOME = tempfile.mkdtemp(prefix="eyas-test-home-")
+os.environ["HOME"] = SESSION_HOME
+for _name in ("RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_MODE", "EYAS_HOME", "HF_HOME",
+              "XDG_CACHE_HOME", "MLFLOW_TRACKING_URI"):
+    os.environ.pop(_name, None)
+os.environ["HF_HUB_OFFLINE"] = "1"  # nothing comes from a model hub at run time
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(SESSION_HOME, ignore_errors=True)
 
 
 def build_random_checkpoint(out_dir: Path, tokenizer_dir: Path | None = None, num_layers: int = 3,

@@ -2,6 +2,10 @@
 
 Used by ``jobs.demo`` and the integration tests. The head runs as ``ray start --head --block`` in its own process
 group and is stopped by signalling that process, never by ``ray stop`` (which would stop every Ray on the machine).
+
+It is a throwaway head, so it has a token of its own: a file in its temp dir, named by ``RAY_AUTH_TOKEN_PATH`` in
+``head.env``, which every process that talks to it (``ray job submit``, ``serve deploy``, the jobs themselves) runs
+with. The user's ``~/.ray`` is neither read nor written.
 """
 from __future__ import annotations
 
@@ -15,6 +19,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from eyas_ray import auth
 
 JOB_EXCLUDES = [".git", ".venv", "mlartifacts", "mlruns.db", "out", "bench.json", "bench.png"]
 
@@ -47,7 +53,8 @@ class LocalRayHead:
     """``with LocalRayHead(num_cpus=2) as head: head.submit(...)``; ``head.address`` is the dashboard URL."""
 
     def __init__(self, num_cpus: int | None = None, dashboard_port: int | None = None, gcs_port: int | None = None,
-                 env: dict[str, str] | None = None, start_timeout_s: float = 180.0) -> None:
+                 env: dict[str, str] | None = None, start_timeout_s: float = 180.0,
+                 extra_args: tuple[str, ...] = ()) -> None:
         ports = free_ports(5)
         self.gcs_port = gcs_port or ports[0]
         self.dashboard_port = dashboard_port or ports[1]
@@ -57,9 +64,11 @@ class LocalRayHead:
                                    f"(another Ray? `ray status`) or choose another port")
         self.client_port, self.agent_listen_port, self.agent_grpc_port = ports[2:]
         self.num_cpus = num_cpus
-        self.env = {**os.environ, **(env or {}), "RAY_AUTH_MODE": "token"}
-        self.env.pop("RAY_ADDRESS", None)
+        self.env = auth.token_env({**os.environ, **(env or {})})
+        for name in ("RAY_ADDRESS", auth.TOKEN):  # a token of our own, never one inherited from the caller
+            self.env.pop(name, None)
         self.start_timeout_s = start_timeout_s
+        self.extra_args = tuple(extra_args)  # more `ray start` flags, e.g. --resources
         self.proc: subprocess.Popen | None = None
         self.temp_dir = ""
 
@@ -73,13 +82,14 @@ class LocalRayHead:
 
     def __enter__(self) -> "LocalRayHead":
         self.temp_dir = tempfile.mkdtemp(prefix="eyr", dir="/tmp")  # short: Unix socket paths max 107 bytes
+        self.env[auth.TOKEN_PATH] = str(auth.write_token_file(Path(self.temp_dir) / "auth_token"))
         log_path = Path(self.temp_dir) / "start.log"
         cmd = [ray_cli(), "start", "--head", "--block", f"--port={self.gcs_port}", "--dashboard-host=127.0.0.1",
                f"--dashboard-port={self.dashboard_port}", "--include-dashboard=true",
                f"--ray-client-server-port={self.client_port}",
                f"--dashboard-agent-listen-port={self.agent_listen_port}",
                f"--dashboard-agent-grpc-port={self.agent_grpc_port}", f"--temp-dir={self.temp_dir}",
-               "--disable-usage-stats"]
+               "--disable-usage-stats", *self.extra_args]
         if self.num_cpus is not None:
             cmd.append(f"--num-cpus={self.num_cpus}")
         self._log = open(log_path, "w")
@@ -88,14 +98,19 @@ class LocalRayHead:
         deadline = time.monotonic() + self.start_timeout_s
         while "block forever" not in log_path.read_text():
             if self.proc.poll() is not None:
-                self.__exit__(None, None, None)
-                raise RuntimeError(f"ray start failed:\n{log_path.read_text()[-3000:]}")
+                self._fail(f"`ray start --head` exited with code {self.proc.returncode}. Ray said:\n"
+                           f"{log_path.read_text()[-3000:]}")
             if time.monotonic() > deadline:
-                self.__exit__(None, None, None)
-                raise RuntimeError(f"ray start did not come up in {self.start_timeout_s:.0f} s")
+                self._fail(f"`ray start --head` did not come up in {self.start_timeout_s:.0f} s. Ray said:\n"
+                           f"{log_path.read_text()[-3000:]}")
             time.sleep(0.5)
         self._wait_for_job_agent(deadline)
         return self
+
+    def _fail(self, message: str) -> None:
+        """Stop what started and raise ``message`` (read from the log before the temp dir goes)."""
+        self.__exit__(None, None, None)
+        raise RuntimeError(message)
 
     def _wait_for_job_agent(self, deadline: float) -> None:
         """The dashboard's job agent comes up after `ray start` returns ("No available agent to submit job")."""
@@ -105,8 +120,7 @@ class LocalRayHead:
             if probe.returncode == 0:
                 return
             if time.monotonic() > deadline:
-                self.__exit__(None, None, None)
-                raise RuntimeError(f"Ray's job agent did not come up: {probe.stderr[-2000:]}")
+                self._fail(f"Ray's job agent did not come up. `ray job list` said:\n{probe.stderr[-2000:]}")
             time.sleep(2)
 
     def __exit__(self, *exc) -> None:
@@ -133,9 +147,22 @@ class LocalRayHead:
         self.proc = None
 
     def submit(self, module: str, args: list[str], env_vars: dict[str, str] | None = None,
-               working_dir: str = ".", timeout_s: float | None = None) -> subprocess.CompletedProcess:
-        """``ray job submit --working-dir . -- python -m MODULE ARGS``; output streams through, raises on failure."""
+               working_dir: str = ".", timeout_s: float | None = None,
+               capture: bool = False) -> subprocess.CompletedProcess:
+        """``ray job submit --working-dir . -- python -m MODULE ARGS``; raises on failure. With ``capture`` the
+        output is returned (``.stdout``) instead of streaming through."""
+        return self.submit_entrypoint([sys.executable, "-m", module, *args], env_vars, working_dir, timeout_s,
+                                      capture)
+
+    def submit_entrypoint(self, entrypoint: list[str], env_vars: dict[str, str] | None = None,
+                          working_dir: str = ".", timeout_s: float | None = None,
+                          capture: bool = False) -> subprocess.CompletedProcess:
         runtime_env = {"excludes": JOB_EXCLUDES, "env_vars": env_vars or {}}
         cmd = [ray_cli(), "job", "submit", "--address", self.address, "--working-dir", working_dir,
-               "--runtime-env-json", json.dumps(runtime_env), "--", sys.executable, "-m", module, *args]
-        return subprocess.run(cmd, env=self.env, timeout=timeout_s, check=True)
+               "--runtime-env-json", json.dumps(runtime_env), "--", *entrypoint]
+        if not capture:
+            return subprocess.run(cmd, env=self.env, timeout=timeout_s, check=True)
+        done = subprocess.run(cmd, env=self.env, timeout=timeout_s, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"`ray job submit` failed ({done.returncode}):\n{(done.stdout + done.stderr)[-3000:]}")
+        return done

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from jobs.local_ray import free_ports
+from eyas_ray.local_head import free_ports
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.slow

@@ -10,16 +10,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
 import torch
+
+from eyas_ray.local_head import LocalRayHead
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "jobs" / "configs" / "eagle3-micro.yaml"
@@ -173,67 +172,20 @@ def test_zero2_with_a_killed_worker_resumes_and_matches_ddp(workspace, ddp_run, 
 # ---------------------------------------------------------------- ray job submit against ray start --head
 
 
-def free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
-def stop_cluster(temp_dir: str) -> None:
-    """Stop only the processes of our own head (their command lines name its unique temp dir); never `ray stop`,
-    which would stop every Ray on the machine."""
-    def ours() -> list[int]:
-        out = subprocess.run(["pgrep", "-f", temp_dir], capture_output=True, text=True).stdout
-        return [int(pid) for pid in out.split() if int(pid) != os.getpid()]
-
-    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 2)):
-        for pid in ours():
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + wait
-        while ours() and time.monotonic() < deadline:
-            time.sleep(0.5)
-    shutil.rmtree(temp_dir, ignore_errors=True)
-
-
 def test_ray_job_submit_on_a_token_auth_cluster(workspace, tmp_path):
     bin_dir = Path(sys.executable).parent
-    env = {**os.environ, **workspace["env"], "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
-           "RAY_AUTH_MODE": "token"}
-    env.pop("RAY_ADDRESS", None)
-    temp_dir = f"/tmp/eyas-rj-{uuid.uuid4().hex[:8]}"  # short: Ray's unix socket paths must stay < 108 chars
-    (gcs, node, objects, client, dash, agent_http, agent_grpc, runtime_env, metrics) = free_ports(9)
-    start = [str(bin_dir / "ray"), "start", "--head", "--num-cpus=2", "--disable-usage-stats",
-             f"--temp-dir={temp_dir}", f"--port={gcs}", f"--node-manager-port={node}",
-             f"--object-manager-port={objects}", f"--ray-client-server-port={client}",
-             "--include-dashboard=true", f"--dashboard-port={dash}", f"--dashboard-agent-listen-port={agent_http}",
-             f"--dashboard-agent-grpc-port={agent_grpc}", f"--runtime-env-agent-port={runtime_env}",
-             f"--metrics-export-port={metrics}"]
-    try:
-        subprocess.run(start, env=env, check=True, capture_output=True, text=True, timeout=180)
-        runtime_env = json.dumps({"env_vars": {**workspace["env"], "PATH": env["PATH"]}})
-        submit = [str(bin_dir / "ray"), "job", "submit", f"--address=http://127.0.0.1:{dash}", "--working-dir", ".",
+    env = {**workspace["env"], "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    with LocalRayHead(num_cpus=2, env=env) as head:  # `ray start --head`, token auth on, a token of its own
+        runtime_env = json.dumps({"env_vars": env})
+        submit = [str(bin_dir / "ray"), "job", "submit", f"--address={head.address}", "--working-dir", ".",
                   f"--runtime-env-json={runtime_env}", "--", "python", "-m", "jobs.train_drafter",
                   "--config", "jobs/configs/eagle3-micro.yaml",
                   *overrides(workspace, "e3-job", "train.num_epochs=1", "measure.num_prompts=1")]
-        deadline = time.monotonic() + 90
-        while True:  # the dashboard agent may still be starting: "No available agent to submit job"
-            done = subprocess.run(submit, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
-            if "No available agent" not in done.stdout + done.stderr or time.monotonic() > deadline:
-                break
-            time.sleep(5)
+        done = subprocess.run(submit, env=head.env, cwd=REPO, capture_output=True, text=True, timeout=600)
         log = done.stdout + done.stderr
         assert done.returncode == 0, log[-4000:]
         assert "registered models:/e3-job@champion" in log, log[-4000:]
         assert "succeeded" in log, log[-2000:]
-    finally:
-        stop_cluster(temp_dir)
     drafter_dir = workspace["home"] / "drafters" / "e3-job"
     assert json.loads((drafter_dir / "training.json").read_text())["step"] == NUM_TRAIN // 2 // 4
     assert_greedy_identical(workspace, drafter_dir)

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from jobs import local_ray
-from jobs.local_ray import LocalRayHead
+from eyas_ray import local_head as local_ray
+from eyas_ray.local_head import LocalRayHead
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MICRO = REPO_ROOT / "jobs" / "configs" / "target-micro.yaml"
@@ -143,7 +143,7 @@ def test_draft_without_built_target_says_what_to_do(job_env):
 def ray_head():
     """A head node of our own (token auth on), yielding the dashboard address; torn down by its process group."""
     with LocalRayHead(num_cpus=2) as head:
-        yield head.address
+        yield head
 
 
 def test_ray_job_submit_builds_micro_target(ray_head, tmp_path):
@@ -155,13 +155,11 @@ def test_ray_job_submit_builds_micro_target(ray_head, tmp_path):
         "excludes": [".git", ".venv", "mlartifacts", "mlruns.db", "out"],
         "env_vars": {"EYAS_HOME": str(home), "MLFLOW_TRACKING_URI": uri, "TOKENIZERS_PARALLELISM": "false"},
     }
-    cmd = [local_ray.ray_cli(), "job", "submit", "--address", ray_head, "--working-dir", ".",
+    cmd = [local_ray.ray_cli(), "job", "submit", "--address", ray_head.address, "--working-dir", ".",
            "--runtime-env-json", json.dumps(runtime_env), "--",
            sys.executable, "-m", "jobs.train_target", "--config", "jobs/configs/target-micro.yaml",
            "train.num_steps=10", "num_samples=0"]
-    env = {**os.environ, "RAY_AUTH_MODE": "token"}
-    env.pop("RAY_ADDRESS", None)
-    done = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=420)
+    done = subprocess.run(cmd, cwd=REPO_ROOT, env=ray_head.env, capture_output=True, text=True, timeout=420)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-4000:]
     assert "succeeded" in output, output[-4000:]

@@ -1,0 +1,32 @@
+"""Connect a job, a sweep or a load test to Ray, with token auth on."""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from eyas_ray import auth
+
+
+def init_ray(**kwargs: Any) -> None:
+    """``ray.init()``: a fresh local Ray unless ``RAY_ADDRESS`` names a cluster (``ray job submit`` sets it).
+
+    Either way the process runs with ``RAY_AUTH_MODE=token``. Joining a cluster needs its token (``RAY_AUTH_TOKEN``,
+    ``RAY_AUTH_TOKEN_PATH`` or ``~/.ray/auth_token``; a job submitted to a cluster inherits the head's). A fresh
+    local Ray is the user's own cluster: its token is ``~/.ray/auth_token``, created when missing. Idempotent.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return
+    kwargs.setdefault("log_to_driver", True)
+    os.environ.setdefault(auth.AUTH_MODE, "token")
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        if os.environ[auth.AUTH_MODE] == "token" and auth.token_source() is None:
+            raise RuntimeError(f"RAY_ADDRESS={address} but no Ray auth token was found: set {auth.TOKEN} or "
+                               f"{auth.TOKEN_PATH}, or copy the cluster's token to {auth.user_token_file()}")
+        ray.init(address=address, **kwargs)
+    else:
+        auth.ensure_user_token()
+        kwargs.setdefault("include_dashboard", False)
+        ray.init(**kwargs)
