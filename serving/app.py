@@ -37,7 +37,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from eyas.config import to_dict
 from eyas.models import ModelConfig, load_tokenizer
-from eyas.decoding.batch import SequenceRequest
+from eyas.decoding.requests import SequenceRequest
 from eyas.decoding.generate import SamplingParams
 from eyas.decoding.stats import SpecStats
 from serving.config import ServeArgs

@@ -25,7 +25,8 @@ import yaml
 
 from eyas.config import ConfigError, from_dict, require, resolve_path
 from eyas.methods import SpecConfig
-from eyas.decoding.batch import DEFAULT_MAX_TREE_NODES, SpeculationSchedule
+from eyas.decoding.requests import SpeculationSchedule
+from eyas.decoding.tree import MAX_TREE_NODES
 
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -40,12 +41,13 @@ class ServeArgs:
     spec_file: str | None = None        # a YAML with a `spec:` section (tune.sweep's best config), read as is
     tensor_parallel_size: int = 1       # ranks per replica, one TP worker actor (and bundle) each
     max_batch_size: int = 8             # sequences one replica decodes together (continuous batching)
+    max_waiting_requests: int = 16      # requests one replica queues for a batch row; more get 429 + Retry-After
     # load-adaptive speculation: batch size -> most drafted nodes per sequence (null: full tree, 0: none)
     speculation_by_batch: dict[int, int | None] = field(default_factory=lambda: {1: None})
     max_len: int | None = None          # context limit (KV slots per sequence); default: the target's
     max_tokens_limit: int | None = None  # the largest max_tokens a request may ask for; default: the context
     default_max_tokens: int = 16        # /v1/completions without max_tokens (OpenAI's default)
-    max_tree_nodes: int = DEFAULT_MAX_TREE_NODES  # a draft tree's cap (root included), reserved in the context
+    max_tree_nodes: int = MAX_TREE_NODES  # a draft tree's cap (root included), reserved in the context
     dtype: str = "float32"
     device: str = "auto"                # auto: CUDA when the worker was given a GPU, else CPU
     replica_cpus: float = 0.5           # bundle 0: the replica (HTTP, tokenizer, scheduling)
@@ -61,6 +63,7 @@ class ServeArgs:
         require(bool(str(self.target).strip()), "target", self.target, "set it to a checkpoint directory")
         require(self.tensor_parallel_size >= 1, "tensor_parallel_size", self.tensor_parallel_size, "must be >= 1")
         require(self.max_batch_size >= 1, "max_batch_size", self.max_batch_size, "must be >= 1")
+        require(self.max_waiting_requests >= 0, "max_waiting_requests", self.max_waiting_requests, "must be >= 0")
         require(self.max_len is None or self.max_len >= 2, "max_len", self.max_len, "must be >= 2")
         require(self.max_tokens_limit is None or self.max_tokens_limit >= 1, "max_tokens_limit",
                 self.max_tokens_limit, "must be >= 1")

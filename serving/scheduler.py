@@ -14,7 +14,7 @@ import asyncio
 import logging
 from typing import Any, AsyncIterator, Callable
 
-from eyas.decoding.batch import SequenceRequest, StepOutput
+from eyas.decoding.requests import SequenceRequest, StepOutput
 
 logger = logging.getLogger("ray.serve")
 
@@ -77,6 +77,12 @@ class Scheduler:
             self.leaving.add(request_id)
             if self._wake is not None:
                 self._wake.set()
+
+    @property
+    def num_admitted(self) -> int:
+        """Requests holding a batch row, joining one or waiting for one; the HTTP layer's admission limit counts
+        these (a row that is leaving counts as free: it is freed at the next round, before any new join)."""
+        return len(self.pending) + len((self.active | self.joining) - self.leaving)
 
     def load(self) -> dict[str, int]:
         return {"running": len(self.active), "waiting": len(self.pending), "capacity": self.capacity,

@@ -1,10 +1,10 @@
 """Tensor-parallel worker actors: one per rank of a replica, each in its own bundle of the replica's placement group.
 
 Every rank holds 1/tp of the target (Megatron-style: attention heads and MLP columns split, o_proj / down_proj
-row-parallel and all-reduced; see eyas.models.decoder) and runs the same ``BatchEngine`` SPMD: the replica sends
+row-parallel and all-reduced; see eyas.models.decoder) and runs the same ``SpecEngine`` SPMD: the replica sends
 every rank the same ``step(joins, leaves)`` and the ranks' collectives line up. Rank 0 is the leader: it alone holds
 the drafters (one per batch row) and the sampling generators, drafts and verifies, and broadcasts the tree shapes
-and accepted paths (why there and not on every rank: eyas.decoding.batch's module docstring). Only rank 0's step result
+and accepted paths (why there and not on every rank: eyas.decoding.engine's module docstring). Only rank 0's step result
 carries tokens; the others return None.
 
 Collectives use gloo on CPU and NCCL on GPU. A worker is never restarted in place (max_restarts=0): a dead rank
@@ -23,7 +23,8 @@ import torch
 from eyas.config import resolve_path
 from eyas.methods import METHODS, SpecConfig, build_drafter
 from eyas.models import load_target
-from eyas.decoding.batch import BatchEngine, SequenceRequest, StepOutput
+from eyas.decoding.engine import SpecEngine
+from eyas.decoding.requests import SequenceRequest, StepOutput
 from eyas.decoding.tp import BroadcastChannel, free_port, init_tensor_parallel
 from serving.config import ServeArgs
 
@@ -76,7 +77,7 @@ class TPWorker:
         self.rank = rank
         self.args = ServeArgs.from_args(args)
         self.eos_token_ids = list(eos_token_ids)
-        self.engine: BatchEngine | None = None
+        self.engine: SpecEngine | None = None
         threads = self.args.torch_threads or max(1, int(self.args.worker_cpus))
         torch.set_num_threads(threads)
         want_cuda = self.args.device == "cuda" or (self.args.device == "auto" and self.args.worker_gpus > 0)
@@ -96,14 +97,14 @@ class TPWorker:
         tp = init_tensor_parallel(self.rank, args.tensor_parallel_size, master_addr, master_port, self.device,
                                   timeout_s=args.collective_timeout_s)
         target = load_target(resolve_location(args.target), dtype=TORCH_DTYPES[args.dtype], device=self.device, tp=tp)
-        if self.rank == 0:  # the leader alone drafts (eyas.decoding.batch); the others only need to know it speculates
+        if self.rank == 0:  # the leader alone drafts (eyas.decoding.engine); the others only need to know it speculates
             factory = drafter_factory(target, resolved_spec(args.spec))
         else:
             factory = None if args.spec.method == "vanilla" else _never_called
-        self.engine = BatchEngine(target, capacity=args.max_batch_size, max_len=args.max_len,
-                                  drafter_factory=factory, schedule=args.schedule,
-                                  eos_token_ids=self.eos_token_ids, max_tree_nodes=args.max_tree_nodes,
-                                  channel=BroadcastChannel(tp, self.device))
+        self.engine = SpecEngine(target, capacity=args.max_batch_size, max_len=args.max_len,
+                                 drafter_factory=factory, schedule=args.schedule,
+                                 eos_token_ids=self.eos_token_ids, max_tree_nodes=args.max_tree_nodes,
+                                 channel=BroadcastChannel(tp, self.device))
         return {"vocab_size": target.config.vocab_size, "max_len": self.engine.max_len,
                 "tree_room": self.engine.max_tree_nodes, "device": str(self.device), "pid": os.getpid()}
 

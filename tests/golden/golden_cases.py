@@ -20,7 +20,8 @@ from typing import Any, Callable
 
 import torch
 
-from eyas.decoding.batch import BatchEngine, SequenceRequest, SpeculationSchedule
+from eyas.decoding.engine import SpecEngine
+from eyas.decoding.requests import SequenceRequest, SpeculationSchedule
 from eyas.decoding.generate import SamplingParams, generate
 from eyas.drafters import registry
 from eyas.drafters.draft_lm import DraftLMConfig, DraftLMDrafter
@@ -160,7 +161,7 @@ def run_single(setup: Setup, factory, sampling: SamplingParams = SamplingParams(
 
 def run_batch(setup: Setup, factory, capacity: int = 3, schedule: SpeculationSchedule = SpeculationSchedule(),
               sampling: SamplingParams = SamplingParams()) -> list[dict[str, Any]]:
-    engine = BatchEngine(setup.target, capacity=capacity, max_len=256, drafter_factory=factory, schedule=schedule)
+    engine = SpecEngine(setup.target, capacity=capacity, max_len=256, drafter_factory=factory, schedule=schedule)
     requests = [SequenceRequest(f"r{i}", prompt, MAX_NEW - 4 * i,
                                 SamplingParams(sampling.temperature, sampling.top_p, sampling.top_k,
                                                None if sampling.seed is None else sampling.seed + i))

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from eyas.decoding.tree import DraftTree
+
 NUM_CONFIDENCE_BINS = 10
 
 
@@ -95,3 +97,20 @@ class SpecStats:
                 "per_depth_accept": self.per_depth_accept, "calibration": self.calibration(),
                 "new_tokens": self.new_tokens, "mean_draft_nodes": self.num_draft_nodes / max(self.cycles, 1),
                 "time_s": {"draft": self.draft_s, "verify": self.verify_s, "other": self.other_s}}
+
+
+def judged_nodes(tree: DraftTree, path: list[int]) -> tuple[int, list[tuple[float, bool]]]:
+    """Nodes the target judged (children of accepted nodes): (deepest depth, [(confidence, accepted)]).
+    A node's confidence is its V over its parent's V: the draft probability of its own token."""
+    on_path = set(path)
+    scores = tree.scores_N.tolist()
+    parents = tree.parents_N.tolist()
+    depth = tree.depth_N.tolist()
+    judged, deepest = [], 0
+    for i in range(1, tree.num_nodes):
+        if parents[i] in on_path:
+            parent_score = scores[parents[i]]
+            confidence = scores[i] / parent_score if parent_score > 0 else 0.0
+            judged.append((confidence, i in on_path))
+            deepest = max(deepest, depth[i])
+    return deepest, judged

@@ -1,7 +1,7 @@
 """Tensor-parallel plumbing for the batched loop, without Ray: process-group setup and the leader's broadcast.
 
 Ranks find each other through a TCP rendezvous at rank 0's address (``free_port`` picks the port). Collectives run
-on gloo for CPU tensors and NCCL on GPUs. ``BroadcastChannel`` is the ``Channel`` of ``eyas.decoding.batch``: the
+on gloo for CPU tensors and NCCL on GPUs. ``BroadcastChannel`` is the ``Channel`` of ``eyas.decoding.engine``: the
 leader's decisions (small Python lists of ints) reach every rank by ``broadcast_object_list``.
 """
 from __future__ import annotations

@@ -37,7 +37,8 @@ from torch import nn
 from eyas.config import from_dict, require
 from eyas.models.config import ModelConfig
 from eyas.models.decoder import MLP, Decoder, RMSNorm, TensorParallel, apply_rope, rope_inv_freq
-from eyas.decoding.tree import DraftTree, build_best_first_block, chain
+from eyas.decoding.builders import build_best_first_block
+from eyas.decoding.tree import DraftTree, chain
 
 DRAFTER_TYPE = "dflash"
 MASK_TOKEN = "<|mask|>"

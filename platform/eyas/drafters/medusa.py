@@ -30,7 +30,8 @@ from eyas.config import require
 from eyas.drafters.eagle import masked_mean, scalar, shift_left, soft_cross_entropy, step_mask
 from eyas.drafters.trees import TreeConfig, grow_tree
 from eyas.models.decoder import Decoder
-from eyas.decoding.tree import EAGLE_DEFAULT, DraftTree, PartialTree
+from eyas.decoding.builders import EAGLE_DEFAULT
+from eyas.decoding.tree import DraftTree, PartialTree
 from eyas.train.features import TargetFeatures, TrainBatch
 
 

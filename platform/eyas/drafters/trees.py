@@ -16,7 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from eyas.config import require
-from eyas.decoding.tree import CHAIN, EAGLE_DEFAULT, DraftTree, Expand, build_best_first, build_dynamic, build_static
+from eyas.decoding.builders import CHAIN, EAGLE_DEFAULT, Expand, build_best_first, build_dynamic, build_static
+from eyas.decoding.tree import DraftTree
 
 TREE_MODES = ("chain", "static", "dynamic", "best-first")
 

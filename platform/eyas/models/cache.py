@@ -1,6 +1,11 @@
 """A preallocated KV cache that rolls back by keeping a list of slot indices.
 
-Shape legend: L layers, B batch rows, H kv heads, S cache slots, D head dim, T new tokens.
+Shape legend (docs/SHAPES.md): L layers, B batch rows, H kv heads, S cache slots, D head dim, T new tokens.
+
+The cache owns its tensors: appending (begin / write / finish, or ``extend``), rollback (``keep``, ``truncate``),
+row views (``rows``), row moves (``move_row``) and growth (``grow``, ``ensure_room``) are its methods, and nothing
+else writes ``k_LBHSD`` / ``v_LBHSD``. The target's cache, the engine's batch rows and the drafters' own caches
+(EAGLE's tree-attention cache, DFlash's context cache) are all this one class.
 
 Every forward appends its T new tokens at slots ``[start_b, start_b + T)`` of each row b. After a tree
 verification only the accepted path survives: ``keep(nodes)`` copies the K/V of the kept new slots to
@@ -8,6 +13,8 @@ verification only the accepted path survives: ``keep(nodes)`` copies the K/V of 
 the cache equals the cache of plainly decoding the accepted tokens.
 """
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 
@@ -20,11 +27,55 @@ class KVCache:
     def __init__(self, num_layers: int, batch_size: int, num_kv_heads: int, max_len: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
         shape = (num_layers, batch_size, num_kv_heads, max_len, head_dim)
-        self.k_LBHSD = torch.zeros(shape, dtype=dtype, device=device)
-        self.v_LBHSD = torch.zeros(shape, dtype=dtype, device=device)
-        self.max_len = max_len
-        self.lengths: list[int] = [0] * batch_size  # valid slots per row, new tokens included once appended
-        self.starts: list[int] = [0] * batch_size   # where the last forward's new tokens begin, per row
+        self._adopt(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device),
+                    [0] * batch_size)
+
+    def _adopt(self, k_LBHSD: torch.Tensor, v_LBHSD: torch.Tensor, lengths: Sequence[int]) -> None:
+        self.k_LBHSD, self.v_LBHSD = k_LBHSD, v_LBHSD
+        self.max_len = k_LBHSD.shape[3]
+        self.lengths: list[int] = list(lengths)  # valid slots per row, new tokens included once appended
+        self.starts: list[int] = list(lengths)   # where the last forward's new tokens begin, per row
+
+    def rows(self, start: int, stop: int, lengths: Sequence[int]) -> "KVCache":
+        """A cache over rows [start, stop) that shares this one's storage (its writes land here), holding the given
+        per-row lengths. The caller keeps the rows' true lengths and reads them back from the view."""
+        if not 0 <= start <= stop <= self.batch_size or len(lengths) != stop - start:
+            raise ValueError(f"rows [{start}, {stop}) with {len(lengths)} lengths: the cache has "
+                             f"{self.batch_size} rows")
+        view = KVCache.__new__(KVCache)
+        view._adopt(self.k_LBHSD[:, start:stop], self.v_LBHSD[:, start:stop], lengths)
+        return view
+
+    def move_row(self, src: int, dst: int, length: int) -> None:
+        """Copy the first ``length`` slots of row ``src`` into row ``dst`` (a leaving row's slot is refilled)."""
+        self.k_LBHSD[:, dst, :, :length] = self.k_LBHSD[:, src, :, :length]
+        self.v_LBHSD[:, dst, :, :length] = self.v_LBHSD[:, src, :, :length]
+
+    def grow(self, max_len: int) -> None:
+        """Reallocate to ``max_len`` slots per row, keeping every row's valid slots."""
+        length = max(self.lengths, default=0)
+        if max_len < length:
+            raise ValueError(f"cannot shrink a KV cache holding {length} slots to {max_len}")
+        k_LBHSD = self.k_LBHSD.new_zeros(*self.k_LBHSD.shape[:3], max_len, self.k_LBHSD.shape[4])
+        v_LBHSD = self.v_LBHSD.new_zeros(*self.v_LBHSD.shape[:3], max_len, self.v_LBHSD.shape[4])
+        k_LBHSD[..., :length, :] = self.k_LBHSD[..., :length, :]
+        v_LBHSD[..., :length, :] = self.v_LBHSD[..., :length, :]
+        self.k_LBHSD, self.v_LBHSD, self.max_len = k_LBHSD, v_LBHSD, max_len
+
+    def ensure_room(self, num_new: int, limit: int | None = None) -> None:
+        """Grow (doubling, at most to ``limit`` slots) so that ``num_new`` more slots fit after the longest row."""
+        needed = max(self.lengths, default=0) + num_new
+        if needed > self.max_len:
+            size = max(needed, 2 * self.max_len)
+            self.grow(min(size, limit) if limit is not None else size)
+
+    def extend(self, kv_per_layer: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Append one forward's (k_BHTD, v_BHTD) for every layer at once (a drafter's own cache)."""
+        num_new = kv_per_layer[0][0].shape[2]
+        self.begin(num_new)
+        for layer, (k_BHTD, v_BHTD) in enumerate(kv_per_layer):
+            self.write(layer, k_BHTD, v_BHTD)
+        self.finish(num_new)
 
     @property
     def batch_size(self) -> int:

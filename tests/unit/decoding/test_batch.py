@@ -1,4 +1,4 @@
-"""The continuous-batching speculative loop (eyas.decoding.batch) and its tensor-parallel form (eyas.decoding.tp).
+"""The continuous-batching speculative loop (eyas.decoding.engine) and its tensor-parallel form (eyas.decoding.tp).
 
 Every batched sequence must come out exactly as it would alone: greedy equals `generate` token for token for every
 drafter, load-adaptive schedule and join/leave pattern; seeded sampling equals seeded `generate` (same random
@@ -16,7 +16,9 @@ import torch.multiprocessing as mp
 
 from eyas.methods import SpecConfig, build_drafter
 from eyas.models import load_target, load_tokenizer
-from eyas.decoding.batch import (BatchEngine, SequenceRequest, SpeculationSchedule, pack_trees, prune)
+from eyas.decoding.engine import SpecEngine
+from eyas.decoding.requests import SequenceRequest, SpeculationSchedule
+from eyas.decoding.tree import pack_trees, prune
 from eyas.decoding.generate import SamplingParams, generate
 from eyas.decoding.tp import BroadcastChannel, free_port, init_tensor_parallel, shutdown_tensor_parallel
 from eyas.decoding.tree import DraftTree, chain
@@ -95,7 +97,7 @@ def test_batched_greedy_equals_single_generate(setup, random_draft_checkpoint, m
     expected = [generate(target, ids, NUM_NEW, drafter=build_drafter(target, spec), eos_token_ids=eos).token_ids
                 for ids in prompts]
     factory = (lambda: build_drafter(target, spec)) if method != "vanilla" else None
-    engine = BatchEngine(target, capacity=3, max_len=256, drafter_factory=factory,
+    engine = SpecEngine(target, capacity=3, max_len=256, drafter_factory=factory,
                          schedule=SpeculationSchedule(schedule), eos_token_ids=eos)
     done = engine.run([SequenceRequest(str(i), ids, NUM_NEW) for i, ids in enumerate(prompts)])
     for i, want in enumerate(expected):
@@ -130,7 +132,7 @@ def test_batched_greedy_with_trained_drafter_families(setup, random_drafters, me
     spec = SpecConfig(method=method, drafter=str(random_drafters[family]))
     expected = [generate(target, ids, 16, drafter=build_drafter(target, spec), eos_token_ids=eos).token_ids
                 for ids in prompts[:3]]
-    engine = BatchEngine(target, capacity=2, max_len=256, drafter_factory=lambda: build_drafter(target, spec),
+    engine = SpecEngine(target, capacity=2, max_len=256, drafter_factory=lambda: build_drafter(target, spec),
                          schedule=SpeculationSchedule({1: None, 2: 4}), eos_token_ids=eos)
     done = engine.run([SequenceRequest(str(i), ids, 16) for i, ids in enumerate(prompts[:3])])
     assert [done[str(i)][0] for i in range(3)] == expected
@@ -141,7 +143,7 @@ def test_joins_and_leaves_between_cycles(setup):
     spec = SpecConfig(method="ngram")
     expected = {i: generate(target, ids, NUM_NEW, drafter=build_drafter(target, spec), eos_token_ids=eos).token_ids
                 for i, ids in enumerate(prompts)}
-    engine = BatchEngine(target, capacity=4, max_len=256, drafter_factory=lambda: build_drafter(target, spec),
+    engine = SpecEngine(target, capacity=4, max_len=256, drafter_factory=lambda: build_drafter(target, spec),
                          eos_token_ids=eos)
     requests = [SequenceRequest(str(i), ids, NUM_NEW) for i, ids in enumerate(prompts)]
     got: dict[str, list[int]] = {r.request_id: [] for r in requests}
@@ -168,7 +170,7 @@ def test_seeded_sampling_equals_single_generate(setup, random_draft_checkpoint):
     sampling = [SamplingParams(temperature=0.8, top_p=0.9, seed=11 + i) for i in range(3)]
     expected = [generate(target, prompts[i], NUM_NEW, drafter=build_drafter(target, spec), sampling=sampling[i],
                          eos_token_ids=eos).token_ids for i in range(3)]
-    engine = BatchEngine(target, capacity=3, max_len=256, drafter_factory=lambda: build_drafter(target, spec),
+    engine = SpecEngine(target, capacity=3, max_len=256, drafter_factory=lambda: build_drafter(target, spec),
                          eos_token_ids=eos)
     done = engine.run([SequenceRequest(str(i), prompts[i], NUM_NEW, sampling[i]) for i in range(3)])
     assert [done[str(i)][0] for i in range(3)] == expected
@@ -176,7 +178,7 @@ def test_seeded_sampling_equals_single_generate(setup, random_draft_checkpoint):
 
 def test_first_token_can_finish_and_bad_requests_are_refused(setup):
     target, prompts, eos = setup
-    engine = BatchEngine(target, capacity=2, max_len=64, eos_token_ids=eos)
+    engine = SpecEngine(target, capacity=2, max_len=64, eos_token_ids=eos)
     outputs = engine.step([SequenceRequest("a", prompts[0], 1)])
     assert [(o.request_id, len(o.new_token_ids), o.finish_reason) for o in outputs] == [("a", 1, "length")]
     assert engine.rows == []
@@ -205,7 +207,7 @@ def _tp_rank(rank: int, size: int, port: int, checkpoint: str, prompts: list[lis
         cache = target.new_cache(1, 128)
         logits, _ = target(torch.tensor([prompts[0]]), torch.arange(len(prompts[0]))[None], cache)
         spec = SpecConfig(method="ngram")
-        engine = BatchEngine(target, capacity=3, max_len=256, drafter_factory=lambda: build_drafter(target, spec),
+        engine = SpecEngine(target, capacity=3, max_len=256, drafter_factory=lambda: build_drafter(target, spec),
                              schedule=SpeculationSchedule({1: None, 3: 2}), eos_token_ids=target.config.eos_token_ids,
                              channel=BroadcastChannel(tp, "cpu"))
         done = engine.run([SequenceRequest(str(i), ids, NUM_NEW) for i, ids in enumerate(prompts)])
@@ -232,7 +234,7 @@ def test_tp2_equals_tp1(setup, random_checkpoint, tmp_path):
     logits, _ = target(torch.tensor([prompts[0]]), torch.arange(len(prompts[0]))[None], cache)
     torch.testing.assert_close(tp2["logits"], logits, atol=1e-4, rtol=0)
     spec = SpecConfig(method="ngram")
-    engine = BatchEngine(target, capacity=3, max_len=256, drafter_factory=lambda: build_drafter(target, spec),
+    engine = SpecEngine(target, capacity=3, max_len=256, drafter_factory=lambda: build_drafter(target, spec),
                          schedule=SpeculationSchedule({1: None, 3: 2}), eos_token_ids=eos)
     done = engine.run([SequenceRequest(str(i), ids, NUM_NEW) for i, ids in enumerate(prompts)])
     assert tp2["tokens"] == {k: v[0] for k, v in done.items()}

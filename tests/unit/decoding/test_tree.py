@@ -8,8 +8,9 @@ import random
 import pytest
 import torch
 
-from eyas.decoding.tree import (CHAIN, EAGLE_DEFAULT, KARY, DraftTree, PartialTree, build_best_first,
-                            build_best_first_block, build_dynamic, build_static, chain, from_paths)
+from eyas.decoding.builders import (CHAIN, EAGLE_DEFAULT, KARY, build_best_first, build_best_first_block,
+                                    build_dynamic, build_static)
+from eyas.decoding.tree import DraftTree, PartialTree, chain, from_paths
 
 
 def token_paths(tree: DraftTree) -> set[tuple[int, ...]]:

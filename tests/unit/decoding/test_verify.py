@@ -10,7 +10,8 @@ import torch
 from scipy.stats import chisquare
 
 from eyas.decoding import verify
-from eyas.decoding.tree import KARY, DraftTree, build_static, chain, from_paths
+from eyas.decoding.builders import KARY, build_static
+from eyas.decoding.tree import DraftTree, chain, from_paths
 from eyas.decoding.verify import Accepted, process_logits, sample, verify_greedy, verify_sampling
 
 

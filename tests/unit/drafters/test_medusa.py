@@ -8,7 +8,7 @@ from eyas.config import ConfigError
 from eyas.drafters.medusa import MedusaConfig, MedusaDrafter, MedusaModel
 from eyas.drafters.trees import TreeConfig
 from eyas.decoding.generate import SamplingParams, generate
-from eyas.decoding.tree import EAGLE_DEFAULT
+from eyas.decoding.builders import EAGLE_DEFAULT
 
 
 @pytest.fixture(scope="module")

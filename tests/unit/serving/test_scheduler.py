@@ -1,4 +1,4 @@
-"""The replica's batching loop (serving.scheduler) over a real BatchEngine behind fake worker handles, without Ray:
+"""The replica's batching loop (serving.scheduler) over a real SpecEngine behind fake worker handles, without Ray:
 requests beyond capacity wait and join as rows free up, a consumer that leaves frees its row (also when it leaves
 while its join is in flight), and a failed round fails every waiter and marks the replica broken."""
 from __future__ import annotations
@@ -10,7 +10,8 @@ import pytest
 
 from eyas.methods import SpecConfig, build_drafter
 from eyas.models import load_target, load_tokenizer
-from eyas.decoding.batch import BatchEngine, SequenceRequest
+from eyas.decoding.engine import SpecEngine
+from eyas.decoding.requests import SequenceRequest
 from eyas.decoding.generate import generate
 from serving.scheduler import ReplicaBroken, Scheduler
 
@@ -21,7 +22,7 @@ class FakeWorker:
     """``worker.step.remote(joins, leaves)`` as an awaitable that runs the engine after a short pause (a round in
     flight), like a Ray actor handle; ``fail`` makes the next round raise."""
 
-    def __init__(self, engine: BatchEngine, pause_s: float = 0.005) -> None:
+    def __init__(self, engine: SpecEngine, pause_s: float = 0.005) -> None:
         self.engine, self.pause_s, self.fail = engine, pause_s, False
         self.step = self
 
@@ -44,7 +45,7 @@ def setup(random_checkpoint):
 def make(setup, capacity: int = 2) -> tuple[Scheduler, FakeWorker]:
     target, _, eos = setup
     spec = SpecConfig(method="ngram")
-    engine = BatchEngine(target, capacity, 512, lambda: build_drafter(target, spec), eos_token_ids=eos)
+    engine = SpecEngine(target, capacity, 512, lambda: build_drafter(target, spec), eos_token_ids=eos)
     worker = FakeWorker(engine)
     return Scheduler([worker], capacity, step_timeout_s=30), worker
 

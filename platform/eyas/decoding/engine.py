@@ -1,0 +1,303 @@
+"""The speculative engine: ONE draft -> verify -> keep -> commit -> stats cycle for one sequence and a batch alike.
+
+Shape legend (docs/SHAPES.md): B batch rows (live sequences), T new tokens per row in one forward (the largest tree;
+smaller trees are padded), N tree nodes of one row (root included), S cache slots, V vocab, E hidden size.
+
+``generate`` (decoding/generate.py) is a batch of one; ``vanilla`` is the same cycle with no drafter (every tree is
+a bare root, so a cycle is one plain decode step); serving, the bench, the sweep and training-time evaluation all
+run this engine. Each row keeps its own accepted length and its own KV length: row b's tree sits at cache slots
+[len_b, len_b + N_b) and positions len_b + depth, whatever the other rows hold. One cycle:
+
+  limit = schedule.max_draft_nodes(B)        load-adaptive speculation: smaller trees, down to none, as B grows
+  tree_b = prune(drafter_b.propose(root_b), limit)                                          (leader only)
+  tokens_BT, positions_BT, mask_BTT = pack_trees(...)   padding: token 0 that attends only to itself
+  logits_BTV, taps = target(tokens_BT, positions_BT, cache rows [0, B), mask_BTT)        one forward, all rows
+  accepted_b = verify(tree_b, logits_BTV[b, :N_b])                                         (leader only)
+  cache.keep(accepted nodes per row)          per-row rollback: rejected branches leave nothing behind
+  drafter_b.commit(root + accepted, taps on the path); emit accepted + bonus; finished rows leave
+
+Requests join at cycle boundaries (each prefilled into the next free cache row) and leave when finished or
+cancelled. Live rows always occupy cache rows [0, B): a leaving row's slot is filled by moving the last row into
+it (``KVCache.move_row``), so a cycle's forward runs on exactly B rows, never on idle capacity.
+
+Tensor parallelism (SPMD): every rank runs this same engine on its shard of the target, with the same commands in
+the same order, so their collectives line up. Only the leader (rank 0) holds drafters and sampling generators: it
+drafts, verifies and samples, and ``channel.share`` broadcasts its decisions (first tokens, tree shapes, accepted
+paths) to the other ranks, which apply them as given. Why rank 0 alone and not a drafter replica per rank:
+  - every rank must feed the target the very same tree, or the ranks' forwards (and their all-reduces) diverge;
+    replicas would have to draft bit-identically (same floats, same sampling RNG state) on every rank, forever, and
+    one mismatch hangs or corrupts the replica. A broadcast makes agreement true by construction.
+  - the broadcast is two small messages per cycle (B trees of <= MAX_TREE_NODES ints, then B accepted paths), next
+    to the 2 * num_layers all-reduces of hidden states the target forward already does;
+  - the drafter's weights and its per-sequence state live once, not tp times; the target's final hidden states
+    (its taps) are all-reduced, so rank 0 already sees exactly what a single-GPU drafter would.
+The cost is that ranks > 0 idle while rank 0 drafts, which replicas would not save either: they would draft the
+same tree at the same time.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+
+from eyas.decoding.requests import Channel, LocalChannel, SequenceRequest, SpeculationSchedule, StepOutput
+from eyas.decoding.sampling import make_generator, pick_token, truncate_at_stop
+from eyas.decoding.stats import SpecStats, judged_nodes
+from eyas.decoding.tree import MAX_TREE_NODES, DraftTree, chain, pack_trees, prune
+from eyas.decoding.verify import Accepted, process_logits, verify_greedy, verify_sampling
+from eyas.models.decoder import Decoder
+
+
+@dataclass
+class _Row:
+    request: SequenceRequest
+    length: int = 0  # cache slots of this row holding committed tokens
+    out: list[int] = field(default_factory=list)  # emitted tokens
+    new: list[int] = field(default_factory=list)  # emitted this step, not yet reported
+    drafter: Any = None
+    generator: torch.Generator | None = None
+    stats: SpecStats = field(default_factory=SpecStats)
+    cycles: list[tuple[int, int, int]] = field(default_factory=list)  # not yet reported
+    finish_reason: str | None = None
+
+
+class SpecEngine:
+    """Speculative generation on one target (one tensor-parallel rank of it), one row per live sequence.
+
+    ``step(joins, leaves)`` is one scheduling round: drop the cancelled ``leaves`` (request ids), prefill the
+    ``joins`` into free rows, run one draft -> verify -> commit cycle over every live row, and return a StepOutput
+    per sequence that emitted tokens or finished. Finished sequences leave the batch at the end of the step.
+
+    drafter_factory: builds one drafter (None: vanilla decoding); the leader builds ``capacity`` of them up front,
+    one per row, since drafters hold per-sequence state. max_len: cache slots per row (the context limit).
+    max_tree_nodes: the tree cap (root included) whose room every request reserves; at most MAX_TREE_NODES.
+    """
+
+    def __init__(self, target: Decoder, capacity: int, max_len: int | None = None,
+                 drafter_factory: Callable[[], Any] | None = None,
+                 schedule: SpeculationSchedule = SpeculationSchedule(), eos_token_ids: Iterable[int] = (),
+                 max_tree_nodes: int = MAX_TREE_NODES, channel: Channel | None = None) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity={capacity}: need at least one batch row")
+        if not 1 <= max_tree_nodes <= MAX_TREE_NODES:
+            raise ValueError(f"max_tree_nodes={max_tree_nodes}: must be in [1, {MAX_TREE_NODES}] (root included)")
+        self.target = target
+        self.capacity = capacity
+        self.max_len = max_len or target.config.max_position_embeddings
+        self.schedule = schedule
+        self.eos = set(eos_token_ids)
+        self.channel = channel or LocalChannel()
+        self.leader = self.channel.is_leader
+        self.speculative = drafter_factory is not None
+        self.max_tree_nodes = max_tree_nodes if self.speculative else 1
+        self.cache = target.new_cache(capacity, self.max_len)
+        self.rows: list[_Row] = []
+        self.free_drafters: list[Any] = []
+        self.taps: tuple[int, ...] = ()
+        if self.speculative and self.leader:
+            self.free_drafters = [drafter_factory() for _ in range(capacity)]
+            self.taps = tuple(sorted({l for d in self.free_drafters for l in d.target_taps}))
+
+    # -- admission -------------------------------------------------------
+
+    @property
+    def num_free(self) -> int:
+        return self.capacity - len(self.rows)
+
+    def context_room(self, prompt_len: int) -> int:
+        """The most new tokens a prompt of this length may ask for: the tree of the last cycle must fit too."""
+        return self.max_len - prompt_len - self.max_tree_nodes
+
+    def check_request(self, request: SequenceRequest) -> None:
+        vocab = self.target.config.vocab_size
+        if not request.prompt_ids:
+            raise ValueError(f"request {request.request_id}: the prompt is empty; give at least one token")
+        if any(not 0 <= t < vocab for t in request.prompt_ids):
+            raise ValueError(f"request {request.request_id}: prompt token ids must lie in [0, {vocab})")
+        if request.max_new_tokens <= 0:
+            raise ValueError(f"request {request.request_id}: max_new_tokens={request.max_new_tokens} must be > 0")
+        room = self.context_room(len(request.prompt_ids))
+        if request.max_new_tokens > room:
+            raise ValueError(f"request {request.request_id}: prompt ({len(request.prompt_ids)} tokens) + "
+                             f"max_new_tokens ({request.max_new_tokens}) exceeds the context of "
+                             f"{self.max_len} tokens ({self.max_tree_nodes} reserved for a draft tree)")
+
+    # -- one round -------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self, joins: Sequence[SequenceRequest] = (), leaves: Iterable[str] = ()) -> list[StepOutput]:
+        leaving = set(leaves)
+        staying = [r.request.request_id for r in self.rows if r.request.request_id not in leaving]
+        for request in joins:  # every check before any change, so a refused step leaves the engine as it was
+            self.check_request(request)
+        ids = staying + [r.request_id for r in joins]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"duplicate request ids among {ids}")
+        if len(ids) > self.capacity:
+            raise ValueError(f"{len(joins)} requests cannot join: {self.capacity - len(staying)} of "
+                             f"{self.capacity} rows free")
+        for i in reversed(range(len(self.rows))):
+            if self.rows[i].request.request_id in leaving:
+                self._release(i)
+        outputs: list[StepOutput] = []
+        if joins:
+            self._admit(joins)
+            outputs += self._collect_finished()
+        if self.rows:
+            self._cycle()
+        outputs += [self._output(row) for row in self.rows if row.new or row.finish_reason]
+        for i in reversed(range(len(self.rows))):
+            if self.rows[i].finish_reason:
+                self._release(i)
+        return outputs
+
+    def _admit(self, joins: Sequence[SequenceRequest]) -> None:
+        """Prefill each joining prompt into the next free row; the leader picks (and shares) each first token."""
+        device = self.target.device
+        firsts = []
+        new_rows = []
+        for request in joins:
+            row = _Row(request)
+            b = len(self.rows)
+            self.rows.append(row)
+            new_rows.append(row)
+            view = self.cache.rows(b, b + 1, [0])
+            prompt_1T = torch.tensor([request.prompt_ids], device=device)
+            positions_1T = torch.arange(len(request.prompt_ids), device=device)[None]
+            logits_1TV, hidden = self.target(prompt_1T, positions_1T, view, taps=self.taps,
+                                             logits_slice=slice(-1, None))
+            row.length = view.lengths[0]
+            if self.leader:
+                row.generator = make_generator(request.sampling, device)
+                firsts.append(pick_token(logits_1TV[0, -1], request.sampling, row.generator))
+                if self.speculative:
+                    row.drafter = self.free_drafters.pop()
+                    t = time.perf_counter()
+                    row.drafter.begin(list(request.prompt_ids), {l: h[0] for l, h in hidden.items()})
+                    row.stats.draft_s += time.perf_counter() - t
+        firsts = self.channel.share(firsts if self.leader else None)
+        for row, token in zip(new_rows, firsts):
+            self._emit(row, [token])
+
+    def _cycle(self) -> None:
+        """One draft -> verify -> keep -> commit cycle over every live row."""
+        rows = self.rows
+        trees: list[DraftTree] = []
+        plan = None
+        t0 = time.perf_counter()
+        if self.leader:
+            limit = self.schedule.max_draft_nodes(len(rows)) if self.speculative else 0
+            trees = [self._draft(row, limit) for row in rows]
+            plan = [(tree.tokens_list, tree.parents_list) for tree in trees]
+        t1 = time.perf_counter()
+        plan = self.channel.share(plan)
+        view = self.cache.rows(0, len(rows), [row.length for row in rows])
+        tokens_BT, positions_BT, mask_BTT = pack_trees(plan, view.lengths, self.target.device)
+        logits_BTV, hidden = self.target(tokens_BT, positions_BT, view, mask=mask_BTT, taps=self.taps)
+        verdicts = None
+        t2 = time.perf_counter()
+        if self.leader:
+            verdicts = []
+            for b, (row, tree) in enumerate(zip(rows, trees)):
+                accepted = self._verify(row, tree, logits_BTV[b, :tree.num_nodes])
+                verdicts.append((accepted.nodes, accepted.committed))
+                self._commit(row, tree, accepted, {l: h[b] for l, h in hidden.items()})
+                row.stats.verify_s += t2 - t1
+        t3 = time.perf_counter()
+        verdicts = self.channel.share(verdicts)
+        view.keep([nodes for nodes, _ in verdicts])
+        for row, (_, committed), length in zip(rows, verdicts, view.lengths):
+            row.length = length
+            self._emit(row, committed)
+        if self.leader:
+            for row in rows:  # drafting and commit time is shared by the batch
+                row.stats.draft_s += (t1 - t0 + t3 - t2) / len(rows)
+
+    def _draft(self, row: _Row, limit: int | None) -> DraftTree:
+        root = row.out[-1]
+        if row.drafter is None or limit == 0:
+            return chain(root, [])
+        tree = row.drafter.propose(root, list(row.request.prompt_ids) + row.out, row.request.sampling.temperature,
+                                   row.generator)
+        cap = self.max_tree_nodes - 1 if limit is None else min(limit, self.max_tree_nodes - 1)
+        return prune(tree, cap)
+
+    def _verify(self, row: _Row, tree: DraftTree, logits_NV: torch.Tensor) -> Accepted:
+        sampling = row.request.sampling
+        if sampling.greedy:
+            return verify_greedy(tree, logits_NV)
+        probs_NV = process_logits(logits_NV.float(), sampling.temperature, sampling.top_p, sampling.top_k)
+        return verify_sampling(tree, probs_NV, row.generator)
+
+    def _commit(self, row: _Row, tree: DraftTree, accepted: Accepted, hidden: dict[int, torch.Tensor]) -> None:
+        """The leader advances the row's drafter on the target's taps at the accepted path and records the cycle.
+        Cycles whose tree load-adaptation emptied still count: tau is tokens per target forward for the request.
+        A row without a drafter records no SpecStats cycle (tau stays None: vanilla does not speculate)."""
+        if row.drafter is None:
+            row.cycles.append((0, 0, 0))
+            return
+        path = torch.as_tensor(accepted.nodes, device=self.target.device)
+        row.drafter.commit([tree.tokens_list[0]] + accepted.tokens, {l: h[path] for l, h in hidden.items()})
+        judged_depth, judged = judged_nodes(tree, accepted.nodes)
+        row.stats.record_cycle(accepted.num_accepted, judged_depth, judged, tree.num_nodes - 1)
+        row.cycles.append((accepted.num_accepted, judged_depth, tree.num_nodes - 1))
+
+    # -- bookkeeping -----------------------------------------------------
+
+    def _emit(self, row: _Row, tokens: list[int]) -> None:
+        budget = row.request.max_new_tokens
+        out, stopped = truncate_at_stop(row.out + tokens, self.eos, budget)
+        row.new += out[len(row.out):]
+        row.out = out
+        if stopped:
+            row.finish_reason = "stop"
+        elif len(out) >= budget:
+            row.finish_reason = "length"
+
+    def _output(self, row: _Row) -> StepOutput:
+        new, row.new = row.new, []
+        cycles, row.cycles = row.cycles, []
+        stats = None
+        if row.finish_reason and self.leader:
+            stats = row.stats
+            stats.new_tokens = len(row.out)
+        return StepOutput(row.request.request_id, new, row.finish_reason is not None, row.finish_reason, stats,
+                          cycles)
+
+    def _collect_finished(self) -> list[StepOutput]:
+        outputs = [self._output(row) for row in self.rows if row.finish_reason]
+        for i in reversed(range(len(self.rows))):
+            if self.rows[i].finish_reason:
+                self._release(i)
+        return outputs
+
+    def _release(self, i: int) -> None:
+        """Free row i: the last row moves into its cache slot, so live rows stay [0, B)."""
+        row = self.rows[i]
+        last = len(self.rows) - 1
+        if i != last:
+            moved = self.rows[last]
+            self.cache.move_row(last, i, moved.length)
+            self.rows[i] = moved
+        self.rows.pop()
+        if row.drafter is not None:
+            self.free_drafters.append(row.drafter)
+
+    def active_request_ids(self) -> list[str]:
+        return [row.request.request_id for row in self.rows]
+
+    def run(self, requests: Sequence[SequenceRequest]) -> dict[str, tuple[list[int], StepOutput]]:
+        """Serve ``requests`` to completion, joining as rows free up: {request_id: (tokens, final output)}.
+        A convenience for tests, the bench and offline use (single rank)."""
+        pending = list(requests)
+        tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
+        done: dict[str, tuple[list[int], StepOutput]] = {}
+        while pending or self.rows:
+            joins, pending = pending[:self.num_free], pending[self.num_free:]
+            for out in self.step(joins):
+                tokens[out.request_id] += out.new_token_ids
+                if out.finished:
+                    done[out.request_id] = (tokens[out.request_id], out)
+        return done

@@ -1,0 +1,85 @@
+"""What goes into and comes out of the speculative engine: requests, per-step outputs, the load-adaptive
+speculation schedule, and the channel that carries the leader's decisions to the other tensor-parallel ranks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from eyas.decoding.sampling import SamplingParams
+from eyas.decoding.stats import SpecStats
+
+
+@dataclass(frozen=True)
+class SpeculationSchedule:
+    """Load-adaptive speculation: the most drafted nodes (root excluded) one sequence's tree may have per cycle,
+    as a function of the batch size.
+
+    ``max_draft_nodes_by_batch`` maps a batch size to a limit; a batch of B uses the entry with the largest key
+    <= B. A limit of None keeps the drafter's full tree, 0 turns speculation off (plain decoding). Example: {1: None,
+    4: 8, 8: 0} drafts full trees alone, at most 8 nodes per sequence from 4 sequences, none from 8: at high load
+    the target forward is compute-bound and every rejected node costs real throughput (EAGLE-3 falls below 1x).
+    """
+
+    max_draft_nodes_by_batch: dict[int, int | None] = field(default_factory=lambda: {1: None})
+
+    def __post_init__(self) -> None:
+        table: dict[int, int | None] = {}
+        for key, value in dict(self.max_draft_nodes_by_batch).items():
+            size = int(key) if isinstance(key, str) and key.strip().isdigit() else key
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ValueError(f"speculation_by_batch: key {key!r} must be a batch size >= 1")
+            limit = None if value in (None, "full") else value
+            if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+                raise ValueError(f"speculation_by_batch[{size}]={value!r}: must be null/'full' (the drafter's "
+                                 f"whole tree), 0 (no speculation) or a positive number of drafted nodes")
+            table[size] = limit
+        if 1 not in table:
+            raise ValueError(f"speculation_by_batch {dict(self.max_draft_nodes_by_batch)} needs an entry for "
+                             f"batch size 1")
+        object.__setattr__(self, "max_draft_nodes_by_batch", dict(sorted(table.items())))
+
+    def max_draft_nodes(self, batch_size: int) -> int | None:
+        limit = None
+        for size, value in self.max_draft_nodes_by_batch.items():
+            if size > batch_size:
+                break
+            limit = value
+        return limit
+
+
+@dataclass(frozen=True)
+class SequenceRequest:
+    request_id: str
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams = SamplingParams()
+
+
+@dataclass
+class StepOutput:
+    """What one step did for one sequence: tokens emitted this step (stop token included when hit)."""
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" (EOS) or "length" (max_new_tokens), when finished
+    stats: SpecStats | None = None  # the whole request's, when finished (leader only)
+    # this step's cycles as (accepted drafted tokens, deepest judged depth, drafted nodes), so a caller that stops
+    # early (a stop string, a disconnect) still knows what the sequence's cycles did; leader only
+    cycles: list[tuple[int, int, int]] = field(default_factory=list)
+
+
+class Channel(Protocol):
+    """How the leader's decisions reach every rank: ``share(value)`` returns the leader's value on every rank."""
+    is_leader: bool
+
+    def share(self, value: Any) -> Any: ...
+
+
+class LocalChannel:
+    """One rank: nothing to share."""
+    is_leader = True
+
+
+    def share(self, value: Any) -> Any:
+        return value

@@ -1,0 +1,55 @@
+"""The target's own choices outside verification: sampling settings, the first token after a prefill, stops.
+
+Shape legend (docs/SHAPES.md): V vocab.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from eyas.decoding.verify import process_logits, sample
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature}: must be >= 0 (0 means greedy)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p}: must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k}: must be >= 0 (0 disables it)")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def make_generator(sampling: SamplingParams, device: torch.device) -> torch.Generator | None:
+    if sampling.greedy:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(sampling.seed if sampling.seed is not None else int(torch.seed() % 2**63))
+    return generator
+
+
+def pick_token(logits_V: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None) -> int:
+    """The target's own choice: argmax, or a sample from its processed distribution."""
+    if sampling.greedy:
+        return int(logits_V.argmax())
+    probs_1V = process_logits(logits_V[None].float(), sampling.temperature, sampling.top_p, sampling.top_k)
+    return int(sample(probs_1V[0], generator))
+
+
+def truncate_at_stop(tokens: list[int], eos_token_ids: set[int], budget: int) -> tuple[list[int], bool]:
+    """Keep tokens up to and including the first stop token, and at most ``budget`` of them."""
+    for i, token in enumerate(tokens[:budget]):
+        if token in eos_token_ids:
+            return tokens[: i + 1], True
+    return tokens[:budget], False
