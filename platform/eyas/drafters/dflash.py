@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eyas.config import from_dict, require
+from eyas.models.cache import KVCache
 from eyas.models.config import ModelConfig
 from eyas.models.decoder import MLP, Decoder, RMSNorm, TensorParallel, apply_rope, rope_inv_freq
 from eyas.decoding.builders import build_best_first_block
@@ -45,6 +46,7 @@ MASK_TOKEN = "<|mask|>"
 # The paper's loss decay per block size (gamma 7 for B = 16, 5 for 10, 4 for 8).
 PAPER_LOSS_DECAY = {8: 4.0, 10: 5.0, 16: 7.0}
 TREES = ("block", "ddtree")
+CONTEXT_MIN_SLOTS = 64  # the context cache's first size; it doubles as needed
 
 
 @dataclass(frozen=True)
@@ -243,40 +245,6 @@ class DFlashModel(nn.Module):
         return self(batch, features, generator)
 
 
-class ContextCache:
-    """Per drafter layer, the keys/values of the committed positions' fused target features.
-
-    Only the accepted path is ever committed, so the cache only grows (no rollback). Capacity doubles as needed.
-    """
-
-    def __init__(self) -> None:
-        self.k_LBHCD: list[torch.Tensor] = []
-        self.v_LBHCD: list[torch.Tensor] = []
-        self.length = 0
-
-    def append(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Append each layer's (k_1HAD, v_1HAD) of A new positions."""
-        end = self.length + kv[0][0].shape[2]
-        if not self.k_LBHCD or end > self.k_LBHCD[0].shape[2]:
-            capacity = max(2 * end, 64)
-            fresh = [None] * len(kv)
-            self.k_LBHCD = [self._grown(old, k, capacity) for old, (k, _) in zip(self.k_LBHCD or fresh, kv)]
-            self.v_LBHCD = [self._grown(old, v, capacity) for old, (_, v) in zip(self.v_LBHCD or fresh, kv)]
-        for layer, (k_1HAD, v_1HAD) in enumerate(kv):
-            self.k_LBHCD[layer][:, :, self.length:end] = k_1HAD
-            self.v_LBHCD[layer][:, :, self.length:end] = v_1HAD
-        self.length = end
-
-    def _grown(self, old_1HCD: torch.Tensor | None, like_1HAD: torch.Tensor, capacity: int) -> torch.Tensor:
-        new_1HCD = like_1HAD.new_zeros(*like_1HAD.shape[:2], capacity, like_1HAD.shape[3])
-        if old_1HCD is not None:
-            new_1HCD[:, :, :self.length] = old_1HCD[:, :, :self.length]
-        return new_1HCD
-
-    def view(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [(k[:, :, :self.length], v[:, :, :self.length]) for k, v in zip(self.k_LBHCD, self.v_LBHCD)]
-
-
 @dataclass(frozen=True)
 class DFlashTreeConfig:
     """Inference options. The block fixes the depth (block_size - 1 drafted tokens); ``depth`` and ``shape`` exist
@@ -312,7 +280,14 @@ class DFlashDrafter:
         self.model, self.tree = model, tree
         self.name = name or ("dflash" if tree.mode == "block" else "dflash-ddtree")
         self.target_taps = model.target_taps
-        self.context = ContextCache()
+        self.context = self._new_context()
+
+    def _new_context(self) -> KVCache:
+        """The context cache: per drafter layer, the keys/values of the committed positions' fused target features.
+        Only the accepted path is ever committed, so it only grows (no rollback); it starts small and doubles."""
+        config = self.model.target_config
+        return KVCache(self.model.config.num_layers, 1, config.num_kv_heads, CONTEXT_MIN_SLOTS, config.head_dim,
+                       self.model.fc.weight.dtype, self.device)
 
     @property
     def device(self) -> torch.device:
@@ -320,13 +295,14 @@ class DFlashDrafter:
 
     @torch.inference_mode()
     def _commit_features(self, taps: dict[int, torch.Tensor]) -> None:
-        features_1AE = self.model.fuse({t: taps[t].to(self.device)[None] for t in self.target_taps})
-        start = self.context.length
-        positions_1A = torch.arange(start, start + features_1AE.shape[1], device=self.device)[None]
-        self.context.append(self.model.context_kv(features_1AE, positions_1A))
+        features_1TE = self.model.fuse({t: taps[t].to(self.device)[None] for t in self.target_taps})
+        start = self.context.lengths[0]
+        positions_1T = torch.arange(start, start + features_1TE.shape[1], device=self.device)[None]
+        self.context.ensure_room(features_1TE.shape[1])
+        self.context.extend(self.model.context_kv(features_1TE, positions_1T))
 
     def begin(self, prompt_ids: list[int], taps: dict[int, torch.Tensor]) -> None:
-        self.context = ContextCache()
+        self.context = self._new_context()
         self._commit_features(taps)
 
     def commit(self, tokens: list[int], taps: dict[int, torch.Tensor]) -> None:
@@ -335,17 +311,17 @@ class DFlashDrafter:
     @torch.inference_mode()
     def draft_logits(self, root_token: int) -> torch.Tensor:
         """[K-1, V]: the logits of block positions 1..K-1 after the committed context."""
-        K, start = self.model.block_size, self.context.length
+        K, start = self.model.block_size, self.context.lengths[0]
         x_1KE = self.model.embed_block(torch.tensor([root_token], device=self.device))
         positions_1K = torch.arange(start, start + K, device=self.device)[None]
-        hidden_1KE = self.model.block_hidden(x_1KE, positions_1K, self.context.view(), mask_BQS=None)
+        hidden_1KE = self.model.block_hidden(x_1KE, positions_1K, self.context.layer_views(start), mask_BQS=None)
         return self.model.logits(hidden_1KE[0, 1:]).float()
 
     def propose(self, root_token: int, context_ids: list[int], temperature: float,
                 generator: torch.Generator | None) -> DraftTree:
-        if len(context_ids) - 1 != self.context.length:
-            raise RuntimeError(f"DFlash holds features of {self.context.length} committed positions but the context "
-                               f"has {len(context_ids) - 1} before the root: call begin() and commit() every cycle")
+        if len(context_ids) - 1 != self.context.lengths[0]:
+            raise RuntimeError(f"DFlash holds features of {self.context.lengths[0]} committed positions but the "
+                               f"context has {len(context_ids) - 1} before the root: call begin() and commit() every cycle")
         logits_KV = self.draft_logits(root_token)
         probs_KV = torch.softmax(logits_KV / (temperature if temperature > 0 else 1.0), dim=-1)
         if self.tree.mode == "ddtree":

@@ -303,23 +303,15 @@ class EagleDrafter:
         self._pending_next = list(prompt_ids[1:])
         assert len(self._pending_next) + 1 == self._pending_hidden_AE.shape[0], "one tap row per prompt token"
 
+    @property
+    def _max_slots(self) -> int:
+        """The committed context plus the largest tree's entries."""
+        return self.max_len + self.tree.max_expanded
+
     def _new_cache(self, num_slots: int) -> KVCache:
         config = self.model.layer_config
-        return KVCache(1, 1, config.num_kv_heads, min(num_slots, self.max_len + self.tree.max_expanded),
-                       config.head_dim, self.model.dtype, self.model.inv_freq.device)
-
-    def _reserve(self, num_new: int) -> None:
-        """Grow the cache (doubling, up to the context limit) so ``num_new`` more entries fit."""
-        assert self.cache is not None
-        needed = self.cache.lengths[0] + num_new
-        if needed <= self.cache.max_len:
-            return
-        grown = self._new_cache(max(needed, 2 * self.cache.max_len))
-        length = self.cache.lengths[0]
-        grown.k_LBHSD[..., :length, :] = self.cache.k_LBHSD[..., :length, :]
-        grown.v_LBHSD[..., :length, :] = self.cache.v_LBHSD[..., :length, :]
-        grown.lengths[0] = length
-        self.cache = grown
+        return KVCache(1, 1, config.num_kv_heads, min(num_slots, self._max_slots), config.head_dim,
+                       self.model.dtype, self.model.inv_freq.device)
 
     @torch.no_grad()
     def propose(self, root_token: int, context_ids: list[int], temperature: float = 0.0,
@@ -386,7 +378,7 @@ class EagleDrafter:
              mask_PS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One drafter pass over P new entries appended to the cache; returns (hidden_out_PE, probs_PV)."""
         assert self.cache is not None
-        self._reserve(tokens_P.shape[0])
+        self.cache.ensure_room(tokens_P.shape[0], limit=self._max_slots)  # it starts small and doubles
         S, P = self.cache.lengths[0], tokens_P.shape[0]
         past = self.cache.view(0, S) if S else None
         out_1PE, logits_1PX, (k_1HPD, v_1HPD) = self.model.step(tokens_P[None], hidden_PE[None], positions_P[None],

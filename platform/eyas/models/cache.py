@@ -81,6 +81,10 @@ class KVCache:
     def batch_size(self) -> int:
         return len(self.lengths)
 
+    @property
+    def num_layers(self) -> int:
+        return self.k_LBHSD.shape[0]
+
     def begin(self, num_new: int, rows_active: list[bool] | None = None) -> None:
         """Reserve ``num_new`` slots at the end of every (active) row for the coming forward."""
         for b, length in enumerate(self.lengths):
@@ -114,6 +118,10 @@ class KVCache:
 
     def view(self, layer: int, span: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_LBHSD[layer, :, :, :span], self.v_LBHSD[layer, :, :, :span]
+
+    def layer_views(self, span: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every layer's (k_BHSD, v_BHSD) over the first ``span`` slots."""
+        return [self.view(layer, span) for layer in range(self.num_layers)]
 
     def keep(self, nodes_per_row: list[list[int]] | list[int] | torch.Tensor) -> None:
         """Keep only the given new-token indices (e.g. the accepted tree path) of the last forward, per row.

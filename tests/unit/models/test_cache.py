@@ -157,3 +157,60 @@ def test_batched_rows_at_different_lengths_match_single_rows(target):
     logits_B1V, _ = target(torch.tensor([[11], [12]]), positions_B1, cache)
     for b in range(2):
         torch.testing.assert_close(logits_B1V[b, 0], decode(target, singles[b], 11 + b), atol=1e-5, rtol=1e-5)
+
+
+# ---- the cache owns its rows: views, moves, growth, whole-forward appends
+
+
+def filled_cache(batch_size: int = 3, max_len: int = 8, lengths: tuple[int, ...] = (5, 3, 6)) -> KVCache:
+    cache = KVCache(2, batch_size, 1, max_len, 2)
+    for b, length in enumerate(lengths):
+        cache.k_LBHSD[:, b, :, :length] = torch.arange(length, dtype=torch.float32)[:, None] + 10 * b
+        cache.v_LBHSD[:, b, :, :length] = -(torch.arange(length, dtype=torch.float32)[:, None] + 10 * b)
+        cache.lengths[b] = length
+    return cache
+
+
+def test_rows_view_writes_land_in_the_parent():
+    cache = filled_cache()
+    view = cache.rows(1, 3, [3, 6])
+    assert view.batch_size == 2 and view.lengths == [3, 6] and view.max_len == 8
+    view.begin(1)
+    view.write(0, torch.full((2, 1, 1, 2), 7.0), torch.full((2, 1, 1, 2), -7.0))
+    view.finish(1)
+    assert view.lengths == [4, 7]
+    assert cache.k_LBHSD[0, 1, 0, 3].tolist() == [7.0, 7.0] and cache.k_LBHSD[0, 2, 0, 6].tolist() == [7.0, 7.0]
+    assert cache.k_LBHSD[0, 0, 0, 5].tolist() == [0.0, 0.0]  # row 0 untouched
+    with pytest.raises(ValueError, match="rows"):
+        cache.rows(2, 4, [0, 0])
+
+
+def test_move_row_copies_the_valid_slots():
+    cache = filled_cache()
+    cache.move_row(2, 0, 6)
+    assert torch.equal(cache.k_LBHSD[:, 0, :, :6], cache.k_LBHSD[:, 2, :, :6])
+    assert torch.equal(cache.v_LBHSD[:, 0, :, :6], cache.v_LBHSD[:, 2, :, :6])
+
+
+def test_grow_and_ensure_room_keep_the_contents():
+    cache = filled_cache(batch_size=1, max_len=6, lengths=(5,))
+    before = cache.k_LBHSD[..., :5, :].clone()
+    cache.ensure_room(1)
+    assert cache.max_len == 6  # fits: nothing to do
+    cache.ensure_room(2)
+    assert cache.max_len == 12 and torch.equal(cache.k_LBHSD[..., :5, :], before)  # doubled
+    cache.ensure_room(30, limit=20)
+    assert cache.max_len == 20  # doubling stops at the limit
+    with pytest.raises(ValueError, match="cannot shrink"):
+        cache.grow(4)
+
+
+def test_extend_appends_every_layer_at_once():
+    cache = KVCache(2, 1, 1, 4, 2)
+    kv = [(torch.full((1, 1, 3, 2), float(layer)), torch.full((1, 1, 3, 2), -float(layer))) for layer in range(2)]
+    cache.extend(kv)
+    assert cache.lengths == [3]
+    views = cache.layer_views(3)
+    assert [float(k.mean()) for k, _ in views] == [0.0, 1.0] and [float(v.mean()) for _, v in views] == [0.0, -1.0]
+    with pytest.raises(ValueError, match="KV cache full"):
+        cache.extend(kv)
