@@ -6,10 +6,14 @@
 Output: ``$EYAS_HOME/data/<name>/{train,heldout}/shard-NNNNN.parquet`` (prompt_ids, response_ids, loss_mask; see
 eyas/train/data.py) and ``data.json`` (what produced them, counts, timings), written last.
 
-source=regenerate: train prompts from ``eyas.corpus`` (held-out prompts for the held-out split) are tokenized and
-continued by the target, ``batch_size`` prompts per batched forward, on Ray actors (one per CPU, or per GPU with
-``use_gpu``); each actor loads the target once and answers whole shards. source=corpus: fixed chunks of the packed
-train / held-out documents (EAGLE-1's fixed-data setting), cut on the driver; no target forward is needed.
+source=regenerate: train prompts from ``eyas.corpus`` (held-out prompts for the held-out split) are tokenized on the
+driver (cut to ``max_prompt_tokens``) and continued by the target, ``batch_size`` prompts per batched forward, on
+Ray actors (one per CPU, or per GPU with ``use_gpu``); each actor loads the target once and answers whole shards.
+source=sharegpt: the same, with ShareGPT first human turns (``eyas.datasets``, train / held-out split by a hash of
+the conversation id) rendered with the target's chat template; prompts over ``max_prompt_tokens`` are skipped, and
+the loss mask covers the target's answer only (the template's system, user and assistant-header tokens are
+prompt). source=corpus: fixed chunks of the packed train / held-out documents (EAGLE-1's fixed-data setting), cut
+on the driver; no target forward is needed.
 
 Shards are the unit of work and of restart: shard i of a split holds sequences [i * shard_size, (i+1) * shard_size)
 and is written atomically, so a rerun skips the shards already on disk. ``data.json`` pins what decides a shard's
@@ -39,7 +43,7 @@ def check_target(cfg: DataConfig) -> Path:
         raise FileNotFoundError(f"target={cfg.target!r}: {directory} holds no checkpoint; build it first, e.g. "
                                 "`python -m jobs.train_target --config jobs/configs/target-tiny.yaml`")
     context = ModelConfig.from_file(directory / "config.json").max_position_embeddings
-    if cfg.source == "regenerate" and cfg.max_prompt_tokens + cfg.max_new_tokens > context:
+    if cfg.source != "corpus" and cfg.max_prompt_tokens + cfg.max_new_tokens > context:
         raise ConfigError(f"max_prompt_tokens={cfg.max_prompt_tokens} + max_new_tokens={cfg.max_new_tokens} exceeds "
                           f"the target's context of {context} tokens")
     return directory
@@ -76,6 +80,34 @@ def pending_shards(cfg: DataConfig, out: Path) -> list[tuple[str, int]]:
 # ---------------------------------------------------------------- regenerate: Ray actors
 
 
+def prompt_ids(cfg: DataConfig, tokenizer: Any, split: str, count: int) -> list[list[int]]:
+    """The first ``count`` prompts of ``split`` as token ids (fewer when the source has fewer).
+
+    regenerate: corpus prompts with the tokenizer's special tokens (BOS), cut to ``max_prompt_tokens``.
+    sharegpt: chat-templated first human turns; the template writes the special tokens, longer prompts are skipped.
+    """
+    from eyas import corpus, datasets
+
+    if cfg.source == "sharegpt":
+        return [ids for _, ids in datasets.chat_prompt_ids(split, count, tokenizer, cfg.max_prompt_tokens)]
+    texts = corpus.train_prompts(count, cfg.suite) if split == "train" else corpus.heldout_prompts(cfg.suite, count)
+    return [tokenizer(text).input_ids[:cfg.max_prompt_tokens] for text in texts]
+
+
+def plan_prompts(cfg: DataConfig, target_dir: Path) -> dict[str, list[list[int]]]:
+    from eyas.models import load_tokenizer
+
+    tokenizer = load_tokenizer(target_dir)
+    tokenizer.model_max_length = 10**9  # we cut or skip prompts ourselves; silences the long-input warning
+    prompts = {split: prompt_ids(cfg, tokenizer, split, count) for split, count in split_plan(cfg).items()}
+    for split, count in split_plan(cfg).items():
+        if len(prompts[split]) < count:
+            print(f"[data] {split}: the {cfg.source} source has only {len(prompts[split])} prompts "
+                  f"{'of at most ' + str(cfg.max_prompt_tokens) + ' tokens ' if cfg.source == 'sharegpt' else ''}"
+                  f"(asked for {count})", flush=True)
+    return prompts
+
+
 class Regenerator:
     """Holds the target; answers one shard of prompts per call (created as a Ray actor by ``regenerate_shards``)."""
 
@@ -88,48 +120,44 @@ class Regenerator:
         self.cfg = DataConfig(**cfg_dict) if not isinstance(cfg_dict, DataConfig) else cfg_dict
         device = "cuda" if use_gpu else "cpu"
         self.target = load_target(target_dir, device=device)
-        self.tokenizer = load_tokenizer(target_dir)
-        self.tokenizer.model_max_length = 10**9  # we cut prompts ourselves; silences the long-input warning
+        tokenizer = load_tokenizer(target_dir)
         eos = set(self.target.config.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
+        if tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
         self.eos = sorted(eos)
 
-    def run(self, split: str, index: int, prompts: list[str], out_dir: str) -> dict[str, int]:
+    def run(self, split: str, index: int, prompts: list[list[int]], out_dir: str) -> dict[str, int]:
+        """Answer one shard's prompts (token ids) and write its rows in prompt order. Batches are formed from
+        prompts of similar length (sorted), so left padding wastes little of each batched forward."""
         import torch
 
         from eyas.train.data import regenerate
 
         cfg = self.cfg
-        ids = [self.tokenizer(p).input_ids[:cfg.max_prompt_tokens] for p in prompts]
-        kept = [p for p in ids if p]
+        kept = [i for i, p in enumerate(prompts) if p]
+        order = sorted(kept, key=lambda i: (len(prompts[i]), i))
         generator = torch.Generator(device=self.target.device)
         generator.manual_seed(cfg.seed * 1_000_003 + index * 2 + (split == "heldout"))
-        rows, new_tokens = [], 0
-        for start in range(0, len(kept), cfg.batch_size):
-            chunk = kept[start:start + cfg.batch_size]
-            responses = regenerate(self.target, chunk, cfg.max_new_tokens, self.eos, cfg.temperature, cfg.top_p,
-                                   generator if cfg.temperature > 0 else None)
-            rows += [response_row(p, r) for p, r in zip(chunk, responses)]
-            new_tokens += sum(map(len, responses))
+        responses: dict[int, list[int]] = {}
+        for start in range(0, len(order), cfg.batch_size):
+            chunk = order[start:start + cfg.batch_size]
+            answers = regenerate(self.target, [prompts[i] for i in chunk], cfg.max_new_tokens, self.eos,
+                                 cfg.temperature, cfg.top_p, generator if cfg.temperature > 0 else None)
+            responses.update(zip(chunk, answers))
+        # the prompt (template, system, user turn, assistant header) is loss-masked: only the answer is learnt
+        rows = [response_row(prompts[i], responses[i]) for i in kept]
         write_shard(shard_path(Path(out_dir), split, index), rows)
         return {"prompts": len(prompts), "rows": len(rows), "skipped": len(prompts) - len(kept),
-                "new_tokens": new_tokens}
+                "new_tokens": sum(map(len, responses.values()))}
 
 
 def regenerate_shards(cfg: DataConfig, out: Path, target_dir: Path, todo: list[tuple[str, int]]) -> dict[str, int]:
     import ray
     from ray.util import ActorPool
 
-    from eyas import corpus
     from jobs.common import Progress, init_ray
 
-    prompts = {"train": corpus.train_prompts(cfg.num_prompts, cfg.suite),
-               "heldout": corpus.heldout_prompts(cfg.suite, cfg.num_heldout_prompts)}
-    for split, count in split_plan(cfg).items():
-        if len(prompts[split]) < count:
-            print(f"[data] {split}: the corpus has only {len(prompts[split])} {cfg.suite} prompts "
-                  f"(asked for {count})", flush=True)
+    prompts = plan_prompts(cfg, target_dir)
     tasks = [(split, index, prompts[split][index * cfg.shard_size:(index + 1) * cfg.shard_size])
              for split, index in todo]
     tasks = [task for task in tasks if task[2]]
@@ -208,7 +236,7 @@ def build(cfg: DataConfig, force: bool = False) -> Path:
     else:
         done = sum(num_shards(n, cfg.shard_size) for n in split_plan(cfg).values()) - len(todo)
         print(f"[data] {out}: {len(todo)} shards to build ({done} already done)", flush=True)
-        build_shards = regenerate_shards if cfg.source == "regenerate" else corpus_shards
+        build_shards = corpus_shards if cfg.source == "corpus" else regenerate_shards
         totals = build_shards(cfg, out, target_dir, todo)
     seconds = time.monotonic() - start
     counts = count_rows(out)

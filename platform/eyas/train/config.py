@@ -35,13 +35,16 @@ class DataConfig:
     """``jobs.generate_data``: prompts -> target responses -> parquet shards under ``$EYAS_HOME/data/<name>/``.
 
     source=regenerate: train prompts (eyas.corpus) continued by the target itself, so the drafter learns the
-    target's own distribution (EAGLE-3, DFlash, Medusa-2 practice). source=corpus: fixed raw-text chunks of the
-    train documents, as EAGLE-1 trained on a fixed data set.
+    target's own distribution (EAGLE-3, DFlash, Medusa-2 practice). source=sharegpt: ShareGPT first human turns
+    (eyas.datasets), rendered with the target's chat template and answered by the target, as SpecForge and EAGLE-3
+    regenerate their chat data; the loss covers the answer only. ``suite`` does not apply to it, and prompts over
+    ``max_prompt_tokens`` are skipped rather than cut (a cut chat prompt would lose the assistant header).
+    source=corpus: fixed raw-text chunks of the train documents, as EAGLE-1 trained on a fixed data set.
     """
 
     name: str
     target: str = "tiny"
-    source: Literal["regenerate", "corpus"] = "regenerate"
+    source: Literal["regenerate", "corpus", "sharegpt"] = "regenerate"
     suite: str = "all"               # prompts / documents: code, prose or all
     num_prompts: int = 512           # train sequences (prompts regenerated, or corpus chunks)
     num_heldout_prompts: int = 32    # held-out sequences (from held-out files / topics) for evaluation
@@ -69,10 +72,15 @@ class DataConfig:
 
     def content_key(self) -> dict[str, Any]:
         """The fields that decide what a shard holds: a rerun may only reuse shards written under the same key."""
-        return {"target": str(target_path(self.target)), "source": self.source, "suite": self.suite,
-                "max_prompt_tokens": self.max_prompt_tokens, "max_new_tokens": self.max_new_tokens,
-                "chunk_tokens": self.chunk_tokens, "temperature": self.temperature, "top_p": self.top_p,
-                "seed": self.seed, "shard_size": self.shard_size}
+        key = {"target": str(target_path(self.target)), "source": self.source, "suite": self.suite,
+               "max_prompt_tokens": self.max_prompt_tokens, "max_new_tokens": self.max_new_tokens,
+               "chunk_tokens": self.chunk_tokens, "temperature": self.temperature, "top_p": self.top_p,
+               "seed": self.seed, "shard_size": self.shard_size}
+        if self.source == "sharegpt":  # only here, so the stamps of existing corpus data sets stay valid
+            from eyas.datasets import SHAREGPT
+
+            key["dataset"] = SHAREGPT.requirement
+        return key
 
 
 @dataclass(frozen=True)
