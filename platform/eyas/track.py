@@ -64,18 +64,27 @@ def client():
     return MlflowClient(tracking_uri=tracking_uri(), registry_uri=tracking_uri())
 
 
+# MLflow 3's UI files an experiment with no kind under its GenAI views ("Evaluation runs"), where the run comparison
+# charts are not offered; eyas experiments are model training, so they say so (the tag the UI reads).
+EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
+
+
 def ensure_experiment(name: str) -> str:
-    """The experiment id of ``name``, created with its artifacts under ``artifact_root()/<name>`` if new."""
+    """The experiment id of ``name`` (a model-training experiment), created with its artifacts under
+    ``artifact_root()/<name>`` if new."""
     mlflow = _mlflow()
     experiment = mlflow.get_experiment_by_name(name)
     if experiment is not None:
+        if experiment.tags.get("mlflow.experimentKind") is None:  # made by an older eyas, or by hand
+            for key, value in EXPERIMENT_KIND.items():
+                client().set_experiment_tag(experiment.experiment_id, key, value)
         return experiment.experiment_id
     root = artifact_root()
     if root is None:
-        return mlflow.create_experiment(name)
+        return mlflow.create_experiment(name, tags=EXPERIMENT_KIND)
     location = (root / name).resolve()
     location.mkdir(parents=True, exist_ok=True)
-    return mlflow.create_experiment(name, artifact_location=location.as_uri())
+    return mlflow.create_experiment(name, artifact_location=location.as_uri(), tags=EXPERIMENT_KIND)
 
 
 @contextlib.contextmanager
