@@ -9,10 +9,11 @@ unchecked. Chat prompts use the tokenizer's chat template when it has one, else 
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -23,9 +24,15 @@ GREEDY_BELOW = 1e-5  # a temperature this small is greedy decoding (as in vLLM);
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str = "invalid_request_error") -> None:  # noqa: A002 (OpenAI's field name)
+                 type: str = "invalid_request_error",  # noqa: A002 (OpenAI's field name)
+                 retry_after_s: int | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+        self.retry_after_s = retry_after_s  # sent as the Retry-After header (429, 503)
+
+    @property
+    def headers(self) -> dict[str, str] | None:
+        return None if self.retry_after_s is None else {"Retry-After": str(self.retry_after_s)}
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
@@ -37,6 +44,16 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
 
 
 # ---------------------------------------------------------------- request bodies
+# The models are the one definition of what a body may hold: they validate it, and serving.api publishes their JSON
+# schema as the OpenAPI request bodies (which the schemathesis fuzz tests generate from).
+
+NonEmpty = Annotated[str, Field(min_length=1)]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    include_usage: bool = Field(False, description="send a last chunk with empty `choices` and the `usage` (and "
+                                                   "`spec`) of the whole request, before `data: [DONE]`")
 
 
 class _Body(BaseModel):
@@ -44,19 +61,25 @@ class _Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
     model: str
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # extension (vLLM's): 0 or -1 = off
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    temperature: float = Field(1.0, ge=0, description="0 is greedy decoding")
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=-1, description="extension (vLLM's): 0 or -1 turn it off")
+    stop: NonEmpty | Annotated[list[NonEmpty], Field(max_length=MAX_STOP_STRINGS)] | None = Field(
+        None, description=f"at most {MAX_STOP_STRINGS} non-empty strings")
+    seed: int | None = Field(None, ge=0, lt=2 ** 64)
     stream: bool = False
-    n: int = 1
-    return_token_ids: bool = False  # extension: the generated token ids in each choice
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1, le=1, description="only n=1 is supported")
+    return_token_ids: bool = Field(False, description="extension: the generated token ids in each choice")
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
 
 
 class CompletionBody(_Body):
-    prompt: str | list[int]
-    max_tokens: int | None = None
+    prompt: str | list[int] = Field(description="text, or token ids")
+    max_tokens: int | None = Field(None, ge=1)
 
 
 class TextPart(BaseModel):
@@ -76,8 +99,20 @@ class ChatMessage(BaseModel):
 
 class ChatBody(_Body):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error shape: every 4xx (and a 503 from a failed replica) has this body."""
+    error: ErrorDetail
 
 
 def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
@@ -85,27 +120,50 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
     if len(raw) > MAX_BODY_BYTES:
         raise ApiError(413, f"request body is {len(raw)} bytes; the limit is {MAX_BODY_BYTES}")
     try:
-        data = json.loads(raw, parse_constant=_reject_constant)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        data = json.loads(raw, parse_constant=_reject_constant, parse_float=_finite_float)
+    except (ValueError, UnicodeDecodeError) as err:  # JSONDecodeError, and an integer past Python's 4300 digits
         raise ApiError(400, f"the request body is not valid JSON ({err})") from None
+    except RecursionError:
+        raise ApiError(400, "the request body nests JSON too deeply") from None
     if not isinstance(data, dict):
         raise ApiError(400, "the request body must be a JSON object")
     try:
         return model.model_validate(data)
     except ValidationError as err:
-        first = err.errors()[0]
-        loc = [str(part) for part in first["loc"]]
-        param = loc[0] if loc else None
-        if first["type"] == "missing":
-            raise ApiError(400, f"missing required field '{'.'.join(loc)}'", param) from None
-        # a union reports each alternative; name the field and the value's problem, not pydantic's type names
-        where = ".".join(p for p in loc if not any(c in p for c in "[]|") and p not in ("str", "int"))
-        raise ApiError(400, f"'{where or param}': {first['msg']} (got {json.dumps(first.get('input'))[:80]})",
-                       param) from None
+        raise _field_error(err.errors()[0], model) from None
+
+
+def _field_error(first: dict[str, Any], model: type[BaseModel]) -> ApiError:
+    """pydantic's first complaint as a message about the field, without its type names."""
+    loc = list(first["loc"])
+    param = str(loc[0]) if loc else None
+    # a union reports each alternative under a tag ('str', 'list[int]', 'constrained-str'); keep field names and
+    # list indices only
+    where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc
+                    if isinstance(p, int) or (p.isidentifier() and p not in _TYPE_TAGS)).lstrip(".")
+    if first["type"] == "missing":
+        return ApiError(400, f"missing required field '{where or param}'", param)
+    field = model.model_fields.get(param or "")
+    hint = f"; {field.description}" if field is not None and field.description else ""
+    try:
+        got = json.dumps(first.get("input"))[:80]
+    except (TypeError, ValueError):
+        got = repr(first.get("input"))[:80]
+    return ApiError(400, f"'{where or param}': {first['msg']} (got {got}){hint}", param)
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
 def _reject_constant(name: str) -> float:
     raise ApiError(400, f"the request body holds {name}; numbers must be finite")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999 parses to inf
+        raise ApiError(400, f"the request body holds {text[:40]}, which overflows a float; numbers must be finite")
+    return value
 
 
 @dataclass(frozen=True)
@@ -125,22 +183,9 @@ def check_model(body: _Body, limits: Limits) -> None:
                        "model", "model_not_found")
 
 
-def check_sampling(body: _Body) -> list[str]:
-    """Sampling parameters; returns the stop strings."""
-    if body.n != 1:
-        raise ApiError(400, f"n={body.n}: only n=1 is supported", "n")
-    if body.temperature < 0:
-        raise ApiError(400, f"temperature={body.temperature}: must be >= 0 (0 is greedy)", "temperature")
-    if not 0 < body.top_p <= 1:
-        raise ApiError(400, f"top_p={body.top_p}: must be in (0, 1]", "top_p")
-    if body.top_k < -1:
-        raise ApiError(400, f"top_k={body.top_k}: must be >= 0 (0 or -1 turn it off)", "top_k")
-    if body.seed is not None and not 0 <= body.seed < 2 ** 64:
-        raise ApiError(400, f"seed={body.seed}: must be in [0, 2**64)", "seed")
-    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    if len(stop) > MAX_STOP_STRINGS or any(not s for s in stop):
-        raise ApiError(400, f"stop: at most {MAX_STOP_STRINGS} non-empty strings", "stop")
-    return stop
+def stop_strings(body: _Body) -> list[str]:
+    """The stop strings as a list (the body's model already checked them)."""
+    return [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
 
 
 def check_lengths(prompt_ids: list[int], max_tokens: int | None, limits: Limits, default: int | None = None) -> int:

@@ -7,11 +7,13 @@ from pathlib import Path
 
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from eyas.config import ConfigError
 from serving.config import ServeArgs
-from serving.protocol import (ApiError, ChatBody, CompletionBody, Limits, TextStream, chat_prompt_ids, check_lengths,
-                              check_model, check_sampling, parse_body)
+from serving.protocol import (MAX_STOP_STRINGS, ApiError, ChatBody, CompletionBody, Limits, TextStream, chat_prompt_ids,
+                              check_lengths, check_model, parse_body, stop_strings)
 
 REPO = Path(__file__).resolve().parents[3]
 LIMITS = Limits(model_name="m", vocab_size=100, max_len=64, tree_room=16, max_tokens_limit=40, default_max_tokens=16)
@@ -63,30 +65,111 @@ def test_parse_body_accepts_openai_fields_and_ignores_unknown_ones():
     assert error_of(lambda: parse_body(b'{"model": "m", "messages": []}', ChatBody)).param == "messages"
 
 
-def test_model_and_sampling_checks():
-    def body(**extra):
-        return CompletionBody(model="m", prompt="x", **extra)
+# ---------------------------------------------------------------- properties: any input, a body or a 4xx
 
-    assert error_of(lambda: check_model(body().model_copy(update={"model": "other"}), LIMITS)).status == 404
-    for extra, param in (({"temperature": -0.1}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
-                         ({"top_k": -2}, "top_k"), ({"n": 3}, "n"), ({"stop": [""]}, "stop"),
-                         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"), ({"seed": -1}, "seed"),
-                         ({"seed": 2 ** 64}, "seed")):
-        err = error_of(lambda: check_sampling(body(**extra)))
-        assert (err.status, err.param) == (400, param)
-    assert check_sampling(body(stop="\n")) == ["\n"] and check_sampling(body(top_k=-1)) == []
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
+                    | st.text(max_size=8), lambda inner: st.lists(inner, max_size=4)
+                    | st.dictionaries(st.text(max_size=6), inner, max_size=4), max_leaves=12)
+VALID = {"model": "m", "prompt": "x"}
+# what each field accepts, stated on its own terms (the models are the one implementation of these rules)
+ACCEPTS = {
+    "temperature": lambda v: _number(v) and v >= 0,
+    "top_p": lambda v: _number(v) and 0 < v <= 1,
+    "top_k": lambda v: _integer(v) and v >= -1,
+    "seed": lambda v: v is None or (_integer(v) and 0 <= v < 2 ** 64),
+    "n": lambda v: _integer(v) and v == 1,
+    "max_tokens": lambda v: v is None or (_integer(v) and v >= 1),
+    "stream": lambda v: isinstance(v, bool),
+    "stop": lambda v: v is None or (isinstance(v, str) and v != "") or (
+        isinstance(v, list) and len(v) <= MAX_STOP_STRINGS and all(isinstance(s, str) and s for s in v)),
+    "prompt": lambda v: isinstance(v, str) or (isinstance(v, list) and all(_integer(t) for t in v)),
+    "model": lambda v: isinstance(v, str),
+}
 
 
-def test_length_checks():
-    assert check_lengths([1, 2], None, LIMITS, default=16) == 16
-    assert check_lengths([1] * 40, None, LIMITS) == 64 - 16 - 40  # chat: up to the context
-    for ids, max_tokens, param, code in (([], 4, "prompt", None), ([1, 100], 4, "prompt", None),
-                                         ([1] * 48, 4, "prompt", "context_length_exceeded"),
-                                         ([1], 0, "max_tokens", None), ([1], -1, "max_tokens", None),
-                                         ([1], 41, "max_tokens", None),
-                                         ([1] * 30, 20, "max_tokens", "context_length_exceeded")):
-        err = error_of(lambda: check_lengths(ids, max_tokens, LIMITS))
-        assert (err.status, err.param, err.code) == (400, param, code), (ids[:3], max_tokens)
+def _integer(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(value) -> bool:
+    return _integer(value) or isinstance(value, float)
+
+
+def assert_openai_4xx(err: ApiError, statuses=(400,)) -> None:
+    assert err.status in statuses and err.message
+    assert set(err.body()["error"]) == {"message", "type", "param", "code"}
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200) | st.builds(lambda v: json.dumps(v).encode(), JSON))
+def test_any_bytes_parse_to_a_body_or_a_400(raw):
+    for model in (CompletionBody, ChatBody):
+        try:
+            parse_body(raw, model)
+        except ApiError as err:
+            assert_openai_4xx(err)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.sampled_from(sorted(ACCEPTS)), JSON | st.integers(min_value=-2 ** 70, max_value=2 ** 70)
+       | st.floats(min_value=-2.0, max_value=2.0) | st.lists(st.text(max_size=3), max_size=6))
+def test_a_field_is_accepted_exactly_when_valid_else_its_400_names_it(field, value):
+    raw = json.dumps({**VALID, field: value}).encode()
+    if ACCEPTS[field](value):
+        body = parse_body(raw, CompletionBody)
+        assert getattr(body, field) == (float(value) if field in ("temperature", "top_p") else value)
+    else:
+        err = error_of(lambda: parse_body(raw, CompletionBody))
+        assert_openai_4xx(err)
+        assert err.param == field and f"'{field}" in err.message
+
+
+@given(st.integers(min_value=1, max_value=3000).map(lambda n: "[" * n + "]" * n)
+       | st.integers(min_value=4301, max_value=6000).map(lambda n: '{"model": "m", "seed": ' + "9" * n + "}")
+       | st.sampled_from(["1e999", "-1e999", "NaN", "Infinity"]).map(lambda x: '{"model": "m", "top_p": ' + x + "}"))
+def test_deep_nesting_huge_integers_and_non_finite_numbers_are_400s(text):
+    try:
+        parse_body(text.encode(), CompletionBody)
+    except ApiError as err:
+        assert_openai_4xx(err)
+
+
+def test_unknown_model_is_404():
+    err = error_of(lambda: check_model(CompletionBody(model="other", prompt="x"), LIMITS))
+    assert (err.status, err.param, err.code) == (404, "model", "model_not_found")
+    assert stop_strings(CompletionBody(model="m", prompt="x", stop="\n")) == ["\n"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(min_value=-5, max_value=LIMITS.vocab_size + 5), max_size=70),
+       st.none() | st.integers(min_value=-3, max_value=70), st.none() | st.integers(min_value=1, max_value=70))
+def test_lengths_give_a_budget_that_fits_or_a_400(ids, max_tokens, default):
+    room = LIMITS.max_len - LIMITS.tree_room - len(ids)
+    try:
+        budget = check_lengths(ids, max_tokens, LIMITS, default)
+    except ApiError as err:
+        assert_openai_4xx(err)
+        assert err.param in ("prompt", "max_tokens")
+        valid_ids = ids and all(0 <= t < LIMITS.vocab_size for t in ids)
+        assert not valid_ids or room < 1 or max_tokens is not None
+        return
+    assert ids and all(0 <= t < LIMITS.vocab_size for t in ids)
+    assert 1 <= budget <= min(room, LIMITS.max_tokens_limit)
+    assert max_tokens is None or budget == max_tokens
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(alphabet="abE ND", max_size=40), st.lists(st.integers(min_value=1, max_value=6), max_size=12),
+       st.lists(st.text(alphabet="abEND", min_size=1, max_size=3), max_size=2))
+def test_text_stream_in_any_chunks_sends_the_text_up_to_the_first_stop(text, sizes, stop):
+    stream = TextStream(CharTokenizer(), stop)
+    ids, sent, start = [ord(c) for c in text], "", 0
+    for size in sizes + [len(ids)]:
+        sent += stream.push(ids[start:start + size])
+        start += size
+    sent += stream.flush()
+    cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=len(text))
+    assert sent == text[:cut] and stream.stopped == (cut < len(text))
 
 
 def test_text_stream_holds_back_possible_stop_strings_and_cuts_at_them():
