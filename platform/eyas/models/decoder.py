@@ -149,6 +149,13 @@ class Attention(nn.Module):
                 if self.q_proj.bias is not None else None)
         self.fused_qkv = (weight, bias)
 
+    def _apply(self, fn, recurse=True):
+        # .to(dtype/device) converts parameters and buffers only; the fused copy is rebuilt from the converted ones
+        super()._apply(fn, recurse)
+        if self.fused_qkv is not None:
+            self.fuse()
+        return self
+
     def forward(self, x_BTE: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor, cache: KVCache,
                 span: int, mask_B1TS: torch.Tensor | None, causal: bool) -> torch.Tensor:
         B, T, _ = x_BTE.shape
@@ -199,6 +206,12 @@ class MLP(nn.Module):
                 if self.gate_proj.bias is not None else None)
         self.fused_gate_up = (weight, bias)
 
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)  # as Attention._apply: rebuild the fused copy from the converted weights
+        if self.fused_gate_up is not None:
+            self.fuse()
+        return self
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, tp: TensorParallel) -> None:
@@ -244,6 +257,14 @@ class Decoder(nn.Module):
         max_len = max_len or self.config.max_position_embeddings
         return KVCache(self.config.num_layers, batch_size, self.config.num_kv_heads // self.tp.size, max_len,
                        self.config.head_dim, self.dtype, self.device)
+
+    def _apply(self, fn, recurse=True):
+        """``.to(dtype)`` keeps RoPE exact: inv_freq is recomputed in float32 (a bfloat16 copy would be off by
+        ~1% at long positions) and the cos/sin tables are rebuilt in the new dtype on the next forward."""
+        super()._apply(fn, recurse)
+        self.inv_freq = rope_inv_freq(self.config).to(self.inv_freq.device)
+        self._rope_cos = self._rope_sin = None
+        return self
 
     def fuse(self) -> "Decoder":
         """Inference-only: fuse q/k/v and gate/up projections into single matmuls (after weights are final)."""

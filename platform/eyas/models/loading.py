@@ -1,7 +1,9 @@
-"""Load a Hugging Face checkpoint directory into the native decoder.
+"""Load a Hugging Face checkpoint directory (or a ``.gguf`` file) into the native decoder.
 
 A checkpoint is ``config.json`` plus ``model.safetensors`` or a sharded ``model.safetensors.index.json``; the
-tokenizer comes through transformers' AutoTokenizer. Every failure names the file and the problem.
+tokenizer comes through transformers' AutoTokenizer. A ``.gguf`` file is converted once into such a directory
+(``eyas.models.gguf``: ``$EYAS_HOME/targets/<file stem>-<sha256[:12]>/``) and loaded from there. Every failure
+names the file and the problem.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from safetensors import safe_open
 
 from eyas.models.config import CheckpointError, ModelConfig
 from eyas.models.decoder import Decoder, TensorParallel, rope_inv_freq
+from eyas.models.gguf import cached_conversion
 
 FLOAT_DTYPES = {torch.float32, torch.float16, torch.bfloat16, torch.float64}
 
@@ -82,10 +85,19 @@ def read_state_dict(directory: Path, config: ModelConfig, tp: TensorParallel,
     return state
 
 
+def checkpoint_dir(path: str | Path) -> Path:
+    """The checkpoint directory ``path`` names: itself, or for a file (a ``.gguf``) its cached conversion."""
+    path = Path(path).expanduser()
+    if path.is_file() or path.suffix.lower() == ".gguf":
+        return cached_conversion(path)
+    return path
+
+
 def load_target(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                 tp: TensorParallel | None = None) -> Decoder:
-    """Build the native decoder from an HF checkpoint directory (one tensor-parallel shard when tp is given)."""
-    directory = Path(path).expanduser()
+    """Build the native decoder from an HF checkpoint directory or a ``.gguf`` file (converted once, cached);
+    one tensor-parallel shard when tp is given."""
+    directory = checkpoint_dir(path)
     if not directory.is_dir():
         raise CheckpointError(f"{directory}: checkpoint directory does not exist")
     config = ModelConfig.from_file(directory / "config.json")
@@ -123,10 +135,11 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.float32, device: st
 
 
 def load_tokenizer(path: str | Path):
-    """The checkpoint's tokenizer, through transformers' AutoTokenizer (tokenizer.json or sentencepiece)."""
+    """The checkpoint's tokenizer, through transformers' AutoTokenizer (tokenizer.json or sentencepiece); for a
+    ``.gguf`` file, the tokenizer of its cached conversion."""
     from transformers import AutoTokenizer
 
-    directory = Path(path).expanduser()
+    directory = checkpoint_dir(path)
     try:
         return AutoTokenizer.from_pretrained(str(directory))
     except (OSError, ValueError) as err:

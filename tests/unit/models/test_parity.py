@@ -3,7 +3,8 @@
 Each variant is saved with ``save_pretrained`` and loaded back through ``eyas.models.load_target``, so these tests
 also cover config parsing and checkpoint loading (single file and a sharded safetensors index). Checked per
 variant: float32 logits (1e-4), hidden-state taps against ``output_hidden_states``, 64-token greedy generation
-against ``model.generate``, and tree-masked verification against plain causal runs of each node's path.
+against ``model.generate`` (``eyas.models.parity.greedy_hf``), and tree-masked verification against plain causal
+runs of each node's path.
 
 Shape legend: B batch, T tokens, N tree nodes, V vocab, E hidden size.
 """
@@ -16,6 +17,7 @@ import torch
 import transformers
 
 from eyas.models import Decoder, load_target
+from eyas.models.parity import greedy_hf, greedy_native
 
 SEQ_LEN = 40
 NUM_NEW = 64
@@ -106,14 +108,6 @@ def test_config_flags_follow_the_family(pair):
         assert config.sliding_window == 16
 
 
-def greedy_hf(hf_model, prompt_ids: list[int], num_new: int) -> list[int]:
-    with torch.no_grad():
-        out = hf_model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids),
-                                dtype=torch.long), do_sample=False, max_new_tokens=num_new, min_new_tokens=num_new,
-                                eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt_ids):].tolist()
-
-
 def test_greedy_generation_matches_transformers(pair):
     from eyas.decoding.generate import generate
 
@@ -122,6 +116,7 @@ def test_greedy_generation_matches_transformers(pair):
     ours = generate(target, prompt_ids, NUM_NEW).token_ids
     assert len(ours) == NUM_NEW
     assert ours == greedy_hf(hf_model, prompt_ids, NUM_NEW), f"{name}: greedy generations differ"
+    assert greedy_native(target, prompt_ids, NUM_NEW) == ours, f"{name}: the engine and the plain loop differ"
 
 
 def random_tree(num_nodes: int, vocab: int, rng: random.Random) -> tuple[list[int], list[int]]:

@@ -1,0 +1,45 @@
+"""A loaded target changes dtype with ``.to(dtype)``: the fused q/k/v and gate/up copies follow the weights.
+
+Loaded targets are fused for inference (Decoder.fuse); those copies are not parameters, so before the fix
+``.to(torch.bfloat16)`` left them float32 and the first forward failed ("expected m1 and m2 to have the same dtype").
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eyas.models import load_target
+
+TOKENS_BT = torch.tensor([[7, 3, 90, 12, 5], [1, 44, 2, 8, 100]])
+POSITIONS_BT = torch.arange(5).expand(2, 5)
+
+
+def forward_and_decode(target) -> tuple[torch.Tensor, torch.Tensor]:
+    """(prefill logits_BTV, logits_B1V of one decode step after it)."""
+    cache = target.new_cache(2, 8)
+    with torch.no_grad():
+        prefill_BTV, _ = target(TOKENS_BT, POSITIONS_BT, cache)
+        step_B1V, _ = target(torch.tensor([[9], [10]]), torch.tensor([[5], [5]]), cache)
+    return prefill_BTV, step_B1V
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_to_dtype_after_loading_equals_loading_in_that_dtype(random_checkpoint, dtype):
+    converted = load_target(random_checkpoint).to(dtype)
+    loaded = load_target(random_checkpoint, dtype=dtype)
+    attn, mlp = converted.layers[0].self_attn, converted.layers[0].mlp
+    assert attn.fused_qkv[0].dtype == mlp.fused_gate_up[0].dtype == converted.dtype == dtype
+    assert torch.equal(attn.fused_qkv[0], torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
+    assert converted.inv_freq.dtype == torch.float32  # RoPE frequencies stay exact
+    assert torch.equal(converted.inv_freq, loaded.inv_freq)
+    for ours, theirs in zip(forward_and_decode(converted), forward_and_decode(loaded)):
+        assert ours.dtype == dtype
+        assert torch.equal(ours, theirs)
+
+
+def test_low_precision_stays_close_to_float32(random_checkpoint):
+    reference_BTV, _ = forward_and_decode(load_target(random_checkpoint))
+    low_BTV, _ = forward_and_decode(load_target(random_checkpoint).to(torch.bfloat16))
+    torch.testing.assert_close(low_BTV.float(), reference_BTV, atol=0.1, rtol=0.05)
+    back_BTV, _ = forward_and_decode(load_target(random_checkpoint).to(torch.float64).to(torch.float32))
+    assert torch.equal(back_BTV, reference_BTV)  # float32 -> float64 -> float32 is lossless
