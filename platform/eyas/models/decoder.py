@@ -259,8 +259,9 @@ class Decoder(nn.Module):
                        self.config.head_dim, self.dtype, self.device)
 
     def _apply(self, fn, recurse=True):
-        """``.to(dtype)`` keeps RoPE exact: inv_freq is recomputed in float32 (a bfloat16 copy would be off by
-        ~1% at long positions) and the cos/sin tables are rebuilt in the new dtype on the next forward."""
+        """``.to(dtype)`` keeps RoPE exact: inv_freq is recomputed in float32 (bfloat16 rounds each frequency by up
+        to 0.2%, a phase error of radians by position ~1000) and the cos/sin tables are rebuilt in the new dtype
+        on the next forward."""
         super()._apply(fn, recurse)
         self.inv_freq = rope_inv_freq(self.config).to(self.inv_freq.device)
         self._rope_cos = self._rope_sin = None
