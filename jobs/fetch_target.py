@@ -167,9 +167,10 @@ def convert(gguf: Path, directory: Path, log: Callable[[str], None]) -> None:
     if not directory.exists():
         convert_gguf(gguf, directory)
     else:
-        fresh = convert_gguf(gguf, directory.parent / f".{directory.name}.new")
-        old = directory.parent / f".{directory.name}.old"
-        shutil.rmtree(old, ignore_errors=True)
+        fresh, old = (directory.parent / f".{directory.name}.{suffix}" for suffix in ("new", "old"))
+        for leftover in (fresh, old):  # from a swap that was interrupted
+            shutil.rmtree(leftover, ignore_errors=True)
+        convert_gguf(gguf, fresh)
         directory.rename(old)
         fresh.rename(directory)
         shutil.rmtree(old, ignore_errors=True)
