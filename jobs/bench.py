@@ -28,17 +28,20 @@ import yaml
 
 from eyas import datasets
 from eyas.config import ConfigError, eyas_home, from_dict, resolve_path
+from eyas.decoding.tree import MAX_TREE_NODES
 from eyas.methods import METHODS, SpecConfig, build_drafter
 from eyas.models import CheckpointError, load_target, load_tokenizer
 from eyas.decoding.generate import generate
 from eyas.decoding.stats import SpecStats
 
-HF_METHODS = ("hf", "hf-assisted", "hf-prompt-lookup")
+# transformers' own generate() as a baseline: method -> the extra generate() arguments it runs with
+HF_METHODS = {
+    "hf": lambda runner: {},
+    "hf-assisted": lambda runner: {"assistant_model": runner.draft},
+    "hf-prompt-lookup": lambda runner: {"prompt_lookup_num_tokens": runner.num_lookup},
+}
 ALL_METHODS = ("vanilla", "hf", "hf-assisted", "hf-prompt-lookup", "ngram", "draft-lm", "medusa", "eagle1",
                "eagle2", "eagle3", "dflash", "dflash-ddtree")
-# which trained drafter family a method reads: $EYAS_HOME/drafters/<family>-<target name>
-DRAFTER_FAMILY = {"eagle1": "eagle1", "eagle2": "eagle1", "eagle3": "eagle3", "medusa": "medusa",
-                  "dflash": "dflash", "dflash-ddtree": "dflash"}
 
 
 @dataclass
@@ -99,11 +102,7 @@ class HFRunner:
 
     @torch.inference_mode()
     def run(self, method: str, prompt_ids: list[int], max_new_tokens: int, eos: list[int]) -> int:
-        extra: dict = {}
-        if method == "hf-assisted":
-            extra["assistant_model"] = self.draft
-        elif method == "hf-prompt-lookup":
-            extra["prompt_lookup_num_tokens"] = self.num_lookup
+        extra = HF_METHODS[method](self)
         input_ids = torch.tensor([prompt_ids])
         out = self.model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
                                   max_new_tokens=max_new_tokens, eos_token_id=eos or None,
@@ -114,19 +113,22 @@ class HFRunner:
 def spec_for(method: str, args: argparse.Namespace, target_name: str, overrides: dict) -> SpecConfig:
     data = dict(overrides.get(method, {}))
     data["method"] = method
-    if method in DRAFTER_FAMILY and "drafter" not in data:
-        data["drafter"] = str(Path(args.drafters_dir) / f"{DRAFTER_FAMILY[method]}-{target_name}")
-    if method == "draft-lm" and "draft_model" not in data:
+    entry = METHODS[method]
+    if entry.trained and "drafter" not in data:  # a method reads its family's drafter
+        data["drafter"] = str(Path(args.drafters_dir) / f"{entry.family}-{target_name}")
+    if "draft_model" in entry.settings and "draft_model" not in data:
         data["draft_model"] = args.draft_model
-    return from_dict(SpecConfig, data, prefix=f"{method}.")
+    return from_dict(SpecConfig, data, prefix="spec.")
 
 
 def available(method: str, spec: SpecConfig | None, args: argparse.Namespace) -> str | None:
     """None if the method can run, else why not."""
-    if method in DRAFTER_FAMILY and spec is not None and not str(spec.drafter).startswith("models:/") \
+    entry = METHODS.get(method)
+    if entry is not None and entry.trained and not str(spec.drafter).startswith(("models:/", "runs:/")) \
             and not Path(spec.drafter).is_dir():
         return f"no drafter at {spec.drafter} (train it: python -m jobs.train_drafter --config ...)"
-    if method in ("draft-lm", "hf-assisted") and not Path(args.draft_model).is_dir():
+    needs_draft_lm = (entry is not None and "draft_model" in entry.settings) or method == "hf-assisted"
+    if needs_draft_lm and not Path(args.draft_model).is_dir():
         return f"no draft LM at {args.draft_model} (build it: python -m jobs.train_target --config " \
                "jobs/configs/draft-tiny.yaml)"
     return None
@@ -195,10 +197,10 @@ def run_bench(args: argparse.Namespace) -> dict:
     hf = None
     if any(m in drafters for m in HF_METHODS):
         hf = HFRunner(target_path, args.draft_model if "hf-assisted" in drafters else None,
-                      num_lookup=spec_for("ngram", args, target_name, overrides).num_draft)
+                      num_lookup=spec_for("ngram", args, target_name, overrides).setting("num_draft"))
     # long prompts keep their first tokens: room for the new tokens and a draft tree must stay in the context
     max_prompt_tokens = min(args.max_prompt_tokens or 10**9,
-                            target.config.max_position_embeddings - args.max_new_tokens - 64)
+                            target.config.max_position_embeddings - args.max_new_tokens - MAX_TREE_NODES)
     if max_prompt_tokens < 1:
         raise ConfigError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the target's "
                           f"context of {target.config.max_position_embeddings} tokens")
@@ -234,7 +236,7 @@ def run_bench(args: argparse.Namespace) -> dict:
         for method in drafters:
             t = tallies[(method, suite)]
             tps = t.new_tokens / t.seconds if t.seconds else 0.0
-            speculates = method not in HF_METHODS and method != "vanilla"
+            speculates = method in METHODS and METHODS[method].speculates
             results.append({"method": method, "suite": suite, "num_prompts": t.num_prompts,
                             "new_tokens": t.new_tokens, "seconds": round(t.seconds, 4),
                             "tokens_per_s": round(tps, 2), "speedup": round(tps / base_tps, 3),

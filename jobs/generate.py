@@ -16,7 +16,7 @@ from pathlib import Path
 import yaml
 
 from eyas.config import ConfigError, eyas_home, from_dict, resolve_path, to_dict
-from eyas.methods import TREES, SpecConfig, build_drafter
+from eyas.methods import METHODS, TREES, SpecConfig, build_drafter
 from eyas.models import CheckpointError, load_target, load_tokenizer
 from eyas.decoding.generate import SamplingParams, generate
 
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
                           "spec": to_dict(spec), "stats": result.stats.to_dict()}))
     else:
         print(text)
-        if spec.method != "vanilla":
+        if METHODS[spec.method].speculates:
             stats = result.stats
             print(f"\n[{spec.method}] cycles={stats.cycles} tau={stats.tau:.2f} tokens={len(result.token_ids)}",
                   file=sys.stderr)

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from eyas.config import ConfigError, flatten, from_dict, resolve_path, to_dict
+from eyas.decoding.tree import MAX_TREE_NODES
 from eyas.train.config import TrainConfig, data_path, target_path
 from eyas.train.data import DataPosition, to_device
 
@@ -150,7 +151,7 @@ class Worker:
         from eyas import corpus
 
         measure = self.cfg.measure
-        room = self.target.config.max_position_embeddings - measure.max_new_tokens - 65
+        room = self.target.config.max_position_embeddings - measure.max_new_tokens - MAX_TREE_NODES
         if measure.num_prompts and room < 1:
             raise ConfigError(f"measure.max_new_tokens={measure.max_new_tokens} leaves no room for a prompt in the "
                               f"target's context of {self.target.config.max_position_embeddings} tokens")
@@ -196,6 +197,7 @@ def epoch_end(worker: Worker, tracker: Tracker, step: int, epoch_label: str) -> 
     """Rank 0: held-out evaluation, tau measured with eyas generate, and the two figures."""
     from eyas.drafters import registry
     from eyas.decoding.generate import generate
+    from eyas.methods import load_drafter
     from eyas.train.step import acceptance_curve, acceptance_figure, calibration_figure, measure_tau
 
     cfg = worker.cfg
@@ -205,7 +207,8 @@ def epoch_end(worker: Worker, tracker: Tracker, step: int, epoch_label: str) -> 
         worker.drafter.eval()
         with tempfile.TemporaryDirectory() as tmp:
             registry.save_drafter(worker.drafter, tmp, worker.loop["target_dir"])
-            drafter = registry.load_drafter(tmp, worker.target, method=cfg.measure.method, tree=cfg.measure.tree)
+            drafter = load_drafter(tmp, worker.target, method=cfg.measure.method, tree=cfg.measure.tree,
+                                   where="measure.tree.")
         stats, outputs = measure_tau(worker.target, drafter, worker.prompts, cfg.measure.max_new_tokens,
                                      worker.eos)
         worker.drafter.train()

@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any
 
 import ray
 import torch
 
-from eyas.config import resolve_path
-from eyas.methods import METHODS, SpecConfig, build_drafter
+from eyas.methods import METHODS, SpecConfig, drafter_factory, resolve_checkpoint
 from eyas.models import load_target
 from eyas.decoding.engine import SpecEngine
 from eyas.decoding.requests import SequenceRequest, StepOutput
@@ -31,44 +30,14 @@ from serving.config import ServeArgs
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_location(path_or_uri: str) -> str:
-    """A local directory for a path ($EYAS_HOME expands) or an MLflow ``models:/NAME@ALIAS`` URI (downloaded)."""
-    if str(path_or_uri).startswith(("models:/", "runs:/")):
-        from eyas.track import resolve_model
-
-        return str(resolve_model(path_or_uri))
-    return str(resolve_path(path_or_uri))
-
-
 def resolved_spec(spec: SpecConfig) -> SpecConfig:
     """The spec with its drafter / draft model locations made local (registry URIs downloaded once)."""
     changes = {}
     if spec.drafter:
-        changes["drafter"] = resolve_location(spec.drafter)
+        changes["drafter"] = str(resolve_checkpoint(spec.drafter, "spec.drafter"))
     if spec.draft_model:
-        changes["draft_model"] = resolve_location(spec.draft_model)
+        changes["draft_model"] = str(resolve_checkpoint(spec.draft_model, "spec.draft_model"))
     return replace(spec, **changes) if changes else spec
-
-
-def drafter_factory(target, spec: SpecConfig) -> Callable[[], Any] | None:
-    """Makes one drafter per batch row (drafters hold per-sequence state) without loading weights per row: a
-    trained drafter's checkpoint is read once and its rows share the model (registry.drafter_factory); a draft LM
-    is loaded once and each row gets its own KV cache. None for vanilla. The first drafter is built the ordinary
-    way, so a bad spec fails here with methods.build_drafter's message."""
-    first = build_drafter(target, spec)
-    if first is None:
-        return None
-    if METHODS[spec.method].needs_drafter:
-        from eyas.drafters.registry import drafter_factory as shared_factory
-
-        return shared_factory(spec.drafter, target, method=spec.method,
-                              tree=spec.tree or METHODS[spec.method].default_tree, depth=spec.depth,
-                              top_k=spec.top_k, num_nodes=spec.num_nodes)
-    if spec.method == "draft-lm":
-        from eyas.drafters.draft_lm import DraftLMDrafter
-
-        return lambda: DraftLMDrafter(first.model, first.config, first.max_len)
-    return lambda: build_drafter(target, spec)
 
 
 @ray.remote(max_restarts=0)
@@ -96,11 +65,12 @@ class TPWorker:
         args = self.args
         tp = init_tensor_parallel(self.rank, args.tensor_parallel_size, master_addr, master_port, self.device,
                                   timeout_s=args.collective_timeout_s)
-        target = load_target(resolve_location(args.target), dtype=TORCH_DTYPES[args.dtype], device=self.device, tp=tp)
+        target = load_target(resolve_checkpoint(args.target, "target"), dtype=TORCH_DTYPES[args.dtype],
+                             device=self.device, tp=tp)
         if self.rank == 0:  # the leader alone drafts (eyas.decoding.engine); the others only need to know it speculates
-            factory = drafter_factory(target, resolved_spec(args.spec))
+            factory = drafter_factory(target, resolved_spec(args.spec))  # weights loaded once, shared by the rows
         else:
-            factory = None if args.spec.method == "vanilla" else _never_called
+            factory = _never_called if METHODS[args.spec.method].speculates else None
         self.engine = SpecEngine(target, capacity=args.max_batch_size, max_len=args.max_len,
                                  drafter_factory=factory, schedule=args.schedule,
                                  eos_token_ids=self.eos_token_ids, max_tree_nodes=args.max_tree_nodes,

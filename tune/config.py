@@ -36,15 +36,13 @@ import yaml
 
 from eyas.config import (ConfigError, apply_overrides, as_number, eyas_home, from_dict, read_yaml_mapping, require,
                          resolve_path, to_dict)
-from eyas.methods import METHODS, SpecConfig
+from eyas.methods import METHODS, SpecConfig, resolve_checkpoint
 from eyas.train.config import SUITES, TrainConfig, data_path, target_path
 
 # SpecConfig fields an inference sweep may search (method / drafter / draft_model are fixed per sweep)
 SPEC_KEYS = ("tree", "depth", "top_k", "num_nodes", "num_draft", "max_matches")
 # TrainConfig sections a training sweep may search (drafter.config.* is checked against the family's config)
 TRAIN_SECTIONS = ("optim", "train", "drafter.config")
-# generate() reserves this many context slots for a draft tree, root included (eyas.decoding.generate)
-MAX_TREE_NODES = 64
 MAX_CHECKED_COMBINATIONS = 20_000
 SPACE_PREFIX = "search.space."
 
@@ -257,7 +255,7 @@ class SweepConfig:
                 "an inference sweep needs the target checkpoint (a name under $EYAS_HOME/targets/ or a path)")
         require(self.search.objective != "sim_tau", "search.objective", self.search.objective,
                 "sim_tau is a training metric; an inference sweep measures speedup or tau")
-        require(self.spec.method != "vanilla", "spec.method", self.spec.method,
+        require(METHODS[self.spec.method].speculates, "spec.method", self.spec.method,
                 "vanilla does not speculate: pick a speculative method")
         require(self.measure.num_prompts >= 1, "measure.num_prompts", self.measure.num_prompts,
                 "an inference sweep measures on at least one prompt")
@@ -323,12 +321,8 @@ class SweepConfig:
     def trial_section(self, point: dict[str, Any]) -> SpecConfig | TrainConfig:
         """The SpecConfig (inference) or TrainConfig (training) a trial runs at ``point``; ConfigError if impossible."""
         if self.kind == "inference":
-            spec = from_dict(SpecConfig, {**to_dict(self.spec), **point}, prefix="spec.")
-            for key in ("num_nodes", "depth"):
-                require(getattr(spec, key) < MAX_TREE_NODES, f"spec.{key}", getattr(spec, key),
-                        f"the speculative loop reserves {MAX_TREE_NODES} context slots for a draft tree (root "
-                        f"included): at most {MAX_TREE_NODES - 1}")
-            return spec
+            # SpecConfig refuses trees over the one size cap (MAX_TREE_NODES) and settings the method does not read
+            return from_dict(SpecConfig, {**to_dict(self.spec), **point}, prefix="spec.")
         data = to_dict(self.training)
         for key, value in point.items():
             set_dotted(data, key, value)
@@ -430,17 +424,14 @@ def absolute_spec(spec: SpecConfig) -> dict[str, Any]:
 
 
 def check_spec_files(spec: SpecConfig) -> None:
-    method = METHODS[spec.method]
-    if method.needs_drafter:
-        if not spec.drafter:
-            raise ConfigError(f"spec.method={spec.method} needs a trained drafter: set spec.drafter to a checkpoint "
-                              "directory or models:/NAME@ALIAS")
-        if not str(spec.drafter).startswith(("models:/", "runs:/")):
-            directory = resolve_path(spec.drafter)
-            missing = [name for name in ("config.json", "model.safetensors") if not (directory / name).is_file()]
-            if missing:
-                raise ConfigError(f"spec.drafter={spec.drafter}: no drafter checkpoint at {directory} (missing "
-                                  f"{missing}); train one with `python -m jobs.train_drafter --config ...`")
-    draft_model = resolve_path(spec.draft_model) if spec.draft_model else None
-    if spec.method == "draft-lm" and draft_model is not None and not (draft_model / "config.json").is_file():
-        raise ConfigError(f"spec.draft_model={spec.draft_model}: no checkpoint there (config.json missing)")
+    """The checkpoints the spec names exist (registry URIs are fetched by the trials, not here)."""
+    if METHODS[spec.method].trained and not spec.drafter:
+        raise ConfigError(f"spec.method={spec.method} needs a trained drafter: set spec.drafter to a checkpoint "
+                          "directory or models:/NAME@ALIAS")
+    for field in ("drafter", "draft_model"):
+        location = getattr(spec, field)
+        if location and not str(location).startswith(("models:/", "runs:/")):
+            directory = resolve_checkpoint(location, f"spec.{field}")
+            if not (directory / "config.json").is_file():
+                raise ConfigError(f"spec.{field}={location}: no checkpoint at {directory} (config.json missing); "
+                                  "train one with `python -m jobs.train_drafter --config ...`")

@@ -21,13 +21,12 @@ import torch
 
 from eyas.decoding.generate import generate
 from eyas.decoding.stats import SpecStats
-
-TREE_ROOM = 65  # context slots generate() keeps free for a draft tree, plus one
+from eyas.decoding.tree import MAX_TREE_NODES
 
 
 def context_room(max_positions: int, max_new_tokens: int) -> int:
     """How many prompt tokens fit in front of ``max_new_tokens`` and a draft tree."""
-    return max_positions - max_new_tokens - TREE_ROOM
+    return max_positions - max_new_tokens - MAX_TREE_NODES
 
 
 def heldout_prompt_ids(tokenizer, suite: str, num_prompts: int, max_prompt_tokens: int, max_positions: int,
@@ -38,7 +37,7 @@ def heldout_prompt_ids(tokenizer, suite: str, num_prompts: int, max_prompt_token
     room = min(max_prompt_tokens, context_room(max_positions, max_new_tokens))
     if room < 1:
         raise ValueError(f"measure.max_new_tokens={max_new_tokens} leaves no room for a prompt in the target's "
-                         f"context of {max_positions} tokens ({TREE_ROOM} slots are kept for a draft tree)")
+                         f"context of {max_positions} tokens ({MAX_TREE_NODES} slots are kept for a draft tree)")
     texts = corpus.heldout_prompts(suite, num_prompts)
     prompts = [ids[:room] for ids in (tokenizer(text).input_ids for text in texts) if ids]
     if len(prompts) < num_prompts:
@@ -182,13 +181,14 @@ class TrialTrainer:
 
     def spec_drafter(self) -> Any:
         """The drafter as the speculative loop uses it (``training.measure`` picks the method and tree)."""
-        from eyas.drafters import registry
+        from eyas.methods import load_drafter
 
         measure = self.cfg.measure
         self.drafter.eval()
         with tempfile.TemporaryDirectory() as tmp:
             self.save(tmp)
-            drafter = registry.load_drafter(tmp, self.target, method=measure.method, tree=measure.tree or None)
+            drafter = load_drafter(tmp, self.target, method=measure.method, tree=measure.tree,
+                                   where="training.measure.tree.")
         self.drafter.train()
         return drafter
 

@@ -20,7 +20,15 @@ C = TypeVar("C")
 
 
 class ConfigError(ValueError):
-    """A user mistake in a config file or override: the message says which key and why."""
+    """A user mistake in a config file or override: the message says which key and why.
+
+    ``field`` is the key the message blames. A dataclass names its own fields (``block_size``, or ``dflash.block_size``
+    in its own words); ``from_dict`` rewrites that to the path the user typed (``drafter.config.block_size``)."""
+
+    def __init__(self, message: str, field: str | None = None, located: bool = False) -> None:
+        super().__init__(message)
+        self.field = field
+        self.located = located
 
 
 def eyas_home() -> Path:
@@ -39,7 +47,23 @@ def resolve_path(path: str | os.PathLike) -> Path:
 def require(condition: bool, field: str, value: Any, why: str) -> None:
     """Raise ConfigError naming the field and the bad value unless ``condition`` holds."""
     if not condition:
-        raise ConfigError(f"{field}={value!r}: {why}")
+        raise ConfigError(f"{field}={value!r}: {why}", field)
+
+
+def located(err: ConfigError, prefix: str, field_names) -> ConfigError:
+    """``err`` with the field it blames renamed to ``prefix`` + the field's own name, when that names one of
+    ``field_names`` (a dataclass's fields): the YAML path the user typed. Other errors pass unchanged."""
+    if not prefix or err.field is None or err.located:
+        return err
+    leaf = err.field.rsplit(".", 1)[-1]
+    if leaf not in field_names:
+        return err
+    message = str(err).replace(err.field, prefix + leaf, 1)
+    own_prefix = err.field[:-len(leaf)]  # "tree." in "tree.top_k": the dataclass's name for its other fields too
+    if own_prefix:
+        for name in field_names:
+            message = message.replace(own_prefix + name + "=", prefix + name + "=")
+    return ConfigError(message, prefix + leaf, located=True)
 
 
 def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
@@ -118,6 +142,8 @@ def from_dict(cls: type[C], data: dict[str, Any], prefix: str = "") -> C:
         return cls(**kwargs)
     except TypeError as err:  # a required field is missing
         raise ConfigError(f"{cls.__name__}: {err}") from None
+    except ConfigError as err:  # the dataclass's own check: name the key as the user typed it
+        raise located(err, prefix, fields) from None
 
 
 def to_dict(config: Any) -> dict[str, Any]:

@@ -1,111 +1,204 @@
-"""Method names (DESIGN.md) -> how to build the drafter and which tree it drafts.
+"""The one method table: a method name (DESIGN.md) -> its drafter family, default tree, the settings it reads, and
+the builder of its drafters. Plus ``SpecConfig`` (a method and its settings: the ``spec:`` section that
+``jobs.generate``, ``jobs.bench``, the Tune sweep's best config and the serving config all carry) and the one
+checkpoint resolver (paths, ``models:/NAME@ALIAS``, ``runs:/``).
 
-``SpecConfig`` is the one place a method and its tree settings live; ``jobs.generate``, ``jobs.bench``, the Tune
-sweep's best-config YAML and the serving config all carry it as their ``spec:`` section.
+Adding a drafter family: its module in drafters/ (model, config, Drafter), one ``registry.FAMILIES`` entry (how its
+checkpoints are built and wrapped), and one ``METHODS`` entry per method name below.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Callable
+from pathlib import Path
+from typing import Any, Callable
 
-from eyas.config import ConfigError, eyas_home, require, resolve_path
+from eyas import track
+from eyas.config import ConfigError, eyas_home, from_dict, require, resolve_path, to_dict
+from eyas.drafters import registry
+from eyas.drafters.draft_lm import DraftLMConfig, DraftLMDrafter
+from eyas.drafters.ngram import NgramConfig, NgramDrafter
+from eyas.drafters.trees import TREE_MODES, TreeSpec
 from eyas.models.decoder import Decoder
+from eyas.models.loading import load_target
 
-TREES = ("chain", "static", "dynamic", "best-first", "block", "ddtree")
+TREES = TREE_MODES
+TREE_SETTINGS = ("tree", "depth", "top_k", "num_nodes")
+DrafterFactory = Callable[[], Any]  # () -> a fresh Drafter (per-sequence state), sharing loaded weights
 
 
 @dataclass(frozen=True)
 class SpecConfig:
+    """A method and its settings. A setting left null takes the method's default; a setting the method does not
+    read is an error (e.g. spec.depth for dflash, whose block fixes the depth)."""
     method: str = "vanilla"
-    drafter: str | None = None      # trained drafter: checkpoint dir or models:/NAME@ALIAS
+    drafter: str | None = None      # trained drafter: checkpoint dir, models:/NAME@ALIAS or runs:/ID/PATH
     draft_model: str | None = None  # draft-lm: an HF checkpoint dir with the target's tokenizer
-    tree: str | None = None         # override the method's default tree shape (one of TREES)
-    depth: int = 5                  # dynamic / best-first / chain depth
-    top_k: int = 4                  # children per expanded node
-    num_nodes: int = 24             # node budget N (drafted nodes, root excluded)
-    num_draft: int = 4              # chain length for ngram / draft-lm
-    max_matches: int = 4            # ngram: distinct continuations kept (tree width)
+    tree: str | None = None         # the tree mode, over the method's default (one of TREES)
+    depth: int | None = None        # chain / dynamic / best-first depth
+    top_k: int | None = None        # children per expanded node
+    num_nodes: int | None = None    # node budget N (drafted nodes, root excluded)
+    num_draft: int | None = None    # chain length for ngram / draft-lm (default 4)
+    max_matches: int | None = None  # ngram: distinct continuations kept, the tree width (default 4)
 
     def __post_init__(self) -> None:
         require(self.method in METHODS, "spec.method", self.method, f"must be one of {sorted(METHODS)}")
-        require(self.tree is None or self.tree in TREES, "spec.tree", self.tree, f"must be one of {list(TREES)}")
-        for name in ("depth", "top_k", "num_nodes", "num_draft", "max_matches"):
-            require(getattr(self, name) >= 1, f"spec.{name}", getattr(self, name), "must be >= 1")
-        require(self.top_k <= self.num_nodes, "spec.top_k", self.top_k,
-                f"cannot exceed the node budget spec.num_nodes={self.num_nodes}")
+        method = METHODS[self.method]
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.name != "method" and value is not None and field.name not in method.settings:
+                require(False, f"spec.{field.name}", value, f"does not apply to method {self.method} (it reads "
+                        f"{list(method.settings) or 'no settings'})")
+        for name in ("num_draft", "max_matches"):
+            require(getattr(self, name) is None or getattr(self, name) >= 1, f"spec.{name}", getattr(self, name),
+                    "must be >= 1")
+        if method.tree is not None:
+            self.tree_spec  # noqa: B018 (validate the tree now: a bad one fails at load time, named spec.*)
+
+    @property
+    def tree_spec(self) -> TreeSpec | None:
+        """The method's default tree with this spec's tree settings over it (None: the method has no tree)."""
+        default = METHODS[self.method].tree
+        if default is None:
+            return None
+        options = {"mode": self.tree, "depth": self.depth, "top_k": self.top_k, "num_nodes": self.num_nodes}
+        tree = tree_over(default, {k: v for k, v in options.items() if v is not None}, prefix="spec.")
+        modes = registry.family(METHODS[self.method].family).tree_modes
+        require(tree.mode in modes, "spec.tree", tree.mode, f"a {self.method} drafter drafts one of {list(modes)}")
+        return tree
+
+    def setting(self, name: str) -> Any:
+        """A ngram / draft-lm setting, or its default."""
+        value = getattr(self, name)
+        return value if value is not None else CHAIN_DEFAULTS[name]
+
+
+CHAIN_DEFAULTS = {"num_draft": 4, "max_matches": 4}
+
+
+def tree_over(default: TreeSpec, options: dict[str, Any], prefix: str = "tree.") -> TreeSpec:
+    """``options`` (TreeSpec fields; errors named ``prefix`` + field) over ``default``: the same mode keeps the
+    default's settings, another mode starts from that mode's own defaults."""
+    if options.get("mode", default.mode) == default.mode:
+        options = {**{k: v for k, v in to_dict(default).items() if v is not None}, **options}
+    return from_dict(TreeSpec, options, prefix=prefix)
 
 
 @dataclass(frozen=True)
 class Method:
-    build: Callable[[Decoder, SpecConfig], object] | None  # (target, spec) -> Drafter; None for vanilla
-    default_tree: str | None
-    needs_drafter: bool = False
+    family: str | None             # the drafter family whose checkpoint it reads (registry.FAMILIES); None: none
+    tree: TreeSpec | None          # the default tree (None: no tree settings: vanilla, ngram, draft-lm)
+    settings: tuple[str, ...]      # the SpecConfig fields it reads besides ``method``
+    factory: Callable[[Decoder, SpecConfig], DrafterFactory] | None  # None: vanilla (no drafter)
+
+    @property
+    def speculates(self) -> bool:
+        return self.factory is not None
+
+    @property
+    def trained(self) -> bool:
+        return self.family is not None
 
 
 def default_draft_model() -> str:
     return str(eyas_home() / "targets" / "draft-tiny")
 
 
-def _ngram(target: Decoder, spec: SpecConfig):
-    from eyas.drafters.ngram import NgramConfig, NgramDrafter
+def _ngram(target: Decoder, spec: SpecConfig) -> DrafterFactory:
+    config = NgramConfig(num_draft=spec.setting("num_draft"), max_matches=spec.setting("max_matches"))
+    return lambda: NgramDrafter(config)
 
-    return NgramDrafter(NgramConfig(num_draft=spec.num_draft, max_matches=spec.max_matches))
 
-
-def _draft_lm(target: Decoder, spec: SpecConfig):
-    from eyas.drafters.draft_lm import DraftLMConfig, DraftLMDrafter
-    from eyas.models.loading import load_target
-
-    path = resolve_path(spec.draft_model or default_draft_model())
-    draft = load_target(path, dtype=target.dtype, device=target.device)
+def _draft_lm(target: Decoder, spec: SpecConfig) -> DrafterFactory:
+    path = resolve_checkpoint(spec.draft_model or default_draft_model(), "spec.draft_model")
+    draft = load_target(path, dtype=target.dtype, device=target.device)  # loaded once; each drafter its own cache
     if draft.config.vocab_size != target.config.vocab_size:
         raise ConfigError(f"spec.draft_model={path}: vocab {draft.config.vocab_size} differs from the target's "
                           f"{target.config.vocab_size}; a draft LM must share the target's tokenizer")
-    return DraftLMDrafter(draft, DraftLMConfig(num_draft=spec.num_draft),
-                          max_len=target.config.max_position_embeddings)
+    config = DraftLMConfig(num_draft=spec.setting("num_draft"))
+    return lambda: DraftLMDrafter(draft, config, max_len=target.config.max_position_embeddings)
 
 
-def _trained(target: Decoder, spec: SpecConfig, default_tree: str):
+def _trained(target: Decoder, spec: SpecConfig) -> DrafterFactory:
     if not spec.drafter:
         raise ConfigError(f"spec.method={spec.method} needs a trained drafter: set spec.drafter (or --drafter) to "
                           "a checkpoint directory or models:/NAME@ALIAS")
-    from eyas.drafters.registry import load_drafter
-
-    return load_drafter(resolve_drafter(spec.drafter), target, method=spec.method, tree=spec.tree or default_tree,
-                        depth=spec.depth, top_k=spec.top_k, num_nodes=spec.num_nodes)
+    return checkpoint_factory(resolve_checkpoint(spec.drafter, "spec.drafter"), target, spec.method, spec.tree_spec)
 
 
-def resolve_drafter(location: str):
-    """A local checkpoint directory for ``location``: a path, or ``models:/NAME@ALIAS`` fetched from MLflow."""
-    if location.startswith("models:/"):
-        from eyas import track  # MLflow is imported only inside track.py, and only when a registry URI is used
-
-        return track.resolve_model(location)
-    path = resolve_path(location)
-    if not path.is_dir():
-        raise ConfigError(f"spec.drafter={location}: no drafter checkpoint directory there (train one with "
-                          "python -m jobs.train_drafter --config jobs/configs/<family>-tiny.yaml)")
-    return path
-
-
-def _trained_method(tree: str) -> Method:
-    return Method(lambda target, spec: _trained(target, spec, tree), tree, needs_drafter=True)
+def _trained_method(family: str, tree: TreeSpec) -> Method:
+    return Method(family, tree, ("drafter",) + TREE_SETTINGS, _trained)
 
 
 METHODS: dict[str, Method] = {
-    "vanilla": Method(None, None),
-    "ngram": Method(_ngram, "chain"),
-    "draft-lm": Method(_draft_lm, "chain"),
-    "eagle1": _trained_method("static"),
-    "eagle2": _trained_method("dynamic"),
-    "eagle3": _trained_method("dynamic"),
-    "medusa": _trained_method("static"),
-    "dflash": _trained_method("block"),
-    "dflash-ddtree": _trained_method("ddtree"),
+    "vanilla": Method(None, None, (), None),
+    "ngram": Method(None, None, ("num_draft", "max_matches"), _ngram),
+    "draft-lm": Method(None, None, ("draft_model", "num_draft"), _draft_lm),
+    "eagle1": _trained_method("eagle1", TreeSpec(mode="static")),
+    "eagle2": _trained_method("eagle1", TreeSpec(mode="dynamic")),
+    "eagle3": _trained_method("eagle3", TreeSpec(mode="dynamic")),
+    "medusa": _trained_method("medusa", TreeSpec(mode="static")),
+    "dflash": _trained_method("dflash", TreeSpec(mode="block")),
+    "dflash-ddtree": _trained_method("dflash", TreeSpec(mode="ddtree")),
 }
+# a family's own method: what a checkpoint of that family runs when no method is named
+FAMILY_METHOD = {"eagle1": "eagle1", "eagle3": "eagle3", "medusa": "medusa", "dflash": "dflash"}
+
+
+def drafter_factory(target: Decoder, spec: SpecConfig) -> DrafterFactory | None:
+    """Makes the drafters ``spec`` asks for, one per sequence (drafters hold per-sequence state), with the weights
+    loaded once and shared; None for vanilla. A bad spec fails here, before any request."""
+    method = METHODS[spec.method]
+    if method.factory is None:
+        return None
+    factory = method.factory(target, spec)
+    factory()  # build one now: its checks (tree modes, sizes, checkpoint fit) run before the first request
+    return factory
 
 
 def build_drafter(target: Decoder, spec: SpecConfig):
-    """The drafter ``spec`` asks for (None for vanilla)."""
-    method = METHODS[spec.method]
-    return method.build(target, spec) if method.build is not None else None
+    """One drafter for ``spec`` (None for vanilla)."""
+    factory = drafter_factory(target, spec)
+    return factory() if factory is not None else None
+
+
+def checkpoint_factory(path: str | Path, target: Decoder, method: str | None, tree: TreeSpec | None
+                       ) -> DrafterFactory:
+    """Drafters of ``method`` (default: the checkpoint family's own) over the checkpoint at ``path``, whose weights
+    are read once; ``tree`` defaults to the method's."""
+    model = registry.load_model(path, target)
+    method = method or FAMILY_METHOD[model.drafter_type]
+    require(method in METHODS and METHODS[method].trained, "method", method,
+            f"a trained drafter runs one of {sorted(m for m in METHODS if METHODS[m].trained)}")
+    if METHODS[method].family != model.drafter_type:
+        raise ConfigError(f"method {method!r} needs a {METHODS[method].family} drafter, but {path} holds a "
+                          f"{model.drafter_type} checkpoint")
+    make = registry.family(model.drafter_type).make_drafter
+    tree = tree or METHODS[method].tree
+    return lambda: make(model, target, tree, method)
+
+
+def load_drafter(path: str | Path, target: Decoder, method: str | None = None,
+                 tree: dict[str, Any] | None = None, where: str = "tree.") -> Any:
+    """One drafter over the checkpoint at ``path`` (training-time evaluation, tests): ``method`` defaults to the
+    family's own, ``tree`` holds tree options over the method's default tree (errors named ``where`` + field)."""
+    model_type = registry.read_meta(path)[1]["drafter_type"]
+    method = method or FAMILY_METHOD.get(model_type, model_type)
+    require(method in METHODS, f"{where.rsplit('tree.', 1)[0]}method", method, f"must be one of {sorted(METHODS)}")
+    default = METHODS[method].tree
+    spec = tree_over(default, dict(tree or {}), prefix=where) if default is not None else None
+    return checkpoint_factory(path, target, method, spec)()
+
+
+def resolve_checkpoint(location: str | Path, field: str) -> Path:
+    """The one checkpoint resolver: a local directory for a path ($EYAS_HOME and ~ expand) or an MLflow URI
+    (``models:/NAME@ALIAS``, ``runs:/RUN_ID/PATH``, downloaded once). ``field`` names the setting in errors."""
+    text = str(location)
+    if text.startswith(("models:/", "runs:/")):
+        return Path(track.resolve_model(text))
+    path = resolve_path(text)
+    if not path.exists():
+        raise ConfigError(f"{field}={text}: no checkpoint there (a drafter is trained with python -m "
+                          "jobs.train_drafter --config jobs/configs/<family>-tiny.yaml; a target with "
+                          "jobs.train_target or jobs.fetch_target)")
+    return path

@@ -25,7 +25,7 @@ from eyas.decoding.requests import SequenceRequest, SpeculationSchedule
 from eyas.decoding.generate import SamplingParams, generate
 from eyas.drafters import registry
 from eyas.drafters.draft_lm import DraftLMConfig, DraftLMDrafter
-from eyas.drafters.ngram import NgramConfig, NgramDrafter
+from eyas.methods import SpecConfig, drafter_factory
 from eyas.models import Decoder, ModelConfig
 from eyas.train.features import TrainBatch, target_features
 
@@ -135,13 +135,14 @@ class Setup:
         draft_lm = build_draft_lm(self.target)
         self.factories: dict[str, Callable[[], Any] | None] = {
             "vanilla": None,
-            "ngram/tree": lambda: NgramDrafter(NgramConfig(num_draft=4, max_matches=4)),
-            "ngram/chain": lambda: NgramDrafter(NgramConfig(num_draft=4, max_matches=1)),
+            "ngram/tree": drafter_factory(self.target, SpecConfig(method="ngram")),
+            "ngram/chain": drafter_factory(self.target, SpecConfig(method="ngram", max_matches=1)),
             "draft-lm/chain": lambda: DraftLMDrafter(draft_lm, DraftLMConfig(num_draft=4), max_len=256),
         }
         for case, (method, tree) in TRAINED_CASES.items():
-            self.factories[case] = registry.drafter_factory(paths[FAMILY_OF[method]], self.target, method=method,
-                                                            tree=tree)
+            settings = {("tree" if k == "mode" else k): v for k, v in (tree or {}).items()}
+            spec = SpecConfig(method=method, drafter=str(paths[FAMILY_OF[method]]), **settings)
+            self.factories[case] = drafter_factory(self.target, spec)
 
 
 def stats_record(stats) -> dict[str, Any]:

@@ -165,6 +165,7 @@ def test_best_config_is_accepted_by_generate_bench_and_serving(workspace, infere
 
 def test_training_sweep_asha_mlflow_and_best_drafter(workspace, local_ray):
     from eyas.drafters import registry
+    from eyas.methods import load_drafter
     from eyas.decoding.generate import generate
     from tune.sweep import main
 
@@ -200,7 +201,7 @@ def test_training_sweep_asha_mlflow_and_best_drafter(workspace, local_ray):
     assert best_train["drafter"]["config"]["block_size"] == best["sweep"]["point"]["drafter.config.block_size"]
     assert best["spec"]["method"] == "dflash"
     target = workspace["target"]
-    drafter = registry.load_drafter(best["spec"]["drafter"], target, method="dflash")
+    drafter = load_drafter(best["spec"]["drafter"], target, method="dflash")
     assert drafter.model.config.block_size == best["sweep"]["point"]["drafter.config.block_size"]
     prompt = workspace["tokenizer"]("class Parser:").input_ids
     assert generate(target, prompt, 16, drafter=drafter).token_ids == generate(target, prompt, 16).token_ids

@@ -76,10 +76,11 @@ def assert_greedy_identical(workspace, drafter_dir: Path) -> float:
     """The engine loads the checkpoint, and speculative greedy output equals plain greedy output."""
     from eyas import corpus
     from eyas.drafters import registry
+    from eyas.methods import load_drafter
     from eyas.decoding.generate import generate
 
     target, tokenizer = workspace["target"], workspace["tokenizer"]
-    drafter = registry.load_drafter(drafter_dir, target)
+    drafter = load_drafter(drafter_dir, target)
     taus = []
     for text in corpus.heldout_prompts("all", 3):
         prompt = tokenizer(text).input_ids[:20]
@@ -125,6 +126,7 @@ def test_ddp_checkpoint_loads_generates_greedy_identical_and_is_tracked(workspac
 
     from eyas import track
     from eyas.drafters import registry
+    from eyas.methods import load_drafter
 
     client, version, run, artifacts = read_back("e3-ddp")
     assert run.info.status == "FINISHED"

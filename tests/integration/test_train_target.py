@@ -99,6 +99,8 @@ def assert_lossless_on_trained_target(target_dir: Path, home: Path) -> None:
 
     from eyas import corpus
     from eyas.drafters import registry
+    from eyas.drafters.trees import MODE_SETTINGS
+    from eyas.methods import METHODS, SpecConfig, build_drafter
     from eyas.drafters.draft_lm import DraftLMDrafter
     from eyas.drafters.ngram import NgramConfig, NgramDrafter
     from eyas.models import load_target, load_tokenizer
@@ -119,10 +121,10 @@ def assert_lossless_on_trained_target(target_dir: Path, home: Path) -> None:
     for method, trees in (("eagle1", ("chain", "static", "dynamic", "best-first")), ("eagle2", ("dynamic",)),
                           ("eagle3", ("chain", "static", "dynamic", "best-first")), ("medusa", ("static",)),
                           ("dflash", ("block",)), ("dflash-ddtree", ("ddtree",))):
-        family = "eagle1" if method == "eagle2" else method.split("-")[0]
         for tree in trees:
-            drafters.append(registry.load_drafter(checkpoints[family], target, method=method, tree=tree,
-                                                  depth=3, top_k=3, num_nodes=8))
+            settings = {k: v for k, v in {"depth": 3, "top_k": 3, "num_nodes": 8}.items() if k in MODE_SETTINGS[tree]}
+            spec = SpecConfig(method=method, drafter=str(checkpoints[METHODS[method].family]), tree=tree, **settings)
+            drafters.append(build_drafter(target, spec))
     for drafter in drafters:
         got = [generate(target, p, 24, drafter=drafter).token_ids for p in prompts]
         assert got == expected, f"{drafter.name} changed the trained target's greedy output"

@@ -45,7 +45,7 @@ import torch
 from eyas.decoding.requests import Channel, LocalChannel, SequenceRequest, SpeculationSchedule, StepOutput
 from eyas.decoding.sampling import make_generator, pick_token, truncate_at_stop
 from eyas.decoding.stats import SpecStats, judged_nodes
-from eyas.decoding.tree import MAX_TREE_NODES, DraftTree, chain, pack_trees, prune
+from eyas.decoding.tree import MAX_TREE_NODES, DraftTree, chain, check_tree_size, pack_trees, prune
 from eyas.decoding.verify import Accepted, process_logits, verify_greedy, verify_sampling
 from eyas.models.decoder import Decoder
 
@@ -98,6 +98,8 @@ class SpecEngine:
         self.taps: tuple[int, ...] = ()
         if self.speculative and self.leader:
             self.free_drafters = [drafter_factory() for _ in range(capacity)]
+            first = self.free_drafters[0]
+            check_tree_size(first.max_draft_nodes, self.max_tree_nodes, getattr(first, "name", "given"))
             self.taps = tuple(sorted({l for d in self.free_drafters for l in d.target_taps}))
 
     # -- admission -------------------------------------------------------
@@ -221,8 +223,8 @@ class SpecEngine:
             return chain(root, [])
         tree = row.drafter.propose(root, list(row.request.prompt_ids) + row.out, row.request.sampling.temperature,
                                    row.generator)
-        cap = self.max_tree_nodes - 1 if limit is None else min(limit, self.max_tree_nodes - 1)
-        return prune(tree, cap)
+        assert tree.num_nodes <= self.max_tree_nodes, f"{tree.num_nodes} nodes: over the cap the drafter declared"
+        return tree if limit is None else prune(tree, limit)
 
     def _verify(self, row: _Row, tree: DraftTree, logits_NV: torch.Tensor) -> Accepted:
         sampling = row.request.sampling

@@ -21,9 +21,20 @@ from typing import Sequence
 
 import torch
 
-# A cycle's tree never exceeds this many nodes, root included: configurations whose trees could be larger are
-# refused (eyas.methods.TreeSpec), and every request reserves this much context room for its last cycle's tree.
+from eyas.config import ConfigError
+
+# A cycle's tree never exceeds this many nodes, root included: tree specs whose trees could be larger are refused
+# (eyas.drafters.trees.TreeSpec), so is an engine whose drafter could draft more than its cap (check_tree_size),
+# and every request reserves this much context room for its last cycle's tree.
 MAX_TREE_NODES = 64
+
+
+def check_tree_size(num_draft_nodes: int, max_tree_nodes: int, drafter: str) -> None:
+    """The one size rule: a drafter whose trees could exceed ``max_tree_nodes`` (root included) is refused."""
+    if num_draft_nodes + 1 > max_tree_nodes:
+        raise ConfigError(f"the {drafter} drafter's trees reach {num_draft_nodes} drafted nodes + the root, over the "
+                          f"cap of {max_tree_nodes} (root included; at most MAX_TREE_NODES = {MAX_TREE_NODES}): "
+                          "lower the tree's spec.num_nodes / spec.depth / spec.num_draft or raise max_tree_nodes")
 
 
 @dataclass(eq=False)

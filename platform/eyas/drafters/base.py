@@ -17,6 +17,7 @@ from eyas.decoding.tree import DraftTree
 class Drafter(Protocol):
     name: str
     target_taps: tuple[int, ...]  # target hidden states this drafter reads; () for drafters that need none
+    max_draft_nodes: int  # the most drafted nodes (root excluded) one of its trees can have (the engine checks it)
 
     def begin(self, prompt_ids: list[int], taps: dict[int, torch.Tensor]) -> None:
         """Start a sequence. taps[l] is [P, E]: the target's state after each prompt token."""

@@ -34,7 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eyas.config import from_dict, require
+from eyas.config import require
+from eyas.drafters.trees import BLOCK_MODES, TreeSpec
 from eyas.models.cache import KVCache
 from eyas.models.config import ModelConfig
 from eyas.models.decoder import MLP, Decoder, RMSNorm, TensorParallel, apply_rope, rope_inv_freq
@@ -45,7 +46,6 @@ DRAFTER_TYPE = "dflash"
 MASK_TOKEN = "<|mask|>"
 # The paper's loss decay per block size (gamma 7 for B = 16, 5 for 10, 4 for 8).
 PAPER_LOSS_DECAY = {8: 4.0, 10: 5.0, 16: 7.0}
-TREES = ("block", "ddtree")
 CONTEXT_MIN_SLOTS = 64  # the context cache's first size; it doubles as needed
 
 
@@ -245,22 +245,6 @@ class DFlashModel(nn.Module):
         return self(batch, features, generator)
 
 
-@dataclass(frozen=True)
-class DFlashTreeConfig:
-    """Inference options. The block fixes the depth (block_size - 1 drafted tokens); ``depth`` and ``shape`` exist
-    only so that the options every method shares (SpecConfig) parse, and are not used."""
-    mode: str = "block"          # "block": the chain of the block; "ddtree": best-first over the block's q's
-    num_nodes: int = 24          # ddtree: drafted-node budget, root excluded
-    top_k: int | None = None     # ddtree: at most this many ranks per block position (None: up to num_nodes)
-    depth: int | None = None     # unused (see above)
-    shape: tuple[tuple[int, ...], ...] | None = None  # unused (static trees are for EAGLE-1 / Medusa)
-
-    def __post_init__(self) -> None:
-        require(self.mode in TREES, "tree.mode", self.mode, f"DFlash drafts one of {list(TREES)}")
-        require(self.num_nodes >= 1, "tree.num_nodes", self.num_nodes, "must be >= 1")
-        require(self.top_k is None or self.top_k >= 1, "tree.top_k", self.top_k, "must be >= 1 or null")
-
-
 class DFlashDrafter:
     """The speculative-loop side of DFlash: one drafter forward per cycle drafts the whole block.
 
@@ -276,8 +260,10 @@ class DFlashDrafter:
                    (T = 1 when greedy).
     """
 
-    def __init__(self, model: DFlashModel, tree: DFlashTreeConfig = DFlashTreeConfig(), name: str | None = None):
+    def __init__(self, model: DFlashModel, tree: TreeSpec = TreeSpec(mode="block"), name: str | None = None):
+        tree.require_mode(BLOCK_MODES, "DFlash")
         self.model, self.tree = model, tree
+        self.max_draft_nodes = model.block_size - 1 if tree.mode == "block" else tree.num_nodes
         self.name = name or ("dflash" if tree.mode == "block" else "dflash-ddtree")
         self.target_taps = model.target_taps
         self.context = self._new_context()
@@ -321,7 +307,8 @@ class DFlashDrafter:
                 generator: torch.Generator | None) -> DraftTree:
         if len(context_ids) - 1 != self.context.lengths[0]:
             raise RuntimeError(f"DFlash holds features of {self.context.lengths[0]} committed positions but the "
-                               f"context has {len(context_ids) - 1} before the root: call begin() and commit() every cycle")
+                               f"context has {len(context_ids) - 1} before the root: call begin() and commit() "
+                               "every cycle")
         logits_KV = self.draft_logits(root_token)
         probs_KV = torch.softmax(logits_KV / (temperature if temperature > 0 else 1.0), dim=-1)
         if self.tree.mode == "ddtree":
@@ -332,6 +319,6 @@ class DFlashDrafter:
         return chain(root_token, logits_KV.argmax(-1).tolist(), probs_KV)
 
 
-def make_dflash_drafter(model: DFlashModel, target: Decoder, options: dict, name: str) -> DFlashDrafter:
-    """The registry's drafter builder: ``options`` is the merged tree options dict (DFlashTreeConfig fields)."""
-    return DFlashDrafter(model, from_dict(DFlashTreeConfig, options, prefix="tree."), name)
+def make_dflash_drafter(model: DFlashModel, target: Decoder, tree: TreeSpec, name: str) -> DFlashDrafter:
+    """The registry's drafter builder."""
+    return DFlashDrafter(model, tree, name)

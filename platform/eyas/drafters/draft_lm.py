@@ -31,6 +31,7 @@ class DraftLMDrafter:
     def __init__(self, draft_model: Decoder, config: DraftLMConfig = DraftLMConfig(), max_len: int | None = None):
         self.model = draft_model
         self.config = config
+        self.max_draft_nodes = config.num_draft
         self.max_len = max_len or draft_model.config.max_position_embeddings
         self.cache = draft_model.new_cache(1, self.max_len)
         self.fed: list[int] = []  # the tokens whose K/V sit in the draft cache, in order

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eyas.config import require
-from eyas.drafters.trees import TreeConfig, grow_tree
+from eyas.drafters.trees import EXPAND_MODES, TreeSpec, grow_tree
 from eyas.models.cache import KVCache
 from eyas.models.config import ModelConfig
 from eyas.models.decoder import MLP, Decoder, RMSNorm, TensorParallel, apply_rope, rope_inv_freq
@@ -276,10 +276,12 @@ class EagleDrafter:
     committed prefix. Commits may follow each other without a propose (a cycle that drafted nothing).
     """
 
-    def __init__(self, model: EagleModel, tree: TreeConfig, name: str | None = None,
+    def __init__(self, model: EagleModel, tree: TreeSpec, name: str | None = None,
                  max_len: int | None = None) -> None:
+        tree.require_mode(EXPAND_MODES, "EAGLE")
         self.model = model.eval()
         self.tree = tree
+        self.max_draft_nodes = tree.max_draft_nodes
         self.name = name or model.drafter_type
         self.target_taps = tuple(model.target_taps)
         self.max_len = max_len or model.target_config.max_position_embeddings

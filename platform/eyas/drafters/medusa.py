@@ -28,7 +28,7 @@ from torch import nn
 
 from eyas.config import require
 from eyas.drafters.eagle import masked_mean, scalar, shift_left, soft_cross_entropy, step_mask
-from eyas.drafters.trees import TreeConfig, grow_tree
+from eyas.drafters.trees import EXPAND_MODES, TreeSpec, grow_tree
 from eyas.models.decoder import Decoder
 from eyas.decoding.builders import EAGLE_DEFAULT
 from eyas.decoding.tree import DraftTree, PartialTree
@@ -100,7 +100,8 @@ class MedusaModel(nn.Module):
 class MedusaDrafter:
     """Drafter protocol (base.py): the heads read the target state that predicted the root."""
 
-    def __init__(self, model: MedusaModel, tree: TreeConfig, name: str | None = None) -> None:
+    def __init__(self, model: MedusaModel, tree: TreeSpec, name: str | None = None) -> None:
+        tree.require_mode(EXPAND_MODES, "Medusa")
         num_heads = model.config.num_heads
         if tree.mode == "static" and tree.shape is None:  # EAGLE-1's default tree, cut to the heads' depth
             tree = dataclasses.replace(tree, shape=tuple(r for r in EAGLE_DEFAULT if len(r) <= num_heads))
@@ -108,6 +109,7 @@ class MedusaDrafter:
                 tree.max_depth, f"Medusa drafts at most num_heads={num_heads} tokens deep")
         self.model = model.eval()
         self.tree = tree
+        self.max_draft_nodes = tree.max_draft_nodes
         self.name = name or model.drafter_type
         self.target_taps = tuple(model.target_taps)
         self._last_state_E: torch.Tensor | None = None

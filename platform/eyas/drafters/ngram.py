@@ -53,6 +53,7 @@ class NgramDrafter:
 
     def __init__(self, config: NgramConfig = NgramConfig()) -> None:
         self.config = config
+        self.max_draft_nodes = config.num_draft * config.max_matches  # distinct paths, shared prefixes merged
 
     def begin(self, prompt_ids: list[int], taps: dict[int, torch.Tensor]) -> None:
         pass

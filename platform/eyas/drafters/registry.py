@@ -1,19 +1,19 @@
-"""Drafter registry: drafter type -> family (config, model builder, inference wrapper); method name -> family +
-default tree options; checkpoint directories saved and loaded without Ray or MLflow.
+"""Drafter families: drafter type -> (config, model builder, inference wrapper), and checkpoint directories saved
+and loaded without Ray or MLflow. Method names (eagle2 = an eagle1 checkpoint + a dynamic tree) live in the one
+method table, ``eyas.methods.METHODS``.
 
 A checkpoint directory holds
   config.json        {"drafter_type", "target" (path or name), "target_taps", "draft_vocab" (d2t list or null),
                       "target_shape" {"hidden_size", "vocab_size", "num_layers"}, "config" (the family config)}
   model.safetensors  the drafter's own weights (the frozen target parts it borrows are not saved)
 
-Adding a family: one ``FAMILIES`` entry (and ``METHODS`` entries for its method names). ``build_model`` is None for
-training-free drafters (n-gram), which need no checkpoint; ``make_drafter(model, target, tree_options, name)``
-receives the method's tree options merged with the caller's, as a plain dict the family validates itself.
+Adding a family: one ``FAMILIES`` entry (and ``eyas.methods.METHODS`` entries for its method names).
+``make_drafter(model, target, tree, name)`` wraps a loaded model for one sequence with a validated TreeSpec.
 """
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -26,54 +26,35 @@ from eyas.drafters.eagle import EagleDrafter
 from eyas.drafters.eagle1 import Eagle1Config, Eagle1Model
 from eyas.drafters.eagle3 import Eagle3Config, Eagle3Model, build_draft_vocab
 from eyas.drafters.medusa import MedusaConfig, MedusaDrafter, MedusaModel
-from eyas.drafters.trees import TreeConfig
+from eyas.drafters.trees import BLOCK_MODES, EXPAND_MODES, TreeSpec
 from eyas.models.config import CheckpointError
 from eyas.models.decoder import Decoder
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 
 
-def _tree(options: dict[str, Any]) -> TreeConfig:
-    return from_dict(TreeConfig, options, prefix="tree.")
-
-
 @dataclass(frozen=True)
 class Family:
     config_cls: type | None  # the family's frozen config dataclass (None: nothing to configure)
     build_model: Callable[..., torch.nn.Module] | None  # (config, target, draft_vocab) -> model; None: no weights
-    make_drafter: Callable[..., Any]  # (model, target, tree_options: dict, name) -> Drafter
+    make_drafter: Callable[..., Any]  # (model, target, tree: TreeSpec, name) -> Drafter
+    tree_modes: tuple[str, ...]  # the TreeSpec modes its drafter draws
 
 
-@dataclass(frozen=True)
-class Method:
-    family: str
-    tree: dict[str, Any] = field(default_factory=dict)  # default tree options for this method
+def _eagle_drafter(model, target: Decoder, tree: TreeSpec, name: str) -> EagleDrafter:
+    return EagleDrafter(model, tree, name)
 
 
-def _eagle_drafter(model, target: Decoder, tree: dict[str, Any], name: str) -> EagleDrafter:
-    return EagleDrafter(model, _tree(tree), name)
-
-
-def _medusa_drafter(model, target: Decoder, tree: dict[str, Any], name: str) -> MedusaDrafter:
-    return MedusaDrafter(model, _tree(tree), name)
+def _medusa_drafter(model, target: Decoder, tree: TreeSpec, name: str) -> MedusaDrafter:
+    return MedusaDrafter(model, tree, name)
 
 
 FAMILIES: dict[str, Family] = {
-    "eagle1": Family(Eagle1Config, Eagle1Model, _eagle_drafter),
-    "eagle3": Family(Eagle3Config, Eagle3Model, _eagle_drafter),
-    "medusa": Family(MedusaConfig, MedusaModel, _medusa_drafter),
-    "dflash": Family(DFlashConfig, DFlashModel, make_dflash_drafter),
+    "eagle1": Family(Eagle1Config, Eagle1Model, _eagle_drafter, EXPAND_MODES),
+    "eagle3": Family(Eagle3Config, Eagle3Model, _eagle_drafter, EXPAND_MODES),
+    "medusa": Family(MedusaConfig, MedusaModel, _medusa_drafter, EXPAND_MODES),
+    "dflash": Family(DFlashConfig, DFlashModel, make_dflash_drafter, BLOCK_MODES),
 }
-
-METHODS: dict[str, Method] = {
-    "eagle1": Method("eagle1", {"mode": "static"}),
-    "eagle2": Method("eagle1", {"mode": "dynamic"}),
-    "eagle3": Method("eagle3", {"mode": "dynamic"}),
-    "medusa": Method("medusa", {"mode": "static"}),
-    "dflash": Method("dflash", {"mode": "block"}),
-    "dflash-ddtree": Method("dflash", {"mode": "ddtree"}),
-}
-
 
 def family(drafter_type: str) -> Family:
     if drafter_type not in FAMILIES:
@@ -92,7 +73,7 @@ def build_model(drafter_type: str, config: Any, target: Decoder, draft_vocab: li
     if entry.build_model is None:
         raise ValueError(f"drafter type {drafter_type!r} has no trainable model")
     if config is None or isinstance(config, dict):
-        config = from_dict(entry.config_cls, config or {}, prefix=f"{drafter_type}.")
+        config = from_dict(entry.config_cls, config or {}, prefix="drafter.config.")
     size = getattr(config, "draft_vocab_size", None)
     if draft_vocab is None and size is not None and token_counts_V is not None:
         draft_vocab = build_draft_vocab(token_counts_V, size).tolist()
@@ -173,41 +154,3 @@ def load_model(path: str | Path, target: Decoder) -> torch.nn.Module:
                                   f"model {tuple(expected[name].shape)}")
     model.load_state_dict({k: v.to(expected[k].dtype) for k, v in state.items()})
     return model.eval()
-
-
-def load_drafter(path: str | Path | None, target: Decoder, method: str | None = None,
-                 tree: str | TreeConfig | dict[str, Any] | None = None, **tree_options: Any):
-    """A ready Drafter: the checkpoint at ``path`` wrapped for ``method`` (default: the checkpoint's own type).
-
-    Tree options, later ones winning: the method's defaults (``METHODS``), then ``tree`` (a mode name such as
-    "dynamic", a dict of options, or a complete TreeConfig), then keyword options (depth=, top_k=, num_nodes=,
-    shape=). EAGLE and Medusa read them as a TreeConfig (drafters/trees.py)."""
-    return drafter_factory(path, target, method, tree, **tree_options)()
-
-
-def drafter_factory(path: str | Path | None, target: Decoder, method: str | None = None,
-                    tree: str | TreeConfig | dict[str, Any] | None = None, **tree_options: Any
-                    ) -> Callable[[], Any]:
-    """Like ``load_drafter``, but loads the weights once and returns a function making fresh drafters that share
-    them (one per concurrent sequence: a drafter holds per-sequence state)."""
-    if path is None:
-        if method not in METHODS or family(METHODS[method].family).build_model is not None:
-            raise ValueError(f"method {method!r} needs a drafter checkpoint path")
-        model, drafter_type = None, METHODS[method].family
-    else:
-        model = load_model(path, target)
-        drafter_type = model.drafter_type
-    method = method or drafter_type
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; known: {sorted(METHODS)}")
-    if METHODS[method].family != drafter_type:
-        raise ValueError(f"method {method!r} needs a {METHODS[method].family} drafter, but {path} holds a "
-                         f"{drafter_type} checkpoint")
-    if isinstance(tree, str):
-        tree = {"mode": tree}
-    elif isinstance(tree, TreeConfig):
-        tree = to_dict(tree)
-    options = {**METHODS[method].tree, **(tree or {}), **tree_options}
-    make = family(drafter_type).make_drafter
-    make(model, target, options, method)  # validate the options now, not at the first request
-    return lambda: make(model, target, options, method)

@@ -1,75 +1,139 @@
-"""Tree options for drafters that grow a tree through an ``expand`` callback (EAGLE-1, EAGLE-3, Medusa).
+"""The one tree spec: which tree a drafter drafts each cycle, and how it is grown.
 
-A drafter supplies ``expand(parent_ids, partial) -> probs_PV``, its next-token distribution at each given node of
-the partial tree (one batched call); the options below pick which builder of ``eyas.decoding.tree`` uses it:
+A TreeSpec names a mode and only the settings that mode reads; a setting the mode does not read is an error, not
+ignored. The modes (papers.md):
 
-  chain       the top-1 chain of ``depth`` tokens
-  static      a fixed shape of sibling ranks (``shape``; default: EAGLE-1's 26-node tree), one call per depth
-  dynamic     EAGLE-2: ``depth`` expand steps over the top_k frontier, then the ``num_nodes`` best nodes by V
-  best-first  DDTree: a max-heap on V; the ``num_nodes`` best nodes with rank < top_k and depth <= ``depth``
+  mode        reads                     the tree
+  chain       depth                     the top-1 chain of ``depth`` tokens
+  static      shape                     a fixed shape of sibling ranks (default: EAGLE-1's 26-node tree)
+  dynamic     depth, top_k, num_nodes   EAGLE-2: ``depth`` expand steps over the top_k frontier, then the
+                                        ``num_nodes`` best nodes by V
+  best-first  depth, top_k, num_nodes   DDTree: a max-heap on V; the ``num_nodes`` best nodes with rank < top_k
+                                        and depth <= ``depth``
+  block       -                         DFlash: the chain of one block (its size is the checkpoint's block_size)
+  ddtree      top_k, num_nodes          DDTree over a block drafter's per-position distributions
 
-Every mode yields deterministic top-k candidates (sampled=False), which verification handles exactly at any
-temperature, so the trees do not depend on the sampling settings.
+Drafters with an ``expand`` callback (EAGLE-1, EAGLE-3, Medusa) grow the first four with ``grow_tree``; DFlash
+drafts the last two. Every mode yields deterministic top-k candidates (sampled=False) except a sampled DFlash
+block, and verification handles both exactly at any temperature.
+
+Size: a tree's drafted nodes are capped once, by ``eyas.decoding.tree.MAX_TREE_NODES`` (root included), and a spec
+whose trees could exceed it is refused here (``max_draft_nodes``), before any request runs.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
-from eyas.config import require
+from eyas.config import ConfigError, require
 from eyas.decoding.builders import CHAIN, EAGLE_DEFAULT, Expand, build_best_first, build_dynamic, build_static
-from eyas.decoding.tree import DraftTree
+from eyas.decoding.tree import MAX_TREE_NODES, DraftTree
 
-TREE_MODES = ("chain", "static", "dynamic", "best-first")
+# mode -> the settings it reads (the others must stay unset)
+MODE_SETTINGS: dict[str, tuple[str, ...]] = {
+    "chain": ("depth",),
+    "static": ("shape",),
+    "dynamic": ("depth", "top_k", "num_nodes"),
+    "best-first": ("depth", "top_k", "num_nodes"),
+    "block": (),
+    "ddtree": ("top_k", "num_nodes"),
+}
+TREE_MODES = tuple(MODE_SETTINGS)
+EXPAND_MODES = ("chain", "static", "dynamic", "best-first")  # grown through a drafter's expand callback
+BLOCK_MODES = ("block", "ddtree")  # drafted from one block of per-position distributions
+DEFAULTS = {"depth": 5, "top_k": 4, "num_nodes": 24}
 
 
 @dataclass(frozen=True)
-class TreeConfig:
+class TreeSpec:
     mode: str = "dynamic"
-    depth: int = 5  # chain length; dynamic expand steps; best-first maximum depth
-    top_k: int = 4  # children per expanded node (dynamic, best-first)
-    num_nodes: int = 24  # drafted-node budget, root excluded (dynamic, best-first)
+    depth: int | None = None  # chain length; dynamic expand steps; best-first maximum depth (default 5)
+    top_k: int | None = None  # children per expanded node / ranks per block position (default 4)
+    num_nodes: int | None = None  # drafted-node budget, root excluded (default 24)
     shape: tuple[tuple[int, ...], ...] | None = None  # static: sibling-rank tuples; None = EAGLE_DEFAULT
 
     def __post_init__(self) -> None:
-        require(self.mode in TREE_MODES, "tree.mode", self.mode, f"must be one of {list(TREE_MODES)}")
-        require(self.depth >= 1, "tree.depth", self.depth, "must be >= 1")
-        require(self.top_k >= 1, "tree.top_k", self.top_k, "must be >= 1")
-        require(self.num_nodes >= 1, "tree.num_nodes", self.num_nodes, "must be >= 1")
+        require(self.mode in MODE_SETTINGS, "tree.mode", self.mode, f"must be one of {list(TREE_MODES)}")
+        reads = MODE_SETTINGS[self.mode]
+        for name in ("depth", "top_k", "num_nodes", "shape"):
+            value = getattr(self, name)
+            if name not in reads:
+                require(value is None, f"tree.{name}", value, f"does not apply to a {self.mode} tree (it reads "
+                        f"{list(reads) or 'nothing: the block size is the checkpoint drafter.config.block_size'})")
+            elif value is None and name in DEFAULTS:
+                object.__setattr__(self, name, DEFAULTS[name])
+        for name in ("depth", "top_k", "num_nodes"):
+            value = getattr(self, name)
+            require(value is None or value >= 1, f"tree.{name}", value, "must be >= 1")
         if self.shape is not None:
-            ranks = set(map(tuple, self.shape))
+            object.__setattr__(self, "shape", tuple(map(tuple, self.shape)))
+            ranks = set(self.shape)
             for r in ranks:
                 require(len(r) >= 1 and min(r) >= 0 and (len(r) == 1 or r[:-1] in ranks), "tree.shape", r,
                         "each entry is a non-empty tuple of ranks >= 0 whose every prefix is also in the shape")
+        if self.mode in ("dynamic", "best-first"):
+            require(self.top_k <= self.num_nodes, "tree.top_k", self.top_k,
+                    f"cannot exceed the node budget tree.num_nodes={self.num_nodes}")
+        size = self.max_draft_nodes
+        if size is not None:
+            require(size < MAX_TREE_NODES, "tree.num_nodes" if self.num_nodes else f"tree.{reads[0]}", size,
+                    f"a tree may draft at most {MAX_TREE_NODES - 1} nodes (MAX_TREE_NODES = {MAX_TREE_NODES}, "
+                    "root included)")
 
     @property
     def static_shape(self) -> tuple[tuple[int, ...], ...]:
-        return tuple(map(tuple, self.shape)) if self.shape is not None else EAGLE_DEFAULT
+        return self.shape if self.shape is not None else EAGLE_DEFAULT
 
     @property
-    def max_depth(self) -> int:
-        """The deepest node this configuration can draft."""
-        if self.mode == "static":
-            return max((len(r) for r in self.static_shape), default=0)
-        return self.depth
+    def max_draft_nodes(self) -> int | None:
+        """The most drafted nodes (root excluded) one tree can have; None for a block (the checkpoint's size)."""
+        return _MAX_DRAFT_NODES[self.mode](self)
+
+    @property
+    def max_depth(self) -> int | None:
+        """The deepest node this spec can draft (None for a block: the checkpoint's block size)."""
+        return _MAX_DEPTH[self.mode](self)
 
     @property
     def max_expanded(self) -> int:
-        """An upper bound on the nodes (root included) whose drafter state one tree needs."""
-        if self.mode == "chain":
-            return self.depth
-        if self.mode == "static":
-            return 1 + len(self.static_shape)
-        if self.mode == "dynamic":
-            return 1 + (self.depth - 1) * self.top_k
-        return 1 + self.num_nodes
+        """An upper bound on the nodes (root included) whose drafter state one tree needs (expand modes)."""
+        return _MAX_EXPANDED[self.mode](self)
+
+    def require_mode(self, modes: tuple[str, ...], drafter: str) -> None:
+        if self.mode not in modes:
+            raise ConfigError(f"tree.mode={self.mode!r}: a {drafter} drafter drafts one of {list(modes)}")
 
 
-def grow_tree(tree: TreeConfig, root_token: int, expand: Expand) -> DraftTree:
+_MAX_DRAFT_NODES: dict[str, Callable[[TreeSpec], int | None]] = {
+    "chain": lambda spec: spec.depth,
+    "static": lambda spec: len(spec.static_shape),
+    "dynamic": lambda spec: spec.num_nodes,
+    "best-first": lambda spec: spec.num_nodes,
+    "block": lambda spec: None,
+    "ddtree": lambda spec: spec.num_nodes,
+}
+_MAX_DEPTH: dict[str, Callable[[TreeSpec], int | None]] = {
+    "chain": lambda spec: spec.depth,
+    "static": lambda spec: max((len(r) for r in spec.static_shape), default=0),
+    "dynamic": lambda spec: spec.depth,
+    "best-first": lambda spec: spec.depth,
+    "block": lambda spec: None,
+    "ddtree": lambda spec: None,
+}
+_MAX_EXPANDED: dict[str, Callable[[TreeSpec], int]] = {
+    "chain": lambda spec: spec.depth,
+    "static": lambda spec: 1 + len(spec.static_shape),
+    "dynamic": lambda spec: 1 + (spec.depth - 1) * spec.top_k,
+    "best-first": lambda spec: 1 + spec.num_nodes,
+}
+_GROW: dict[str, Callable[[TreeSpec, int, Expand], DraftTree]] = {
+    "chain": lambda spec, root, expand: build_static(root, CHAIN(spec.depth), expand),
+    "static": lambda spec, root, expand: build_static(root, spec.static_shape, expand),
+    "dynamic": lambda spec, root, expand: build_dynamic(root, expand, spec.depth, spec.top_k, spec.num_nodes),
+    "best-first": lambda spec, root, expand: build_best_first(root, expand, spec.num_nodes, spec.top_k, spec.depth),
+}
+
+
+def grow_tree(tree: TreeSpec, root_token: int, expand: Expand) -> DraftTree:
     """The DraftTree that ``tree`` asks for, grown from ``root_token`` with the drafter's ``expand``."""
-    if tree.mode == "chain":
-        return build_static(root_token, CHAIN(tree.depth), expand)
-    if tree.mode == "static":
-        return build_static(root_token, tree.static_shape, expand)
-    if tree.mode == "dynamic":
-        return build_dynamic(root_token, expand, tree.depth, tree.top_k, tree.num_nodes)
-    return build_best_first(root_token, expand, tree.num_nodes, tree.top_k, tree.depth)
+    return _GROW[tree.mode](tree, root_token, expand)

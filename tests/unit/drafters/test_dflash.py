@@ -7,9 +7,11 @@ import pytest
 import torch
 
 from eyas.config import ConfigError
-from eyas.drafters.dflash import DFlashConfig, DFlashDrafter, DFlashModel, DFlashTreeConfig, dflash_taps
+from eyas.drafters.dflash import DFlashConfig, DFlashDrafter, DFlashModel, dflash_taps
 from eyas.drafters.dflash_train import anchor_block_mask, block_logits, draw_anchors, position_weights
-from eyas.drafters.registry import build_model, load_drafter, load_model, save_drafter
+from eyas.drafters.registry import build_model, load_model, save_drafter
+from eyas.drafters.trees import TreeSpec
+from eyas.methods import load_drafter
 from eyas.models.config import CheckpointError, ModelConfig
 from eyas.models.decoder import Decoder
 from eyas.decoding.generate import SamplingParams, generate
@@ -220,12 +222,17 @@ def vanilla_runs(target) -> list[tuple[list[int], list[int]]]:
     return [(prompt, generate(target, prompt, 40).token_ids) for prompt in prompts]
 
 
+def block_tree(mode: str, **ddtree_settings) -> TreeSpec:
+    """A block tree takes no settings (the checkpoint's block size fixes it); a ddtree takes its budget."""
+    return TreeSpec(mode=mode, **(ddtree_settings if mode == "ddtree" else {}))
+
+
 @pytest.mark.parametrize("tree", ["block", "ddtree"])
 def test_greedy_identity(target, trained, vanilla_runs, tree):
     model, _ = trained
     accepted = 0
     for prompt, expected in vanilla_runs:
-        drafter = DFlashDrafter(model, DFlashTreeConfig(mode=tree, num_nodes=12, top_k=3))
+        drafter = DFlashDrafter(model, block_tree(tree, num_nodes=12, top_k=3))
         spec = generate(target, prompt, 40, drafter=drafter)
         assert spec.token_ids == expected
         accepted += sum(spec.stats.accepted_per_cycle)
@@ -235,10 +242,10 @@ def test_greedy_identity(target, trained, vanilla_runs, tree):
 @pytest.mark.parametrize("tree", ["block", "ddtree"])
 def test_sampled_run_completes(target, trained, tree):
     model, _ = trained
-    drafter = DFlashDrafter(model, DFlashTreeConfig(mode=tree, num_nodes=10))
+    drafter = DFlashDrafter(model, block_tree(tree, num_nodes=10))
     out = generate(target, [1, 2, 3, 4], 30, drafter=drafter, sampling=SamplingParams(temperature=0.8, seed=0))
     assert len(out.token_ids) == 30 and all(0 <= t < VOCAB for t in out.token_ids)
-    drafter = DFlashDrafter(model, DFlashTreeConfig(mode=tree, num_nodes=10))
+    drafter = DFlashDrafter(model, block_tree(tree, num_nodes=10))
     drafter.begin([1, 2], {t: torch.zeros(2, 32) for t in model.target_taps})
     tree_ = drafter.propose(5, [1, 2, 5], 0.8, torch.Generator().manual_seed(0))
     assert tree_.sampled == (tree == "block") and tree_.draft_probs_NV is not None
@@ -246,7 +253,7 @@ def test_sampled_run_completes(target, trained, tree):
 
 def test_float32_drafter_on_bfloat16_target():
     target = tiny_target().to(torch.bfloat16)
-    drafter = DFlashDrafter(DFlashModel(TINY, target).float(), DFlashTreeConfig(mode="ddtree", num_nodes=6))
+    drafter = DFlashDrafter(DFlashModel(TINY, target).float(), TreeSpec(mode="ddtree", num_nodes=6))
     assert generate(target, [1, 2, 3], 12, drafter=drafter).token_ids == generate(target, [1, 2, 3], 12).token_ids
 
 
@@ -279,11 +286,15 @@ def test_save_load_roundtrip(tmp_path, target, mask_token_id):
     b.begin([], taps)
     assert torch.equal(a.draft_logits(3), b.draft_logits(3))
 
-    drafter = load_drafter(directory, target, method="dflash-ddtree", depth=5, top_k=3, num_nodes=12)
-    assert drafter.name == "dflash-ddtree" and drafter.tree == DFlashTreeConfig("ddtree", 12, 3, depth=5)
-    assert load_drafter(directory, target).tree.mode == "block"
-    with pytest.raises(ConfigError, match="tree.mode"):
-        load_drafter(directory, target, tree="dynamic")
+    drafter = load_drafter(directory, target, method="dflash-ddtree", tree={"top_k": 3, "num_nodes": 12})
+    assert drafter.name == "dflash-ddtree" and drafter.tree == TreeSpec("ddtree", top_k=3, num_nodes=12)
+    assert drafter.max_draft_nodes == 12
+    block = load_drafter(directory, target)
+    assert block.tree.mode == "block" and block.max_draft_nodes == 4  # block_size 5: the root + 4 drafted
+    with pytest.raises(ConfigError, match="tree.mode='dynamic': a DFlash drafter drafts one of"):
+        load_drafter(directory, target, tree={"mode": "dynamic"})
+    with pytest.raises(ConfigError, match="measure.tree.depth=5: does not apply to a block tree"):
+        load_drafter(directory, target, tree={"depth": 5}, where="measure.tree.")
     (directory / "model.safetensors").unlink()
     with pytest.raises(CheckpointError, match="model.safetensors"):
         load_model(directory, target)

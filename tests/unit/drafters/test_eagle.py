@@ -9,7 +9,7 @@ from eyas.config import ConfigError
 from eyas.drafters.eagle import EagleDrafter, shift_left, ttt_attention_mask, unroll
 from eyas.drafters.eagle1 import Eagle1Config, Eagle1Model
 from eyas.drafters.eagle3 import Eagle3Config, Eagle3Model, build_draft_vocab, eagle3_taps
-from eyas.drafters.trees import TreeConfig
+from eyas.drafters.trees import TreeSpec
 from eyas.decoding.tree import PartialTree
 from eyas.train.features import target_features
 
@@ -52,7 +52,7 @@ def test_training_unroll_equals_inference_chain(target, family):
     taps = {layer: h[0] for layer, h in features.taps.items()}
     tokens = ids_1T[0].tolist()
     anchor = 9  # the real prefix ends at index 9: tokens t_0..t_10, root t_10
-    drafter = EagleDrafter(model, TreeConfig(mode="dynamic", depth=2, top_k=2, num_nodes=3))
+    drafter = EagleDrafter(model, TreeSpec(mode="dynamic", depth=2, top_k=2, num_nodes=3))
     drafter.begin(tokens[:4], {l: h[:4] for l, h in taps.items()})
     drafter.propose(tokens[4], tokens[:5])  # a tree and its rollback, then the real tokens committed
     drafter.commit(tokens[4:7], {l: h[4:7] for l, h in taps.items()})
@@ -68,7 +68,7 @@ def test_training_unroll_equals_inference_chain(target, family):
 
 def test_propose_leaves_only_the_committed_prefix(target):
     model = Eagle1Model(Eagle1Config(), target)
-    drafter = EagleDrafter(model, TreeConfig(mode="best-first", depth=4, top_k=3, num_nodes=10))
+    drafter = EagleDrafter(model, TreeSpec(mode="best-first", depth=4, top_k=3, num_nodes=10))
     taps = {target.config.num_layers: torch.randn(5, 32)}
     drafter.begin([1, 2, 3, 4, 5], taps)
     for root in range(6, 40):  # the cache starts small and grows
@@ -111,9 +111,9 @@ def test_configs_validate(target):
     with pytest.raises(ConfigError, match="step_decay"):
         Eagle1Config(step_decay=1.5)
     with pytest.raises(ConfigError, match="tree.mode"):
-        TreeConfig(mode="wide")
+        TreeSpec(mode="wide")
     with pytest.raises(ConfigError, match="tree.shape"):
-        TreeConfig(mode="static", shape=((0,), (1, 0)))
+        TreeSpec(mode="static", shape=((0,), (1, 0)))
     with pytest.raises(ValueError, match="draft vocabulary"):
         Eagle3Model(Eagle3Config(draft_vocab_size=10), target)
     with pytest.raises(ConfigError, match="taps"):

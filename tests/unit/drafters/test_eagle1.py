@@ -6,14 +6,14 @@ from drafter_testing import assert_greedy_identity, random_prompts, regenerated_
 
 from eyas.drafters.eagle import EagleDrafter
 from eyas.drafters.eagle1 import Eagle1Config, Eagle1Model
-from eyas.drafters.trees import TreeConfig
+from eyas.drafters.trees import TreeSpec
 from eyas.decoding.generate import SamplingParams, generate
 
 TREES = {
-    "chain": TreeConfig(mode="chain", depth=4),
-    "static": TreeConfig(mode="static"),  # EAGLE-1's 26-node default
-    "dynamic": TreeConfig(mode="dynamic", depth=4, top_k=3, num_nodes=12),
-    "best-first": TreeConfig(mode="best-first", depth=5, top_k=3, num_nodes=12),
+    "chain": TreeSpec(mode="chain", depth=4),
+    "static": TreeSpec(mode="static"),  # EAGLE-1's 26-node default
+    "dynamic": TreeSpec(mode="dynamic", depth=4, top_k=3, num_nodes=12),
+    "best-first": TreeSpec(mode="best-first", depth=5, top_k=3, num_nodes=12),
 }
 
 

@@ -6,7 +6,7 @@ from drafter_testing import assert_greedy_identity, random_prompts, regenerated_
 
 from eyas.config import ConfigError
 from eyas.drafters.medusa import MedusaConfig, MedusaDrafter, MedusaModel
-from eyas.drafters.trees import TreeConfig
+from eyas.drafters.trees import TreeSpec
 from eyas.decoding.generate import SamplingParams, generate
 from eyas.decoding.builders import EAGLE_DEFAULT
 
@@ -36,7 +36,7 @@ def test_loss_falls(setup):
     assert last["loss"] < 0.8 * first["loss"], (first, last)
 
 
-@pytest.mark.parametrize("tree", [TreeConfig(mode="static"), TreeConfig(mode="chain", depth=3)],
+@pytest.mark.parametrize("tree", [TreeSpec(mode="static"), TreeSpec(mode="chain", depth=3)],
                          ids=["static", "chain"])
 def test_greedy_identity(setup, tree):
     drafter = MedusaDrafter(setup["model"], tree)
@@ -45,7 +45,7 @@ def test_greedy_identity(setup, tree):
 
 
 def test_static_tree_takes_depth_d_candidates_from_head_d(setup):
-    drafter = MedusaDrafter(setup["model"], TreeConfig(mode="static"))
+    drafter = MedusaDrafter(setup["model"], TreeSpec(mode="static"))
     assert drafter.tree.shape == tuple(r for r in EAGLE_DEFAULT if len(r) <= 3)
     drafter.begin([1, 2, 3], {4: torch.randn(3, 32)})
     tree = drafter.propose(5, [1, 2, 3, 5])
@@ -57,7 +57,7 @@ def test_static_tree_takes_depth_d_candidates_from_head_d(setup):
 
 
 def test_sampled_run_completes(setup):
-    drafter = MedusaDrafter(setup["model"], TreeConfig(mode="static"))
+    drafter = MedusaDrafter(setup["model"], TreeSpec(mode="static"))
     result = generate(setup["target"], setup["prompts"][0], 40, drafter=drafter,
                       sampling=SamplingParams(temperature=0.8, seed=0))
     assert len(result.token_ids) == 40
@@ -67,4 +67,4 @@ def test_validation(setup):
     with pytest.raises(ConfigError, match="num_heads"):
         MedusaConfig(num_heads=0)
     with pytest.raises(ConfigError, match="tree.depth"):
-        MedusaDrafter(setup["model"], TreeConfig(mode="dynamic", depth=5))
+        MedusaDrafter(setup["model"], TreeSpec(mode="dynamic", depth=5))

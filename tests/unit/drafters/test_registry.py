@@ -6,12 +6,15 @@ import pytest
 import torch
 from drafter_testing import tiny_target
 
+from eyas.config import ConfigError
 from eyas.drafters import registry
+from eyas.drafters.trees import TreeSpec
 from eyas.drafters.eagle import EagleDrafter
 from eyas.drafters.medusa import MedusaDrafter
 from eyas.models.config import CheckpointError
 from eyas.models.decoder import Decoder
 from eyas.decoding.generate import generate
+from eyas.methods import SpecConfig, drafter_factory, load_drafter
 
 FAMILY_CONFIGS = {"eagle1": {}, "eagle3": {"draft_vocab_size": 40, "ttt_steps": 2}, "medusa": {"num_heads": 3}}
 
@@ -58,16 +61,16 @@ def test_save_load_roundtrip(target, tmp_path, drafter_type):
 def test_load_drafter_methods_and_tree_options(target, tmp_path):
     registry.save_drafter(fresh_model("eagle1", target), tmp_path / "e1", "tiny")
     registry.save_drafter(fresh_model("medusa", target), tmp_path / "md", "tiny")
-    eagle1 = registry.load_drafter(tmp_path / "e1", target)
+    eagle1 = load_drafter(tmp_path / "e1", target)
     assert isinstance(eagle1, EagleDrafter) and eagle1.tree.mode == "static" and eagle1.name == "eagle1"
-    eagle2 = registry.load_drafter(tmp_path / "e1" / "model.safetensors", target, method="eagle2", num_nodes=8)
-    assert eagle2.tree.mode == "dynamic" and eagle2.tree.num_nodes == 8 and eagle2.name == "eagle2"
-    # methods.py's call: a tree mode name plus the SpecConfig's numbers
-    chain = registry.load_drafter(tmp_path / "e1", target, tree="chain", depth=3, top_k=4, num_nodes=24)
-    assert chain.tree.mode == "chain" and chain.tree.depth == 3
-    medusa = registry.load_drafter(tmp_path / "md", target, tree={"mode": "best-first", "depth": 3})
-    assert isinstance(medusa, MedusaDrafter) and medusa.tree.mode == "best-first"
-    factory = registry.drafter_factory(tmp_path / "e1", target, method="eagle2")
+    assert eagle1.max_draft_nodes == 25  # EAGLE-1's default tree: 25 drafted nodes + the root
+    eagle2 = load_drafter(tmp_path / "e1" / "model.safetensors", target, method="eagle2", tree={"num_nodes": 8})
+    assert eagle2.tree == TreeSpec("dynamic", depth=5, top_k=4, num_nodes=8) and eagle2.name == "eagle2"
+    chain = load_drafter(tmp_path / "e1", target, tree={"mode": "chain", "depth": 3})
+    assert chain.tree == TreeSpec("chain", depth=3)
+    medusa = load_drafter(tmp_path / "md", target, tree={"mode": "best-first", "depth": 3})
+    assert isinstance(medusa, MedusaDrafter) and medusa.tree == TreeSpec("best-first", depth=3, top_k=4, num_nodes=24)
+    factory = drafter_factory(target, SpecConfig(method="eagle2", drafter=str(tmp_path / "e1")))
     first, second = factory(), factory()
     assert first is not second and first.model is second.model  # per-sequence state, shared weights
     prompt = [5, 9, 2]
@@ -78,12 +81,16 @@ def test_load_errors_say_what_is_wrong(target, tmp_path):
     with pytest.raises(CheckpointError, match="config.json: missing file"):
         registry.load_model(tmp_path / "nowhere", target)
     registry.save_drafter(fresh_model("eagle1", target), tmp_path / "e1", "tiny")
-    with pytest.raises(ValueError, match="needs a eagle3 drafter"):
-        registry.load_drafter(tmp_path / "e1", target, method="eagle3")
-    with pytest.raises(ValueError, match="unknown method"):
-        registry.load_drafter(tmp_path / "e1", target, method="eagle9")
-    with pytest.raises(Exception, match="tree.mode"):
-        registry.load_drafter(tmp_path / "e1", target, tree="sideways")
+    with pytest.raises(ConfigError, match="needs a eagle3 drafter"):
+        load_drafter(tmp_path / "e1", target, method="eagle3")
+    with pytest.raises(ConfigError, match="method='eagle9': must be one of"):
+        load_drafter(tmp_path / "e1", target, method="eagle9")
+    with pytest.raises(ConfigError, match="measure.tree.mode='sideways': must be one of"):
+        load_drafter(tmp_path / "e1", target, tree={"mode": "sideways"}, where="measure.tree.")
+    with pytest.raises(ConfigError, match="tree.depth=3: does not apply to a static tree"):
+        load_drafter(tmp_path / "e1", target, tree={"depth": 3})
+    with pytest.raises(ConfigError, match="tree.mode='block': a EAGLE drafter drafts one of"):
+        load_drafter(tmp_path / "e1", target, tree={"mode": "block"})
     torch.manual_seed(0)
     other = Decoder(type(target.config)(**{**target.config.__dict__, "hidden_size": 48, "head_dim": 12}))
     with pytest.raises(CheckpointError, match="hidden_size: checkpoint 32, target 48"):

@@ -13,4 +13,4 @@ def test_every_section_lists_fields():
     text = config_reference.reference()
     for title, _ in config_reference.SECTIONS:
         assert f"#### {title}" in text
-    assert "| `num_nodes` | int | `24` |" in text  # SpecConfig fields, typed, with defaults
+    assert "| `num_nodes` | int or None | `None` |" in text  # SpecConfig fields, typed, with defaults

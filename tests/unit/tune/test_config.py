@@ -105,7 +105,7 @@ def test_bad_inference_input_is_a_config_error(tmp_path, change, message):
     ({"search": {"objective": "sim_tau", "space": {"scaling.num_workers": [1, 2]}}},
      "unknown key for a training sweep"),
     ({"search": {"objective": "sim_tau", "space": {"drafter.config.block_size": [1, 4]}}},
-     r"impossible combination.*dflash.block_size=1"),
+     r"impossible combination.*training.drafter.config.block_size=1: must be >= 2"),
     ({"search": {"objective": "speedup", "space": {"optim.lr": [1e-3]}}}, "needs measure.num_prompts >= 1"),
     ({"target": "target-x"}, "reads its target from training.target"),
     ({"runner": "ray-train", "search": {"objective": "speedup", "space": {"optim.lr": [1e-3]}},
@@ -130,7 +130,7 @@ def test_missing_files_fail_the_preflight(tmp_path, eyas_home):
         preflight(sweep)
     (eyas_home / "targets" / "target-x").mkdir(parents=True)
     (eyas_home / "targets" / "target-x" / "config.json").write_text("{}")
-    with pytest.raises(ConfigError, match=r"spec.drafter=.*no drafter checkpoint at .*eagle3-x \(missing"):
+    with pytest.raises(ConfigError, match=r"spec.drafter=.*eagle3-x: no checkpoint there \(a drafter is trained with"):
         preflight(sweep)
     training = load(tmp_path, TRAINING)
     with pytest.raises(ConfigError, match="training.data='data-x': .* holds no shards"):
@@ -142,7 +142,7 @@ def test_missing_files_fail_the_preflight(tmp_path, eyas_home):
     (["search.space.top_k=[16]"], "impossible combination"),
     (["spec.method=eagle9"], "spec.method='eagle9': must be one of"),
     (["search.space.depht=[2]"], "unknown key for an inference sweep"),
-    ([], "spec.drafter=.*no drafter checkpoint"),
+    ([], "spec.drafter=.*no checkpoint there"),
 ])
 def test_cli_refuses_bad_input_before_starting_ray(tmp_path, eyas_home, capsys, overrides, message):
     import ray
