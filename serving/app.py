@@ -10,7 +10,6 @@ are serving.api's; the replica builds that app over its own scheduler once its w
 
 import asyncio
 import contextlib
-from pathlib import Path
 from typing import Any
 
 import ray
@@ -20,13 +19,14 @@ from ray.serve import Application
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from eyas.config import ConfigError
+from eyas.methods import resolve_checkpoint
 from eyas.models import ModelConfig, load_tokenizer
 from serving.api import Frontend, build_api
 from serving.config import ServeArgs
 from serving.metrics import ServingMetrics
 from serving.protocol import Limits
 from serving.scheduler import Scheduler
-from serving.worker import TPWorker, resolve_location
+from serving.worker import TPWorker
 
 WORKER_NAMESPACE = "eyas-serving"  # TP workers are named eyas-worker-<app>-<replica>-rank<r> there
 HEALTH_PING_TIMEOUT_S = 30.0
@@ -37,7 +37,7 @@ HEALTH_PING_TIMEOUT_S = 30.0
 class EyasServer:
     async def __init__(self, args: ServeArgs | dict[str, Any]) -> None:
         self.args = ServeArgs.from_args(args)
-        target_dir = Path(resolve_location(self.args.target))
+        target_dir = resolve_checkpoint(self.args.target, "args.target")
         self.tokenizer = load_tokenizer(target_dir)
         config = ModelConfig.from_file(target_dir / "config.json")
         eos = set(config.eos_token_ids)

@@ -4,124 +4,30 @@ One local Ray and one Serve instance for the module; applications are deployed o
 done, so the shared CPUs hold at most one or two replicas. Checked: tp=1 and tp=2 greedy output equals the library's
 vanilla greedy output; streaming and the official `openai` client; concurrent requests share a batch and each
 equals its own single-request output; every bad input gets its 4xx in OpenAI's error shape and the replica keeps
-serving; a client that disconnects mid-stream frees its batch row; loopback load scales 1 -> 2 replicas and back;
-killing a TP worker actor gets the replica replaced and later requests succeed.
+serving (also for fields hypothesis fills with arbitrary JSON); a client that disconnects mid-stream frees its batch
+row at once (on one row, the next request is admitted); requests past the rows and the waiting places get 429 with
+Retry-After; loopback load scales 1 -> 2 replicas and back; killing a TP worker actor gets the replica replaced and
+later requests succeed. The fuzzed API (schemathesis) is test_fuzz_api.py.
 """
 from __future__ import annotations
 
-import copy
+import concurrent.futures
 import json
-import os
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
-import yaml
+import ray
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from ray import serve
 
-ray = pytest.importorskip("ray")
-serve = pytest.importorskip("ray.serve")
+from serve_testing import (API_KEY, API_KEY_ENV, MODEL, NUM_NEW, PROMPTS, REPO_ROOT, client, complete, deploy,
+                           micro_config, ray_session, reference, running_replicas, serve_port, wait_until,  # noqa: F401
+                           worker_names)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-API_KEY_ENV, API_KEY = "EYAS_TEST_API_KEY", "test-key-123"
-PROMPTS = ["def add(a, b):\n    return", "import os\nimport sys\n", "The quick brown fox", "class A:\n    def"]
-NUM_NEW = 24
-MODEL = "eyas-micro"
-
-
-def wait_until(condition, timeout_s: float, every_s: float = 0.5, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(every_s)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-
-
-@pytest.fixture(scope="module")
-def ray_session():
-    """(HTTP port, Prometheus metrics port) of a local Ray with Serve on loopback."""
-    from eyas.decoding.tp import free_port
-
-    # autoscaling metrics reach the controller every half second instead of every 10 s (read by Serve's actors,
-    # which inherit this process's environment through the local Ray it starts)
-    os.environ["RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S"] = "0.5"
-    os.environ["RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S"] = "0.5"
-    metrics_port = free_port()
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, _metrics_export_port=metrics_port,
-             _system_config={"metrics_report_interval_ms": 1000},
-             runtime_env={"env_vars": {API_KEY_ENV: API_KEY}})
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
-    yield port, metrics_port
-    serve.shutdown()
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def serve_port(ray_session):
-    return ray_session[0]
-
-
-@pytest.fixture(scope="module")
-def reference(random_checkpoint):
-    """The library's own vanilla greedy continuation of each prompt, and the prompts' token ids."""
-    from eyas.models import load_target, load_tokenizer
-    from eyas.decoding.generate import generate
-
-    target = load_target(random_checkpoint)
-    tokenizer = load_tokenizer(random_checkpoint)
-    eos = set(target.config.eos_token_ids) | {tokenizer.eos_token_id}
-    ids = [tokenizer.encode(p) for p in PROMPTS]
-    return {p: generate(target, i, NUM_NEW, eos_token_ids=eos).token_ids for p, i in zip(PROMPTS, ids)}
-
-
-def micro_config(target: Path, name: str, route: str, **args) -> dict:
-    config = yaml.safe_load((REPO_ROOT / "serving" / "configs" / "micro.yaml").read_text())
-    app = config["applications"][0]
-    app.update(name=name, route_prefix=route)
-    app["args"].update(target=str(target), **args)
-    return config
-
-
-def deploy(config: dict, single_replica: bool = True) -> None:
-    from serving.app import run_config
-
-    config = copy.deepcopy(config)
-    if single_replica:
-        deployment = config["applications"][0]["deployments"][0]
-        deployment.pop("autoscaling_config")
-        deployment["num_replicas"] = 1
-    run_config(config)
-
-
-def client(port: int, route: str, key: str | None = API_KEY) -> httpx.Client:
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    return httpx.Client(base_url=f"http://127.0.0.1:{port}{route}", headers=headers, timeout=120)
-
-
-def complete(http: httpx.Client, prompt, **extra) -> dict:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": NUM_NEW, "temperature": 0, "return_token_ids": True,
-            **extra}
-    response = http.post("/v1/completions", json=body)
-    assert response.status_code == 200, response.text
-    return response.json()
-
-
-def running_replicas(app: str) -> int:
-    status = serve.status().applications.get(app)
-    if status is None:
-        return 0
-    return sum(d.replica_states.get("RUNNING", 0) for d in status.deployments.values())
-
-
-def worker_names(app: str) -> set[str]:
-    return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-            if a["name"].startswith(f"eyas-worker-{app}-")}
 
 
 # ---------------------------------------------------------------- tp=1: correctness, HTTP, bad input
@@ -152,15 +58,19 @@ def test_tp1_greedy_equals_vanilla_streaming_and_openai_client(serve_port, tp1, 
     assert whole.choices[0].text == complete(http, PROMPTS[0])["choices"][0]["text"]
     chunks = list(sdk.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=NUM_NEW, temperature=0,
                                          stream=True))
-    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
-    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
-    assert chunks[-1].model_extra["spec"]["cycles"] >= 1
+    assert "".join([c.choices[0].text for c in chunks]) == whole.choices[0].text  # every chunk has a choice
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert chunks[-1].model_extra["spec"]["cycles"] >= 1 and all(c.usage is None for c in chunks)
+    counted = list(sdk.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=NUM_NEW, temperature=0,
+                                          stream=True, stream_options={"include_usage": True}))
+    assert counted[-1].choices == [] and counted[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert counted[-1].model_extra["spec"]["cycles"] >= 1
     chat = sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=8,
                                        temperature=0.7, top_p=0.9, seed=3)
     assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens <= 8
     streamed = sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=8,
                                            temperature=0.7, top_p=0.9, seed=3, stream=True)
-    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    text = "".join([c.choices[0].delta.content or "" for c in streamed])
     assert text == chat.choices[0].message.content  # same seed, same tokens
 
 
@@ -241,6 +151,36 @@ def test_bad_input_gets_4xx_and_the_replica_keeps_serving(serve_port, tp1, refer
     assert worker_names("tp1") == workers_before and running_replicas("tp1") == 1
 
 
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-2 ** 66, 2 ** 66) | st.floats(-1e6, 1e6)
+                    | st.text(max_size=6), lambda inner: st.lists(inner, max_size=3)
+                    | st.dictionaries(st.text(max_size=4), inner, max_size=3), max_leaves=6)
+FIELDS = ["model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "n", "stream",
+          "return_token_ids", "stream_options"]
+
+
+def test_a_field_of_arbitrary_json_gets_200_or_a_400_naming_it(serve_port, tp1, reference):
+    http = client(serve_port, tp1)
+    seen = []
+
+    @settings(max_examples=40, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(st.sampled_from(FIELDS), JSON)
+    def one(field, value):
+        body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0, field: value}
+        if field == "max_tokens" and isinstance(value, int) and not isinstance(value, bool):
+            body["max_tokens"] = max(min(value, 8), -8)  # a valid budget stays short
+        response = http.post("/v1/completions", json=body)
+        seen.append(response.status_code)
+        assert response.status_code in (200, 400, 404), (body, response.text)
+        if response.status_code != 200:
+            error = response.json()["error"]
+            assert error["param"] == field and set(error) == {"message", "type", "param", "code"}, (body, error)
+
+    one()
+    assert 200 in seen and 400 in seen
+    assert complete(http, PROMPTS[0])["choices"][0]["token_ids"] == reference[PROMPTS[0]]
+
+
 def test_client_disconnect_mid_stream_frees_its_row(serve_port, tp1):
     http = client(serve_port, tp1)
     cancelled = http.get("/health").json()["cancelled"]
@@ -293,6 +233,57 @@ def test_killing_a_worker_replaces_the_replica(serve_port, tp1, reference):
     wait_until(served, 120, every_s=1.0, what="a replacement replica")
     assert complete(http, PROMPTS[0])["choices"][0]["token_ids"] == reference[PROMPTS[0]]
     serve.delete("tp1")
+
+
+# ---------------------------------------------------------------- one row, no waiting place: admission
+
+
+@pytest.fixture(scope="module")
+def one_row(serve_port, random_checkpoint):
+    deploy(micro_config(random_checkpoint, "one-row", "/one-row", max_batch_size=1, max_waiting_requests=0,
+                        speculation_by_batch={1: None}))
+    yield "/one-row"
+    serve.delete("one-row")
+
+
+def test_requests_past_the_row_get_429_with_retry_after(serve_port, one_row):
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 300, "temperature": 0}
+
+    def post(_: int) -> httpx.Response:
+        with client(serve_port, one_row, key=None) as http:
+            return http.post("/v1/completions", json=body)
+
+    start = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        responses = list(pool.map(post, range(6)))
+    statuses = [r.status_code for r in responses]
+    assert set(statuses) == {200, 429} and time.monotonic() - start < 120, statuses
+    for response in responses:
+        if response.status_code == 429:
+            assert response.headers["retry-after"] == "1"
+            assert response.json()["error"]["code"] == "server_busy"
+
+
+def test_a_disconnected_stream_frees_its_only_row_at_once(serve_port, one_row):
+    http = client(serve_port, one_row, key=None)
+    cancelled = http.get("/health").json()["cancelled"]
+    body = {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 400, "temperature": 0, "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        events = 0
+        for line in response.iter_lines():
+            events += line.startswith("data:")
+            if events >= 2:
+                break
+    closed = time.monotonic()
+    short = {"model": MODEL, "prompt": PROMPTS[3], "max_tokens": 4, "temperature": 0}
+    response = http.post("/v1/completions", json=short)
+    while response.status_code == 429 and time.monotonic() - closed < 10:  # the disconnect reaching the replica
+        time.sleep(0.1)
+        response = http.post("/v1/completions", json=short)
+    # admitted on the only row while the 400-token stream would still be running: its leave freed the row
+    assert response.status_code == 200, response.text
+    assert http.get("/health").json()["cancelled"] == cancelled + 1
 
 
 # ---------------------------------------------------------------- tp=2

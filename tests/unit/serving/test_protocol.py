@@ -235,4 +235,17 @@ def test_shipped_serve_configs_are_valid(name):
     assert deployment["name"] == "EyasServer"
     autoscaling = deployment["autoscaling_config"]
     assert autoscaling["min_replicas"] <= autoscaling["max_replicas"]
-    assert deployment["max_ongoing_requests"] >= args.max_batch_size
+    # past the rows and the waiting places, the replica itself must see a request to answer it 429
+    assert deployment["max_ongoing_requests"] > args.max_batch_size + args.max_waiting_requests
+
+
+def test_back_pressure_needs_serve_to_hand_the_replica_more_than_it_admits():
+    from serving.app import check_back_pressure
+
+    args = ServeArgs(target="/x", max_batch_size=4, max_waiting_requests=4)
+    check_back_pressure(args, {"max_ongoing_requests": 9})
+    check_back_pressure(args, {"max_ongoing_requests": 8, "max_queued_requests": 16})  # Serve's own bound
+    with pytest.raises(ConfigError, match="max_ongoing_requests=8 must exceed"):
+        check_back_pressure(args, {"max_ongoing_requests": 8})
+    with pytest.raises(ConfigError, match="max_waiting_requests"):
+        ServeArgs(target="/x", max_waiting_requests=-1)
