@@ -34,9 +34,9 @@ def _expand(expand: Expand, parent_ids: list[int], partial: PartialTree, top_k: 
                          f"expected ({len(parent_ids)}, V)")
     if top_k > probs_PV.shape[1]:
         raise ValueError(f"top_k / rank {top_k} exceeds the vocabulary size {probs_PV.shape[1]}")
-    conf_PK, token_PK = probs_PV.topk(top_k, dim=-1)
+    conf_PW, token_PW = probs_PV.topk(top_k, dim=-1)
     # Clamp: V must not grow along a path (rerank and best-first rely on it); softmax can round to 1 + eps.
-    return probs_PV, conf_PK.double().clamp(max=1.0).tolist(), token_PK.tolist()
+    return probs_PV, conf_PW.double().clamp(max=1.0).tolist(), token_PW.tolist()
 
 
 def _best(node_ids: Sequence[int], scores: list[float], count: int) -> list[int]:
@@ -85,10 +85,10 @@ def build_static(root_token: int, shape: StaticTreeShape, expand: Expand) -> Dra
         layer = sorted((r for r in ranks if len(r) == depth), key=lambda r: (node_of[r[:-1]], r[-1]))
         parent_ids = list(dict.fromkeys(node_of[r[:-1]] for r in layer))
         row_of = {parent: row for row, parent in enumerate(parent_ids)}
-        probs_PV, conf_PK, token_PK = _expand(expand, parent_ids, partial, max(r[-1] for r in layer) + 1)
+        probs_PV, conf_PW, token_PW = _expand(expand, parent_ids, partial, max(r[-1] for r in layer) + 1)
         for r in layer:
             parent, row = node_of[r[:-1]], row_of[node_of[r[:-1]]]
-            node_of[r] = partial.add(parent, token_PK[row][r[-1]], partial.scores[parent] * conf_PK[row][r[-1]],
+            node_of[r] = partial.add(parent, token_PW[row][r[-1]], partial.scores[parent] * conf_PW[row][r[-1]],
                                      probs_PV[row])
     return partial.to_tree()
 
@@ -106,10 +106,10 @@ def build_dynamic(root_token: int, expand: Expand, depth: int, top_k: int, num_n
     partial = PartialTree(root_token)
     frontier = [0]
     for _ in range(depth):
-        probs_PV, conf_PK, token_PK = _expand(expand, frontier, partial, top_k)
+        probs_PV, conf_PW, token_PW = _expand(expand, frontier, partial, top_k)
         added = [partial.add(parent, token, partial.scores[parent] * conf, probs_PV[row])
                  for row, parent in enumerate(frontier)
-                 for conf, token in zip(conf_PK[row], token_PK[row])]
+                 for conf, token in zip(conf_PW[row], token_PW[row])]
         frontier = _best(added, partial.scores, top_k)
     keep = _best(range(1, len(partial)), partial.scores, num_nodes)
     return partial.to_tree([0, *keep])
@@ -135,9 +135,9 @@ def build_best_first(root_token: int, expand: Expand, num_nodes: int, top_k: int
     while heap and len(partial) - 1 < num_nodes:
         neg_key, _, node, rank = heapq.heappop(heap)
         if rank < 0:  # expand `node`
-            probs_PV, conf_PK, token_PK = _expand(expand, [node], partial, top_k)
-            candidates[node] = (probs_PV[0], conf_PK[0], token_PK[0])
-            heapq.heappush(heap, (-partial.scores[node] * conf_PK[0][0], next(counter), node, 0))
+            probs_PV, conf_PW, token_PW = _expand(expand, [node], partial, top_k)
+            candidates[node] = (probs_PV[0], conf_PW[0], token_PW[0])
+            heapq.heappush(heap, (-partial.scores[node] * conf_PW[0][0], next(counter), node, 0))
             continue
         probs_V, confs, tokens = candidates[node]
         child = partial.add(node, tokens[rank], -neg_key, probs_V)

@@ -1,6 +1,6 @@
 """Tree verification: the target's scores at every node -> the accepted path and one bonus token.
 
-Shape legend: N tree nodes (root included), V vocab, X any leading dims.
+Shape legend (docs/SHAPES.md): N tree nodes (root included), V vocab; ``logits_V`` may carry leading dims [..., V].
 
 Row i of the target's logits / probs is the target's next-token distribution AT node i, i.e. after the prefix and
 the path to node i (row 0: at the root). Both routines return the accepted root-to-node path and a bonus token.
@@ -132,7 +132,7 @@ def sample(probs_V: torch.Tensor, generator: torch.Generator) -> int:
     return torch.multinomial(probs_V.to(generator.device), 1, generator=generator).item()
 
 
-def process_logits(logits_XV: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0) -> torch.Tensor:
+def process_logits(logits_V: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0) -> torch.Tensor:
     """The sampling distribution: softmax(logits / temperature) restricted to the top_k tokens (0: all; tokens
     tied with the k-th are kept) and to the smallest top-probability set of mass >= top_p (1.0: all), renormalised.
     Greedy decoding (temperature 0) is handled by the caller with argmax, not here."""
@@ -142,15 +142,15 @@ def process_logits(logits_XV: torch.Tensor, temperature: float, top_p: float = 1
         raise ValueError(f"process_logits: top_p must be in (0, 1], got {top_p}")
     if top_k < 0:
         raise ValueError(f"process_logits: top_k must be >= 0 (0 disables it), got {top_k}")
-    logits_XV = logits_XV.float() / temperature
-    if 0 < top_k < logits_XV.shape[-1]:
-        kth_X1 = logits_XV.topk(top_k, dim=-1).values[..., -1:]
-        logits_XV = logits_XV.masked_fill(logits_XV < kth_X1, float("-inf"))
+    logits_V = logits_V.float() / temperature
+    if 0 < top_k < logits_V.shape[-1]:
+        kth_1 = logits_V.topk(top_k, dim=-1).values[..., -1:]
+        logits_V = logits_V.masked_fill(logits_V < kth_1, float("-inf"))
     if top_p < 1.0:
-        sorted_XV, order_XV = logits_XV.sort(dim=-1, descending=True)
-        sorted_probs_XV = sorted_XV.softmax(dim=-1)
+        sorted_V, order_V = logits_V.sort(dim=-1, descending=True)
+        sorted_probs_V = sorted_V.softmax(dim=-1)
         # drop a token when the tokens ranked above it already reach top_p (the top token always stays)
-        drop_sorted_XV = (sorted_probs_XV.cumsum(dim=-1) - sorted_probs_XV) >= top_p
-        drop_XV = drop_sorted_XV.scatter(-1, order_XV, drop_sorted_XV)
-        logits_XV = logits_XV.masked_fill(drop_XV, float("-inf"))
-    return logits_XV.softmax(dim=-1)
+        drop_sorted_V = (sorted_probs_V.cumsum(dim=-1) - sorted_probs_V) >= top_p
+        drop_V = drop_sorted_V.scatter(-1, order_V, drop_sorted_V)
+        logits_V = logits_V.masked_fill(drop_V, float("-inf"))
+    return logits_V.softmax(dim=-1)

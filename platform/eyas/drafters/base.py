@@ -3,7 +3,7 @@
 A drafter never calls the target. The loop hands it the target's hidden states ("taps", Hugging Face
 ``hidden_states`` numbering) for the tokens that entered the target's KV cache, and asks it for a DraftTree.
 
-Shape legend: P prompt tokens, A tokens committed in one cycle, E target hidden size.
+Shape legend (docs/SHAPES.md): T tokens (the prompt's, or those committed in one cycle), E target hidden size.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ class Drafter(Protocol):
     max_draft_nodes: int  # the most drafted nodes (root excluded) one of its trees can have (the engine checks it)
 
     def begin(self, prompt_ids: list[int], taps: dict[int, torch.Tensor]) -> None:
-        """Start a sequence. taps[l] is [P, E]: the target's state after each prompt token."""
+        """Start a sequence. taps[l] is [T, E]: the target's state after each prompt token."""
 
     def propose(self, root_token: int, context_ids: list[int], temperature: float,
                 generator: torch.Generator | None) -> DraftTree:
@@ -31,4 +31,4 @@ class Drafter(Protocol):
         """
 
     def commit(self, tokens: list[int], taps: dict[int, torch.Tensor]) -> None:
-        """The root and the accepted drafted tokens entered the target's cache; taps[l] is [A, E] for them."""
+        """The root and the accepted drafted tokens entered the target's cache; taps[l] is [T, E] for them."""

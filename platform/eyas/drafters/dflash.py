@@ -1,12 +1,13 @@
 """DFlash (arXiv 2602.06036): a block-diffusion drafter that drafts a whole block in ONE forward.
 
-Shape legend: B batch, T tokens, A anchors (blocks) per sequence, K block size, Q block tokens (A*K),
-S attended keys, C committed context positions, E hidden size (the target's), H heads, D head dim, V vocab.
+Shape legend (docs/SHAPES.md): B batch, T tokens, K drafted block slots (G - 1), S attended keys, C committed
+context positions, E hidden size (the target's), H heads, D head dim, V vocab; this file adds A anchors (blocks) per
+sequence, G block size (the root + K slots), Q block tokens (A*G), F fused tap width (num_taps * E).
 
 Architecture (papers.md, DFlash):
   context_CE = RMSNorm(Linear(concat(target taps))): num_taps target layers, evenly spaced from the 2nd to the
                3rd-from-last (`dflash_taps`), fused into one feature per committed position.
-  block      = [anchor/root token, MASK x (K-1)] at positions a .. a+K-1, embedded by the TARGET's frozen embedding.
+  block      = [anchor/root token, MASK x (G-1)] at positions a .. a+G-1, embedded by the TARGET's frozen embedding.
   every layer: queries from the block only; keys/values = [k_proj(context) ; k_proj(block)] (the same projections,
                RoPE at each key's own position), the block attends to itself bidirectionally.
   logits     = the TARGET's frozen LM head on the final-normed block states; slot k predicts the token at a+k.
@@ -15,7 +16,7 @@ The target's embedding and LM head are shared, never trained and never saved.
 Context timing: the root (slot 0) at position L is the last emitted token, which the target has not run yet, so
 the context is exactly the committed positions 0..L-1. Training mirrors that: a block anchored at position a sees
 the fused target features of positions < a (the anchor's own feature is NOT visible; the anchor enters as a clean
-token embedding) plus its own K slots, never another block (`anchor_block_mask`).
+token embedding) plus its own G slots, never another block (`anchor_block_mask`).
 
 The mask token: ``mask_token_id`` is the tokenizer's ``<|mask|>`` id when the vocabulary has one (the embedding is
 frozen, so any fixed row works as a constant input). Fallback when the target's vocabulary has no spare token:
@@ -52,7 +53,7 @@ CONTEXT_MIN_SLOTS = 64  # the context cache's first size; it doubles as needed
 @dataclass(frozen=True)
 class DFlashConfig:
     num_layers: int = 5          # drafter layers; depth is cheap, the whole block costs one forward
-    block_size: int = 16         # K: the root + K-1 drafted tokens per forward
+    block_size: int = 16         # G: the root + G-1 drafted tokens per forward
     num_taps: int = 5            # target layers fused into the context feature
     loss_decay: float = 7.0      # gamma in w_k = exp(-(k-1)/gamma); see PAPER_LOSS_DECAY
     num_anchors: int = 512       # blocks per training sequence, redrawn at every call
@@ -194,20 +195,20 @@ class DFlashModel(nn.Module):
         missing = [t for t in self.target_taps if t not in taps]
         if missing:
             raise ValueError(f"DFlash needs target taps {self.target_taps}; missing {missing}")
-        concat_TX = torch.cat([taps[t] for t in self.target_taps], dim=-1).to(self.fc.weight.dtype)
-        return self.hidden_norm(self.fc(concat_TX))
+        concat_TF = torch.cat([taps[t] for t in self.target_taps], dim=-1).to(self.fc.weight.dtype)
+        return self.hidden_norm(self.fc(concat_TF))
 
-    def embed_block(self, anchors_X: torch.Tensor) -> torch.Tensor:
-        """[..., K, E]: slot 0 the clean anchor (root) token, slots 1..K-1 the mask."""
-        K = self.block_size
+    def embed_block(self, anchors: torch.Tensor) -> torch.Tensor:
+        """[..., G, E]: slot 0 the clean anchor (root) token, slots 1..G-1 the mask."""
+        G = self.block_size
         with torch.no_grad():  # frozen, shared target embedding
-            anchor_XE = self.embed_tokens(anchors_X).to(self.fc.weight.dtype)
+            anchor_E = self.embed_tokens(anchors).to(self.fc.weight.dtype)
             if self.config.mask_token_id is not None:
                 mask_E = self.embed_tokens.weight[self.config.mask_token_id]
         if self.config.mask_token_id is None:
             mask_E = self.mask_embedding
-        mask_XKE = mask_E.to(anchor_XE.dtype).expand(*anchors_X.shape, K - 1, anchor_XE.shape[-1])
-        return torch.cat([anchor_XE.unsqueeze(-2), mask_XKE], dim=-2)
+        mask_KE = mask_E.to(anchor_E.dtype).expand(*anchors.shape, G - 1, anchor_E.shape[-1])
+        return torch.cat([anchor_E.unsqueeze(-2), mask_KE], dim=-2)
 
     def context_kv(self, features_BCE: torch.Tensor, positions_BC: torch.Tensor
                    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -226,10 +227,10 @@ class DFlashModel(nn.Module):
             x_BQE = layer(x_BQE, cos_BQD, sin_BQD, ctx_k_BHCD, ctx_v_BHCD, mask_B1QS)
         return self.norm(x_BQE)
 
-    def logits(self, hidden_XE: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden_E: torch.Tensor) -> torch.Tensor:
         """The target's frozen LM head (gradients reach the drafter states, never the head)."""
         weight_VE = self.lm_head.weight.detach()
-        return F.linear(hidden_XE.to(weight_VE.dtype), weight_VE)
+        return F.linear(hidden_E.to(weight_VE.dtype), weight_VE)
 
     def forward(self, batch, features, generator: torch.Generator | None = None):
         """Training: ``(loss, metrics)`` of one batch (dflash_train.block_loss). Anchors are redrawn on every call
@@ -248,7 +249,7 @@ class DFlashModel(nn.Module):
 class DFlashDrafter:
     """The speculative-loop side of DFlash: one drafter forward per cycle drafts the whole block.
 
-    mode="block":  the chain of the K-1 block positions. Greedy: each position's argmax (deterministic). With
+    mode="block":  the chain of the G-1 block positions. Greedy: each position's argmax (deterministic). With
                    temperature T > 0 each token is SAMPLED from q_k = softmax(logits_k / T) and the chain carries
                    sampled=True and the q's, so verification uses the exact p/q rule and accepts x with
                    min(1, p(x)/q(x)), whose mean sum_x min(p, q) beats the p(argmax) a deterministic chain gets
@@ -296,12 +297,12 @@ class DFlashDrafter:
 
     @torch.inference_mode()
     def draft_logits(self, root_token: int) -> torch.Tensor:
-        """[K-1, V]: the logits of block positions 1..K-1 after the committed context."""
-        K, start = self.model.block_size, self.context.lengths[0]
-        x_1KE = self.model.embed_block(torch.tensor([root_token], device=self.device))
-        positions_1K = torch.arange(start, start + K, device=self.device)[None]
-        hidden_1KE = self.model.block_hidden(x_1KE, positions_1K, self.context.layer_views(start), mask_BQS=None)
-        return self.model.logits(hidden_1KE[0, 1:]).float()
+        """[G-1, V]: the logits of block positions 1..G-1 after the committed context."""
+        G, start = self.model.block_size, self.context.lengths[0]
+        x_1GE = self.model.embed_block(torch.tensor([root_token], device=self.device))
+        positions_1G = torch.arange(start, start + G, device=self.device)[None]
+        hidden_1GE = self.model.block_hidden(x_1GE, positions_1G, self.context.layer_views(start), mask_BQS=None)
+        return self.model.logits(hidden_1GE[0, 1:]).float()
 
     def propose(self, root_token: int, context_ids: list[int], temperature: float,
                 generator: torch.Generator | None) -> DraftTree:

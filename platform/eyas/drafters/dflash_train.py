@@ -1,11 +1,11 @@
 """DFlash training: random anchors, the anchor/block attention mask, and the decayed block loss with its metrics.
 
-Shape legend: B batch, T tokens, A anchors (blocks) per sequence, K block size, k the K-1 predicting slots
-(1..K-1), Q = A*K block tokens, S = T + Q attended keys (context positions, then block tokens), X = A*(K-1),
-E hidden size, V vocab.
+Shape legend (docs/SHAPES.md): B batch, T tokens, K drafted (predicting) block slots 1..G-1, S = T + Q attended
+keys (context positions, then block tokens), E hidden size, V vocab; this file adds A anchors (blocks) per
+sequence, G block size (the anchor + K slots), Q = A*G block tokens, R = A*K predicting slots flattened.
 
 All blocks of a batch run in ONE drafter forward. The queries are the Q block tokens; the keys are the T context
-positions (fused target features) followed by the Q block tokens. Worked example, T = 6, K = 3, anchors [1, 4]:
+positions (fused target features) followed by the Q block tokens. Worked example, T = 6, G = 3, anchors [1, 4]:
   block 0 = [t1, M, M] at positions 1, 2, 3: sees context position 0 and its own 3 slots; labels t2, t3
   block 1 = [t4, M, M] at positions 4, 5, 6: sees context positions 0..3 and its own 3 slots; labels t5 (t6 is
             past the end: masked)
@@ -50,75 +50,75 @@ def draw_anchors(loss_mask_BT: torch.Tensor, valid_BT: torch.Tensor, num_anchors
 def anchor_block_mask(anchors_BA: torch.Tensor, valid_BT: torch.Tensor, block_size: int) -> torch.Tensor:
     """bool mask_BQS (True = attend) for all blocks of a batch in one forward.
 
-    Query q = a*K + j (slot j of block a) sees context key p < T iff p < anchors[a] and p is a real token, and block
-    key T + a'*K + j' iff a' == a (bidirectional inside its own block, never another block). A padding anchor
+    Query q = a*G + j (slot j of block a) sees context key p < T iff p < anchors[a] and p is a real token, and block
+    key T + a'*G + j' iff a' == a (bidirectional inside its own block, never another block). A padding anchor
     (position 0) sees no context, only its own block, so no row is empty.
     """
     B, A = anchors_BA.shape
-    T, K = valid_BT.shape[1], block_size
+    T, G = valid_BT.shape[1], block_size
     context_BAT = (torch.arange(T, device=anchors_BA.device) < anchors_BA[..., None]) & valid_BT.bool()[:, None, :]
-    context_BQT = context_BAT.repeat_interleave(K, dim=1)
-    block_of_Q = torch.arange(A * K, device=anchors_BA.device) // K
+    context_BQT = context_BAT.repeat_interleave(G, dim=1)
+    block_of_Q = torch.arange(A * G, device=anchors_BA.device) // G
     own_block_QQ = block_of_Q[:, None] == block_of_Q[None, :]
-    return torch.cat([context_BQT, own_block_QQ.expand(B, A * K, A * K)], dim=-1)
+    return torch.cat([context_BQT, own_block_QQ.expand(B, A * G, A * G)], dim=-1)
 
 
 def position_weights(block_size: int, loss_decay: float) -> torch.Tensor:
-    """w_k = exp(-(k-1)/gamma) for block positions k = 1..K-1: an early miss discards the rest of the block."""
+    """w_k = exp(-(k-1)/gamma) for block positions k = 1..G-1: an early miss discards the rest of the block."""
     return torch.exp(-torch.arange(block_size - 1, dtype=torch.float32) / loss_decay)
 
 
 def block_loss(model, batch: TrainBatch, features: TargetFeatures, generator: torch.Generator | None = None
                ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The DFlash loss: CE of block positions 1..K-1 against the (target-regenerated) tokens t_{a+k}, weighted by
+    """The DFlash loss: CE of block positions 1..G-1 against the (target-regenerated) tokens t_{a+k}, weighted by
     w_k and masked by the loss mask / validity, averaged over the weights. Metrics: loss, ce (unweighted),
-    acc_1..acc_{K-1} (per-position top-1 on the batch), accept_len = sum_k prod_{i<=k} acc_i, num_blocks.
+    acc_1..acc_{G-1} (per-position top-1 on the batch), accept_len = sum_k prod_{i<=k} acc_i, num_blocks.
 
-    Cost note: logits are materialised for all A*(K-1) block slots ([B, A, K-1, V]); lower num_anchors for large
+    Cost note: logits are materialised for all A*(G-1) block slots ([B, A, G-1, V]); lower num_anchors for large
     vocabularies.
     """
     input_ids_BT = batch.input_ids_BT
     B, T = input_ids_BT.shape
-    K = model.block_size
+    G = model.block_size
     anchors_BA, anchor_valid_BA = draw_anchors(batch.loss_mask_BT, batch.valid_BT, model.config.num_anchors,
                                                generator)
-    logits_BAkV = block_logits(model, input_ids_BT, batch.valid_BT, features.taps, anchors_BA).float()
+    logits_BAKV = block_logits(model, input_ids_BT, batch.valid_BT, features.taps, anchors_BA).float()
 
-    positions_BAK = anchors_BA[..., None] + torch.arange(K, device=input_ids_BT.device)
-    label_pos_BAk = positions_BAK[..., 1:]
-    in_range_BAk = label_pos_BAk < T
-    flat_pos_BX = label_pos_BAk.clamp(max=T - 1).reshape(B, -1)
-    labels_BAk = input_ids_BT.gather(1, flat_pos_BX).view_as(label_pos_BAk)
+    positions_BAG = anchors_BA[..., None] + torch.arange(G, device=input_ids_BT.device)
+    label_pos_BAK = positions_BAG[..., 1:]
+    in_range_BAK = label_pos_BAK < T
+    flat_pos_BR = label_pos_BAK.clamp(max=T - 1).reshape(B, -1)
+    labels_BAK = input_ids_BT.gather(1, flat_pos_BR).view_as(label_pos_BAK)
     learnable_BT = batch.loss_mask_BT.bool() & batch.valid_BT.bool()
-    mask_BAk = in_range_BAk & anchor_valid_BA[..., None] & learnable_BT.gather(1, flat_pos_BX).view_as(in_range_BAk)
+    mask_BAK = in_range_BAK & anchor_valid_BA[..., None] & learnable_BT.gather(1, flat_pos_BR).view_as(in_range_BAK)
 
-    ce_BAk = F.cross_entropy(logits_BAkV.flatten(0, 2), labels_BAk.flatten(), reduction="none").view_as(mask_BAk)
-    weight_BAk = position_weights(K, model.config.loss_decay).to(ce_BAk.device) * mask_BAk
-    loss = (ce_BAk * weight_BAk).sum() / weight_BAk.sum().clamp(min=1e-6)
-    return loss, block_metrics(logits_BAkV.detach(), labels_BAk, mask_BAk, ce_BAk.detach(), loss.detach(),
+    ce_BAK = F.cross_entropy(logits_BAKV.flatten(0, 2), labels_BAK.flatten(), reduction="none").view_as(mask_BAK)
+    weight_BAK = position_weights(G, model.config.loss_decay).to(ce_BAK.device) * mask_BAK
+    loss = (ce_BAK * weight_BAK).sum() / weight_BAK.sum().clamp(min=1e-6)
+    return loss, block_metrics(logits_BAKV.detach(), labels_BAK, mask_BAK, ce_BAK.detach(), loss.detach(),
                                      anchor_valid_BA)
 
 
 def block_logits(model, input_ids_BT: torch.Tensor, valid_BT: torch.Tensor, taps: dict[int, torch.Tensor],
                  anchors_BA: torch.Tensor) -> torch.Tensor:
-    """logits_BAkV of block slots k = 1..K-1 for every anchor, all blocks in one forward (anchor_block_mask)."""
+    """logits_BAKV of block slots k = 1..G-1 for every anchor, all blocks in one forward (anchor_block_mask)."""
     B, T = input_ids_BT.shape
-    A, K, E = anchors_BA.shape[1], model.block_size, model.target_config.hidden_size
-    positions_BQ = (anchors_BA[..., None] + torch.arange(K, device=input_ids_BT.device)).reshape(B, A * K)
+    A, G, E = anchors_BA.shape[1], model.block_size, model.target_config.hidden_size
+    positions_BQ = (anchors_BA[..., None] + torch.arange(G, device=input_ids_BT.device)).reshape(B, A * G)
     features_BTE = model.fuse(taps)
     context_kv = model.context_kv(features_BTE, torch.arange(T, device=input_ids_BT.device).expand(B, T))
-    x_BQE = model.embed_block(input_ids_BT.gather(1, anchors_BA)).reshape(B, A * K, E)
-    hidden_BQE = model.block_hidden(x_BQE, positions_BQ, context_kv, anchor_block_mask(anchors_BA, valid_BT, K))
-    return model.logits(hidden_BQE.view(B, A, K, E)[:, :, 1:])
+    x_BQE = model.embed_block(input_ids_BT.gather(1, anchors_BA)).reshape(B, A * G, E)
+    hidden_BQE = model.block_hidden(x_BQE, positions_BQ, context_kv, anchor_block_mask(anchors_BA, valid_BT, G))
+    return model.logits(hidden_BQE.view(B, A, G, E)[:, :, 1:])
 
 
 @torch.no_grad()
-def block_metrics(logits_BAkV: torch.Tensor, labels_BAk: torch.Tensor, mask_BAk: torch.Tensor, ce_BAk: torch.Tensor,
+def block_metrics(logits_BAKV: torch.Tensor, labels_BAK: torch.Tensor, mask_BAK: torch.Tensor, ce_BAK: torch.Tensor,
                   loss: torch.Tensor, anchor_valid_BA: torch.Tensor) -> dict[str, float]:
-    correct_BAk = (logits_BAkV.argmax(-1) == labels_BAk) & mask_BAk
-    count_k = mask_BAk.sum((0, 1))
-    acc_k = (correct_BAk.sum((0, 1)) / count_k.clamp(min=1)).tolist()
-    metrics = {"loss": float(loss), "ce": float((ce_BAk * mask_BAk).sum() / mask_BAk.sum().clamp(min=1)),
+    correct_BAK = (logits_BAKV.argmax(-1) == labels_BAK) & mask_BAK
+    count_k = mask_BAK.sum((0, 1))
+    acc_k = (correct_BAK.sum((0, 1)) / count_k.clamp(min=1)).tolist()
+    metrics = {"loss": float(loss), "ce": float((ce_BAK * mask_BAK).sum() / mask_BAK.sum().clamp(min=1)),
                "num_blocks": int(anchor_valid_BA.sum())}
     metrics.update({f"acc_{k}": acc for k, acc in enumerate(acc_k, start=1)})
     metrics["accept_len"] = sum(math.prod(acc_k[:k]) for k in range(1, len(acc_k) + 1))

@@ -3,7 +3,7 @@
 Greedy decoding drafts the argmax chain (deterministic candidates). With temperature > 0 it SAMPLES each token from
 q = softmax(logits / T) and hands q to the verifier (sampled=True), so the p/q rejection path is exercised.
 
-Shape legend: T tokens, V vocab, K draft length.
+Shape legend (docs/SHAPES.md): T tokens, V vocab, K drafted positions (the chain length).
 """
 from __future__ import annotations
 

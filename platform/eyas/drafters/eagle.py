@@ -1,8 +1,9 @@
 """EAGLE machinery shared by EAGLE-1 (eagle1.py) and EAGLE-3 (eagle3.py): the one-layer drafter, training-time
 unrolling with its attention mask, and the tree-drafting inference wrapper.
 
-Shape legend: B batch, T tokens, S attended key slots, P tree nodes run in one call, E target hidden size,
-I attention input width (E or 2E), H heads, D head dim, V target vocab, X the drafter's output vocab.
+Shape legend (docs/SHAPES.md): B batch, T tokens, S attended key slots, P tree nodes run in one drafter call,
+C committed drafter entries, E target hidden size, H heads, D head dim, V target vocab, X the drafter's output vocab;
+this file adds I attention input width (E or 2E).
 
 Indexing. Drafter index i pairs the token one step ahead with the state at i: input (embed(t_{i+1}), h_i) at rope
 position i, and its output predicts t_{i+2}. h_i is the target's state at step 0 (EAGLE-1: the final-normed feature;
@@ -286,7 +287,7 @@ class EagleDrafter:
         self.target_taps = tuple(model.target_taps)
         self.max_len = max_len or model.target_config.max_position_embeddings
         self.cache: KVCache | None = None
-        self._pending_hidden_AE: torch.Tensor | None = None
+        self._pending_hidden_TE: torch.Tensor | None = None
         self._pending_next: list[int] = []  # the known next tokens of all pending entries but the last
         self._nodes: dict[int, _Node] = {}
         self._num_committed = 0
@@ -301,9 +302,9 @@ class EagleDrafter:
         self.cache = self._new_cache(2 * len(prompt_ids) + self.tree.max_expanded)
         self._num_committed = 0
         self._nodes = {}
-        self._pending_hidden_AE = self.model.initial_hidden(taps)
+        self._pending_hidden_TE = self.model.initial_hidden(taps)
         self._pending_next = list(prompt_ids[1:])
-        assert len(self._pending_next) + 1 == self._pending_hidden_AE.shape[0], "one tap row per prompt token"
+        assert len(self._pending_next) + 1 == self._pending_hidden_TE.shape[0], "one tap row per prompt token"
 
     @property
     def _max_slots(self) -> int:
@@ -328,28 +329,28 @@ class EagleDrafter:
     @torch.no_grad()
     def commit(self, tokens: list[int], taps: dict[int, torch.Tensor]) -> None:
         self._rollback()
-        hidden_AE = self.model.initial_hidden(taps)
-        if self._pending_hidden_AE is None:  # propose ran: the root's entry is committed already
-            self._pending_hidden_AE, self._pending_next = hidden_AE, list(tokens[1:])
+        hidden_TE = self.model.initial_hidden(taps)
+        if self._pending_hidden_TE is None:  # propose ran: the root's entry is committed already
+            self._pending_hidden_TE, self._pending_next = hidden_TE, list(tokens[1:])
         else:  # no propose this cycle (e.g. speculation switched off under load): the root completes the last entry
-            self._pending_hidden_AE = torch.cat([self._pending_hidden_AE, hidden_AE])
+            self._pending_hidden_TE = torch.cat([self._pending_hidden_TE, hidden_TE])
             self._pending_next = self._pending_next + list(tokens)
 
     @torch.no_grad()
     def advance(self, root_token: int) -> None:
         """Commit every pending entry (their next tokens end with the root) and compute the root's draft state."""
-        assert self.cache is not None and self._pending_hidden_AE is not None, "call begin() first"
-        hidden_AE, self._pending_hidden_AE = self._pending_hidden_AE, None
+        assert self.cache is not None and self._pending_hidden_TE is not None, "call begin() first"
+        hidden_TE, self._pending_hidden_TE = self._pending_hidden_TE, None
         tokens = self._pending_next + [root_token]
-        A, C = len(tokens), self._num_committed
-        device = hidden_AE.device
-        mask_AS = torch.ones(A, C + A, dtype=torch.bool, device=device)
-        mask_AS[:, C:] = torch.ones(A, A, dtype=torch.bool, device=device).tril()
-        positions_A = torch.arange(C, C + A, device=device)
-        out_AE, probs_AV = self._run(torch.tensor(tokens, device=device), hidden_AE, positions_A, mask_AS)
-        self._num_committed = C + A
-        self._root_position = C + A - 1
-        self._nodes = {0: _Node(None, out_AE[-1], probs_AV[-1])}
+        T, C = len(tokens), self._num_committed
+        device = hidden_TE.device
+        mask_TS = torch.ones(T, C + T, dtype=torch.bool, device=device)
+        mask_TS[:, C:] = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+        positions_T = torch.arange(C, C + T, device=device)
+        out_TE, probs_TV = self._run(torch.tensor(tokens, device=device), hidden_TE, positions_T, mask_TS)
+        self._num_committed = C + T
+        self._root_position = C + T - 1
+        self._nodes = {0: _Node(None, out_TE[-1], probs_TV[-1])}
 
     @torch.no_grad()
     def expand(self, parent_ids: list[int], partial: PartialTree) -> torch.Tensor:

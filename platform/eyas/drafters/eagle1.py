@@ -1,6 +1,6 @@
 """EAGLE-1 (arXiv 2401.15077): extrapolate the target's top-layer feature one step, conditioned on the next token.
 
-Shape legend: B batch, T tokens, E target hidden size, V target vocab.
+Shape legend (docs/SHAPES.md): B batch, T tokens, E target hidden size, V target vocab.
 
 Input at index i: concat(embed(t_{i+1}), f_i) -> Linear(2E -> E) -> one decoder layer -> predicted f_{i+1}, whose
 tokens come from the target's frozen LM head. f is the target's final-normed state (tap ``num_layers``, what the
@@ -74,8 +74,8 @@ class Eagle1Model(EagleModel):
         feature_BTE, kv = self.layer(x_BTE, None, cos_BTD, sin_BTD, past, mask_B1TS)
         return feature_BTE, self.target_logits(feature_BTE), kv
 
-    def draft_probs(self, logits_XV: torch.Tensor) -> torch.Tensor:
-        return logits_XV.float().softmax(-1)
+    def draft_probs(self, logits_V: torch.Tensor) -> torch.Tensor:
+        return logits_V.float().softmax(-1)
 
     def training_loss(self, batch: TrainBatch, features: TargetFeatures) -> tuple[torch.Tensor, dict[str, float]]:
         config = self.config

@@ -1,6 +1,6 @@
 """EAGLE-3 (arXiv 2503.01840): multi-layer fusion, no feature loss, training-time test, reduced draft vocabulary.
 
-Shape legend: B batch, T tokens, E target hidden size, V target vocab, X draft vocab.
+Shape legend (docs/SHAPES.md): B batch, T tokens, E target hidden size, V target vocab, X draft vocab.
 
 Step 0 at index i reads concat(low, mid, high target states at i) -> Linear(3E -> E) with embed(t_{i+1}); the one
 decoder layer's attention reads concat(norm(embed), norm(hidden)) (q/k/v take 2E) and its residual stream is the
@@ -127,9 +127,9 @@ class Eagle3Model(EagleModel):
         out_BTE, kv = self.layer(hidden_BTE.to(self.dtype), self.embed(tokens_BT), cos_BTD, sin_BTD, past, mask_B1TS)
         return out_BTE, self.lm_head(self.norm(out_BTE)), kv
 
-    def draft_probs(self, logits_XX: torch.Tensor) -> torch.Tensor:
+    def draft_probs(self, logits_X: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [..., X] -> probabilities over the target vocabulary [..., V] (0 outside)."""
-        probs = logits_XX.float().softmax(-1)
+        probs = logits_X.float().softmax(-1)
         full = probs.new_zeros(*probs.shape[:-1], self.target_config.vocab_size)
         full[..., self.d2t] = probs
         return full

@@ -1,7 +1,8 @@
 """Medusa-1: K independent heads on the target's last hidden state, head k guessing the token k+1 steps past the
 next one.
 
-Shape legend: B batch, T tokens, K heads, E target hidden size, V target vocab.
+Shape legend (docs/SHAPES.md): B batch, T tokens, K drafted positions (one head each: head k drafts depth k+1),
+E target hidden size, V target vocab.
 
 Head k (0-based) at position i reads the final-normed target state h_i (tap ``num_layers``) and predicts t_{i+2+k}:
   p_k = softmax(LMHead(h + SiLU(W_k h)))   (``num_res_layers`` such residual blocks per head)
@@ -75,11 +76,11 @@ class MedusaModel(nn.Module):
                                    for _ in range(config.num_heads))
         self.to(device=target.device, dtype=target.dtype)
 
-    def head_logits(self, hidden_XE: torch.Tensor) -> torch.Tensor:
+    def head_logits(self, hidden_E: torch.Tensor) -> torch.Tensor:
         """[..., E] -> [..., K, V]: every head's logits."""
         weight_VE = self.lm_head[0].weight.detach()
-        hidden_XE = hidden_XE.to(self.heads[0][0].linear.weight.dtype)  # the heads may train in float32
-        return torch.stack([F.linear(head(hidden_XE).to(weight_VE.dtype), weight_VE) for head in self.heads], dim=-2)
+        hidden_E = hidden_E.to(self.heads[0][0].linear.weight.dtype)  # the heads may train in float32
+        return torch.stack([F.linear(head(hidden_E).to(weight_VE.dtype), weight_VE) for head in self.heads], dim=-2)
 
     def training_loss(self, batch: TrainBatch, features: TargetFeatures) -> tuple[torch.Tensor, dict[str, float]]:
         logits_BTKV = self.head_logits(features.taps[self.target_config.num_layers].detach())
