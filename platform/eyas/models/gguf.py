@@ -71,11 +71,21 @@ def load_dequantized(gguf_file: Path):
 
     folder, name = str(gguf_file.parent), gguf_file.name
     try:
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32,
-                                                     local_files_only=True)
+        model, info = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32,
+                                                           local_files_only=True, output_loading_info=True)
     except (ValueError, KeyError, RuntimeError, OSError) as err:
-        raise CheckpointError(f"{gguf_file}: transformers cannot load the model ({type(err).__name__}: {err})") \
+        hint = ("; the tensors' shapes disagree with the config transformers builds from the metadata (the load "
+                "report above lists them)" if "mismatched" in str(err) else "")
+        raise CheckpointError(f"{gguf_file}: transformers cannot load the model ({type(err).__name__}: {err}){hint}") \
             from None
+    # transformers re-initializes (randomly) a weight it finds no tensor for, or one of another shape; for example
+    # a Qwen3 file whose head_dim is not the config class's default. Refuse rather than save random weights.
+    missing = sorted(set(info.get("missing_keys") or ()) | {str(k[0] if isinstance(k, tuple) else k)
+                                                            for k in info.get("mismatched_keys") or ()})
+    if missing:
+        raise CheckpointError(f"{gguf_file}: transformers' GGUF loader did not fill {len(missing)} weight(s) "
+                              f"from the file ({missing[:4]}{'...' if len(missing) > 4 else ''}): the file's "
+                              "metadata and tensors disagree for transformers' reading of this architecture")
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
     except (ValueError, KeyError, TypeError, OSError) as err:

@@ -1,9 +1,11 @@
-"""Small GGUF files for tests, written with ``gguf``'s GGUFWriter from a Hugging Face Llama checkpoint directory.
+"""Small GGUF files for tests, written with ``gguf``'s GGUFWriter from a Hugging Face checkpoint directory
+(Llama, Qwen2 or Qwen3).
 
 The layout is llama.cpp's (``convert_hf_to_gguf.py``): tensor names ``token_embd`` / ``blk.{i}.attn_q`` / ...,
-shapes as numpy writes them, and q/k rows permuted from Hugging Face's half-split RoPE layout to llama.cpp's
-interleaved one (transformers' GGUF loader undoes exactly that). The tokenizer goes into the metadata as a
-``gpt2`` (byte-level BPE) vocabulary with its merges, special-token ids and chat template.
+shapes as numpy writes them, and for Llama q/k rows permuted from Hugging Face's half-split RoPE layout to
+llama.cpp's interleaved one (transformers' GGUF loader undoes exactly that; Qwen files are not permuted). The
+tokenizer goes into the metadata as a ``gpt2`` (byte-level BPE) vocabulary with its merges, special-token ids and
+chat template.
 
 Imported by tests/unit/models/test_gguf.py and, by file path, by tests/unit/jobs/test_fetch_target.py.
 """
@@ -26,6 +28,11 @@ TENSOR_NAMES = {
     "layers.{i}.self_attn.k_proj.weight": "blk.{i}.attn_k.weight",
     "layers.{i}.self_attn.v_proj.weight": "blk.{i}.attn_v.weight",
     "layers.{i}.self_attn.o_proj.weight": "blk.{i}.attn_output.weight",
+    "layers.{i}.self_attn.q_proj.bias": "blk.{i}.attn_q.bias",  # Qwen2
+    "layers.{i}.self_attn.k_proj.bias": "blk.{i}.attn_k.bias",
+    "layers.{i}.self_attn.v_proj.bias": "blk.{i}.attn_v.bias",
+    "layers.{i}.self_attn.q_norm.weight": "blk.{i}.attn_q_norm.weight",  # Qwen3
+    "layers.{i}.self_attn.k_norm.weight": "blk.{i}.attn_k_norm.weight",
     "layers.{i}.post_attention_layernorm.weight": "blk.{i}.ffn_norm.weight",
     "layers.{i}.mlp.gate_proj.weight": "blk.{i}.ffn_gate.weight",
     "layers.{i}.mlp.up_proj.weight": "blk.{i}.ffn_up.weight",
@@ -33,20 +40,28 @@ TENSOR_NAMES = {
 }
 
 
-def build_llama(out_dir: Path, tokenizer_dir: Path, hidden_size: int = 64, num_layers: int = 2,
-                tie_word_embeddings: bool = False, seed: int = 0) -> Path:
-    """A random LlamaForCausalLM with ``tokenizer_dir``'s tokenizer, saved HF-style. Widths are multiples of 32 so
-    every weight row splits into Q8_0 blocks; weights are far from HF's tiny init, so logits have clear margins."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+FAMILIES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+            "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
 
+
+def build_llama(out_dir: Path, tokenizer_dir: Path, hidden_size: int = 64, num_layers: int = 2,
+                tie_word_embeddings: bool = False, seed: int = 0, family: str = "llama",
+                head_dim: int | None = None) -> Path:
+    """A random model of ``family`` with ``tokenizer_dir``'s tokenizer, saved HF-style. Widths are multiples of 32
+    so every weight row splits into Q8_0 blocks; weights are far from HF's tiny init, so logits have clear margins."""
+    import transformers
+    from transformers import AutoTokenizer
+
+    config_cls, model_cls = (getattr(transformers, name) for name in FAMILIES[family])
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-                         num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=512, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                         tie_word_embeddings=tie_word_embeddings)
+    config = config_cls(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=head_dim or hidden_size // 4, max_position_embeddings=512,
+                        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                        pad_token_id=tokenizer.pad_token_id,
+                        tie_word_embeddings=tie_word_embeddings)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).float().eval()
+    model = model_cls(config).float().eval()
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -75,7 +90,7 @@ def permute_for_llama_cpp(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 def write_gguf(checkpoint: Path, out_file: Path, tensor_type: str = "F32", name: str = "tiny-llama",
                with_tokenizer: bool = True) -> Path:
-    """Write ``checkpoint`` (a Llama HF directory with a byte-level BPE tokenizer) as a GGUF file.
+    """Write ``checkpoint`` (a Llama/Qwen2/Qwen3 HF directory with a byte-level BPE tokenizer) as a GGUF file.
 
     tensor_type: F32, F16 or Q8_0 for the 2-D weights (norms stay F32, as llama.cpp keeps them).
     with_tokenizer=False leaves the tokenizer metadata out (a file transformers cannot build a tokenizer from).
@@ -89,7 +104,8 @@ def write_gguf(checkpoint: Path, out_file: Path, tensor_type: str = "F32", name:
     num_heads, num_kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // num_heads
 
-    writer = GGUFWriter(str(out_file), "llama")
+    architecture = config["model_type"]
+    writer = GGUFWriter(str(out_file), architecture)
     writer.add_name(name)
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
@@ -107,9 +123,9 @@ def write_gguf(checkpoint: Path, out_file: Path, tensor_type: str = "F32", name:
     qtype = GGMLQuantizationType[tensor_type]
     for hf_name, tensor in state.items():
         weight = tensor.float().numpy()
-        if "q_proj" in hf_name:
+        if architecture == "llama" and "q_proj" in hf_name:
             weight = permute_for_llama_cpp(weight, num_heads)
-        elif "k_proj" in hf_name:
+        elif architecture == "llama" and "k_proj" in hf_name:
             weight = permute_for_llama_cpp(weight, num_kv_heads)
         if weight.ndim == 1 or qtype == GGMLQuantizationType.F32:
             writer.add_tensor(gguf_name(hf_name), weight.astype(np.float32))

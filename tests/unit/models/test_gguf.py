@@ -78,6 +78,30 @@ def test_converted_target_matches_transformers(tmp_path, hf_checkpoint, random_c
         assert 0 < float((converted_q - original_q).abs().max()) < 0.01
 
 
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_qwen_families_convert_and_match(tmp_path, random_checkpoint, family):
+    """Qwen2 (q/k/v biases) and Qwen3 (q/k norms): llama.cpp does not permute their rows. transformers reads no
+    head_dim from a Qwen3 file and takes Qwen3Config's 128 (every released Qwen3 model's), so the test uses it."""
+    source = build_llama(tmp_path / "hf", random_checkpoint, family=family, head_dim=128 if family == "qwen3" else None)
+    directory = convert_gguf(write_gguf(source, tmp_path / f"tiny-{family}.gguf"), tmp_path / "t")
+    original, ours = (load_file(str(d / "model.safetensors")) for d in (source, directory))
+    assert sorted(ours) == sorted(original)
+    assert all(torch.equal(ours[name], tensor) for name, tensor in original.items())
+    report = check_checkpoint(directory, logit_prompts=PROMPTS, greedy_prompts=CHAT_PROMPTS[:1], num_new_tokens=64)
+    assert report.passed, report.summary()
+    config = load_target(directory).config
+    assert config.model_type == family
+    assert (config.attention_bias, config.qk_norm) == (family == "qwen2", family == "qwen3")
+
+
+def test_weights_transformers_cannot_place_are_refused(tmp_path, random_checkpoint):
+    """A Qwen3 file with head_dim 16: transformers builds head_dim 128 and would re-initialize q/k/v/o randomly."""
+    source = build_llama(tmp_path / "hf", random_checkpoint, family="qwen3", head_dim=16)
+    file = write_gguf(source, tmp_path / "odd-qwen3.gguf")
+    message = conversion_error(file)
+    assert str(file) in message and "shapes disagree" in message
+
+
 def test_load_target_converts_a_gguf_file_once(eyas_home, f32_file, converted, monkeypatch):
     target = load_target(f32_file)
     directory = cache_dir(f32_file)
