@@ -95,7 +95,8 @@ def load_dequantized(gguf_file: Path):
 
 
 def plain_model(model):
-    """The same weights in a model re-created from its config without ``quantization_config`` (so it saves)."""
+    """The same weights in a model re-created from its config without ``quantization_config``, for saving only:
+    it is built on the meta device, so non-persistent buffers (RoPE frequencies) hold no values."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config_dict = model.config.to_dict()
