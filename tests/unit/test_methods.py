@@ -1,0 +1,98 @@
+"""eyas.methods: the one method table, SpecConfig's checks (settings that do not apply, the tree cap), tree settings
+over a method's default, drafter factories, and the checkpoint resolver."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eyas.config import ConfigError, from_dict
+from eyas.drafters import registry
+from eyas.drafters.ngram import NgramDrafter
+from eyas.drafters.trees import TreeSpec
+from eyas.methods import (FAMILY_METHOD, METHODS, SpecConfig, build_drafter, drafter_factory, resolve_checkpoint,
+                          tree_over)
+from eyas.models import Decoder, ModelConfig
+
+DESIGN_METHODS = {"vanilla", "ngram", "draft-lm", "medusa", "eagle1", "eagle2", "eagle3", "dflash", "dflash-ddtree"}
+
+
+@pytest.fixture(scope="module")
+def target() -> Decoder:
+    torch.manual_seed(0)
+    return Decoder(ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=6,
+                               num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=256)).eval()
+
+
+def test_the_table_covers_design_methods_and_families():
+    assert set(METHODS) == DESIGN_METHODS
+    assert {m.family for m in METHODS.values() if m.trained} == set(registry.FAMILIES)
+    assert all(METHODS[method].family == family for family, method in FAMILY_METHOD.items())
+    assert [name for name, m in METHODS.items() if not m.speculates] == ["vanilla"]
+    for name, method in METHODS.items():  # a trained method's default tree is one its family draws
+        if method.trained:
+            assert method.tree.mode in registry.family(method.family).tree_modes, name
+
+
+def test_defaults_and_tree_settings_over_them():
+    assert SpecConfig(method="eagle2").tree_spec == TreeSpec("dynamic", depth=5, top_k=4, num_nodes=24)
+    assert SpecConfig(method="eagle1").tree_spec == TreeSpec("static")
+    assert SpecConfig(method="eagle3", num_nodes=12).tree_spec == TreeSpec("dynamic", depth=5, top_k=4,
+                                                                           num_nodes=12)
+    # another mode starts from that mode's defaults, not the method's
+    assert SpecConfig(method="eagle1", tree="chain", depth=3).tree_spec == TreeSpec("chain", depth=3)
+    assert SpecConfig(method="dflash-ddtree").tree_spec == TreeSpec("ddtree", top_k=4, num_nodes=24)
+    assert SpecConfig(method="ngram").tree_spec is None
+    assert SpecConfig(method="ngram").setting("num_draft") == 4 and SpecConfig(method="ngram", num_draft=2
+                                                                              ).setting("num_draft") == 2
+    assert tree_over(TreeSpec("static"), {"mode": "best-first", "depth": 3}) == TreeSpec("best-first", depth=3,
+                                                                                        top_k=4, num_nodes=24)
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"method": "eagle9"}, r"spec.method='eagle9': must be one of"),
+    ({"method": "dflash", "depth": 3}, r"spec.depth=3: does not apply to a block tree"),
+    ({"method": "eagle1", "top_k": 2}, r"spec.top_k=2: does not apply to a static tree"),
+    ({"method": "ngram", "depth": 2}, r"spec.depth=2: does not apply to method ngram"),
+    ({"method": "vanilla", "num_draft": 2}, r"spec.num_draft=2: does not apply to method vanilla"),
+    ({"method": "draft-lm", "drafter": "x"}, r"spec.drafter='x': does not apply to method draft-lm"),
+    ({"method": "eagle2", "num_nodes": 64}, r"spec.num_nodes=64: a tree may draft at most 63 nodes"),
+    ({"method": "eagle1", "tree": "chain", "depth": 64}, r"spec.depth=64: a tree may draft at most 63"),
+    ({"method": "eagle3", "top_k": 9, "num_nodes": 8}, r"spec.top_k=9: cannot exceed the node budget "
+                                                       r"spec.num_nodes=8"),
+    ({"method": "dflash", "tree": "dynamic"}, r"spec.tree='dynamic': a dflash drafter drafts one of"),
+    ({"method": "eagle2", "tree": "ddtree"}, r"spec.tree='ddtree': a eagle2 drafter drafts one of"),
+    ({"method": "ngram", "max_matches": 0}, r"spec.max_matches=0: must be >= 1"),
+])
+def test_spec_errors_name_the_key(data, message):
+    with pytest.raises(ConfigError, match=message):
+        from_dict(SpecConfig, data, prefix="spec.")
+
+
+def test_factories(target, tmp_path):
+    assert drafter_factory(target, SpecConfig()) is None and build_drafter(target, SpecConfig()) is None
+    make = drafter_factory(target, SpecConfig(method="ngram", num_draft=3, max_matches=2))
+    first, second = make(), make()
+    assert isinstance(first, NgramDrafter) and first is not second and first.max_draft_nodes == 6
+    with pytest.raises(ConfigError, match="spec.method=dflash needs a trained drafter"):
+        drafter_factory(target, SpecConfig(method="dflash"))
+    torch.manual_seed(1)
+    model = registry.build_model("dflash", {"num_layers": 1, "block_size": 4, "num_taps": 3}, target)
+    path = registry.save_drafter(model, tmp_path / "dflash", "tiny")
+    make = drafter_factory(target, SpecConfig(method="dflash", drafter=str(path)))
+    a, b = make(), make()
+    assert a.model is b.model and a.context is not b.context and a.max_draft_nodes == 3
+    with pytest.raises(ConfigError, match="method 'eagle1' needs a eagle1 drafter, but .* holds a dflash"):
+        drafter_factory(target, SpecConfig(method="eagle1", drafter=str(path)))
+
+
+def test_resolve_checkpoint(tmp_path, monkeypatch):
+    monkeypatch.setenv("EYAS_HOME", str(tmp_path))
+    (tmp_path / "drafters" / "x").mkdir(parents=True)
+    assert resolve_checkpoint("$EYAS_HOME/drafters/x", "spec.drafter") == tmp_path / "drafters" / "x"
+    with pytest.raises(ConfigError, match=r"spec.drafter=\$EYAS_HOME/drafters/y: no checkpoint there"):
+        resolve_checkpoint("$EYAS_HOME/drafters/y", "spec.drafter")
+    seen = []
+    monkeypatch.setattr("eyas.track.resolve_model", lambda uri: seen.append(uri) or tmp_path)
+    assert resolve_checkpoint("models:/eagle3@champion", "spec.drafter") == tmp_path
+    assert resolve_checkpoint("runs:/abc/drafter", "target") == tmp_path
+    assert seen == ["models:/eagle3@champion", "runs:/abc/drafter"]
