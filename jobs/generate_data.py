@@ -100,10 +100,10 @@ def plan_prompts(cfg: DataConfig, target_dir: Path) -> dict[str, list[list[int]]
     tokenizer = load_tokenizer(target_dir)
     tokenizer.model_max_length = 10**9  # we cut or skip prompts ourselves; silences the long-input warning
     prompts = {split: prompt_ids(cfg, tokenizer, split, count) for split, count in split_plan(cfg).items()}
+    fitting = f" of at most {cfg.max_prompt_tokens} tokens" if cfg.source == "sharegpt" else ""
     for split, count in split_plan(cfg).items():
         if len(prompts[split]) < count:
-            print(f"[data] {split}: the {cfg.source} source has only {len(prompts[split])} prompts "
-                  f"{'of at most ' + str(cfg.max_prompt_tokens) + ' tokens ' if cfg.source == 'sharegpt' else ''}"
+            print(f"[data] {split}: the {cfg.source} source has only {len(prompts[split])} prompts{fitting} "
                   f"(asked for {count})", flush=True)
     return prompts
 
