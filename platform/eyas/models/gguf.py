@@ -122,6 +122,16 @@ def write_checkpoint(gguf_file: Path, directory: Path) -> None:
     ModelConfig.from_file(directory / "config.json")  # an architecture the decoder lacks fails here, not at load
 
 
+def share_like_umask(directory: Path) -> None:
+    """mkdtemp makes a private (0700) directory and some writers make 0600 files: give the finished checkpoint
+    the permissions of an ordinary directory, so a shared $EYAS_HOME stays readable by the team."""
+    umask = os.umask(0)
+    os.umask(umask)
+    directory.chmod(0o777 & ~umask)
+    for file in directory.iterdir():
+        file.chmod(0o666 & ~umask)
+
+
 def convert_gguf(gguf_file: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
     """Convert ``gguf_file`` into the Hugging Face checkpoint directory ``out_dir`` (which must not exist)."""
     gguf_file, out_dir = Path(gguf_file).expanduser(), Path(out_dir).expanduser()
@@ -132,6 +142,7 @@ def convert_gguf(gguf_file: str | os.PathLike, out_dir: str | os.PathLike) -> Pa
     partial = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=PARTIAL_SUFFIX, dir=out_dir.parent))
     try:
         write_checkpoint(gguf_file, partial)
+        share_like_umask(partial)
         partial.rename(out_dir)  # atomic on one filesystem; fails if another process finished first
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)

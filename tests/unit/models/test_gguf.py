@@ -6,6 +6,7 @@ round trip checks transformers' reading (names, q/k permutation, dequantization)
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -49,6 +50,10 @@ def test_f32_round_trip_gives_back_the_weights(converted, hf_checkpoint):
                 "num_key_value_heads", "vocab_size", "tie_word_embeddings", "bos_token_id", "eos_token_id"):
         assert config[key] == source[key], key
     assert "quantization_config" not in config
+    umask = os.umask(0)
+    os.umask(umask)
+    assert converted.stat().st_mode & 0o777 == 0o777 & ~umask  # not mkdtemp's private 0700
+    assert (converted / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask
     assert json.loads((converted / "generation_config.json").read_text())["eos_token_id"] == source["eos_token_id"]
 
 
