@@ -36,8 +36,8 @@ import yaml
 
 from eyas.config import (ConfigError, apply_overrides, as_number, eyas_home, from_dict, read_yaml_mapping, require,
                          resolve_path, to_dict)
-from eyas.methods import METHODS, SpecConfig, resolve_checkpoint
-from eyas.train.config import SUITES, TrainConfig, data_path, target_path
+from eyas.methods import METHODS, SpecConfig
+from eyas.train.config import SUITES, TrainConfig, target_path
 
 # SpecConfig fields an inference sweep may search (method / drafter / draft_model are fixed per sweep)
 SPEC_KEYS = ("tree", "depth", "top_k", "num_nodes", "num_draft", "max_matches")
@@ -392,46 +392,3 @@ def load_sweep(path: str | Path | None, overrides: list[str] | tuple[str, ...] =
         return from_dict(SweepConfig, data)
     except ConfigError as err:
         raise ConfigError(f"{err}{where}") from None
-
-
-def preflight(sweep: SweepConfig) -> None:
-    """The files a sweep needs exist: target, drafter checkpoint (inference), data set (training)."""
-    target_dir = sweep.target_dir
-    where = "target" if sweep.kind == "inference" else "training.target"
-    if not (target_dir / "config.json").is_file():
-        raise ConfigError(f"{where}={target_dir}: no checkpoint there (config.json missing); build it with "
-                          "`python -m jobs.train_target --config jobs/configs/target-tiny.yaml`")
-    if sweep.kind == "inference":
-        check_spec_files(sweep.spec)
-        return
-    data_dir = data_path(sweep.training.data)
-    if not any((data_dir / "train").glob("shard-*.parquet")):
-        raise ConfigError(f"training.data={sweep.training.data!r}: {data_dir}/train holds no shards; build them with "
-                          "`python -m jobs.generate_data --config jobs/configs/data-tiny.yaml`")
-    if sweep.search.objective == "sim_tau" and not any((data_dir / "heldout").glob("shard-*.parquet")):
-        raise ConfigError(f"search.objective=sim_tau needs held-out data: {data_dir}/heldout holds no shards "
-                          "(set num_heldout_prompts > 0 in the data config)")
-
-
-def absolute_spec(spec: SpecConfig) -> dict[str, Any]:
-    """``to_dict(spec)`` with drafter / draft_model paths made absolute (trials run in their own directories;
-    a best-config YAML must not depend on the directory it is read from)."""
-    data = to_dict(spec)
-    for key in ("drafter", "draft_model"):
-        if data.get(key) and not str(data[key]).startswith(("models:/", "runs:/")):
-            data[key] = str(resolve_path(data[key]).resolve())
-    return data
-
-
-def check_spec_files(spec: SpecConfig) -> None:
-    """The checkpoints the spec names exist (registry URIs are fetched by the trials, not here)."""
-    if METHODS[spec.method].trained and not spec.drafter:
-        raise ConfigError(f"spec.method={spec.method} needs a trained drafter: set spec.drafter to a checkpoint "
-                          "directory or models:/NAME@ALIAS")
-    for field in ("drafter", "draft_model"):
-        location = getattr(spec, field)
-        if location and not str(location).startswith(("models:/", "runs:/")):
-            directory = resolve_checkpoint(location, f"spec.{field}")
-            if not (directory / "config.json").is_file():
-                raise ConfigError(f"spec.{field}={location}: no checkpoint at {directory} (config.json missing); "
-                                  "train one with `python -m jobs.train_drafter --config ...`")

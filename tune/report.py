@@ -21,7 +21,8 @@ import yaml
 
 from eyas import track
 from eyas.config import flatten, to_dict
-from tune.config import SweepConfig, absolute_spec
+from tune.config import SweepConfig
+from tune.preflight import absolute_spec
 
 # Tune's own result entries: not our metrics
 TUNE_KEYS = {"timestamp", "training_iteration", "time_this_iter_s", "time_total_s", "pid", "date", "hostname",

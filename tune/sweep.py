@@ -36,7 +36,8 @@ from typing import Any
 
 from eyas.config import ConfigError, flatten, resolve_path, to_dict
 from eyas.models import CheckpointError
-from tune.config import Param, SweepConfig, absolute_spec, load_sweep, preflight
+from tune.config import Param, SweepConfig, load_sweep
+from tune.preflight import absolute_spec, preflight
 
 
 # Tune needs a non-empty bundle per trial: a ray-train trial's driver (it only waits on its TorchTrainer) holds this

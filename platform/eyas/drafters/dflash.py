@@ -53,7 +53,7 @@ CONTEXT_MIN_SLOTS = 64  # the context cache's first size; it doubles as needed
 @dataclass(frozen=True)
 class DFlashConfig:
     num_layers: int = 5          # drafter layers; depth is cheap, the whole block costs one forward
-    block_size: int = 16         # G: the root + G-1 drafted tokens per forward
+    block_size: int = 16         # G: the root + K = G-1 drafted tokens per forward
     num_taps: int = 5            # target layers fused into the context feature
     loss_decay: float = 7.0      # gamma in w_k = exp(-(k-1)/gamma); see PAPER_LOSS_DECAY
     num_anchors: int = 512       # blocks per training sequence, redrawn at every call

@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from eyas.config import ConfigError, from_dict, resolve_path, to_dict
 from eyas.drafters.dflash import DFlashConfig, DFlashModel, make_dflash_drafter
-from eyas.drafters.eagle import EagleDrafter
+from eyas.drafters.eagle_drafter import EagleDrafter
 from eyas.drafters.eagle1 import Eagle1Config, Eagle1Model
 from eyas.drafters.eagle3 import Eagle3Config, Eagle3Model, build_draft_vocab
 from eyas.drafters.medusa import MedusaConfig, MedusaDrafter, MedusaModel

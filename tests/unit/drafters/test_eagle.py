@@ -6,7 +6,8 @@ import torch
 from drafter_testing import regenerated_batch, tiny_target
 
 from eyas.config import ConfigError
-from eyas.drafters.eagle import EagleDrafter, shift_left, ttt_attention_mask, unroll
+from eyas.drafters.eagle import shift_left, ttt_attention_mask, unroll
+from eyas.drafters.eagle_drafter import EagleDrafter
 from eyas.drafters.eagle1 import Eagle1Config, Eagle1Model
 from eyas.drafters.eagle3 import Eagle3Config, Eagle3Model, build_draft_vocab, eagle3_taps
 from eyas.drafters.trees import TreeSpec

@@ -9,7 +9,7 @@ from drafter_testing import tiny_target
 from eyas.config import ConfigError
 from eyas.drafters import registry
 from eyas.drafters.trees import TreeSpec
-from eyas.drafters.eagle import EagleDrafter
+from eyas.drafters.eagle_drafter import EagleDrafter
 from eyas.drafters.medusa import MedusaDrafter
 from eyas.models.config import CheckpointError
 from eyas.models.decoder import Decoder

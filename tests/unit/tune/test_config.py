@@ -9,7 +9,8 @@ import pytest
 import yaml
 
 from eyas.config import ConfigError
-from tune.config import load_sweep, parse_param, preflight
+from tune.config import load_sweep, parse_param
+from tune.preflight import preflight
 
 REPO = Path(__file__).resolve().parents[3]
 CONFIGS = REPO / "tune" / "configs"
