@@ -28,6 +28,7 @@ same files and the best point, a child run per trial with its params and per-rep
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import sys
@@ -181,7 +182,7 @@ def run_sweep(sweep: SweepConfig, command: str, points: list[dict[str, Any]]) ->
     import ray
 
     from eyas import track
-    from jobs.common import init_ray
+    from eyas_ray.cluster import init_ray
 
     # a trial checkpoints every epoch; Tune's warning about frequent experiment snapshots is noise here
     os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "0")
@@ -233,9 +234,10 @@ def print_summary(sweep: SweepConfig, rows: list[dict[str, Any]], best: dict[str
 
 
 def main(argv: list[str] | None = None) -> int:
-    from jobs.common import job_argparser
-
-    parser = job_argparser(__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", metavar="PATH", help="sweep YAML (tune/configs/*.yaml)")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value",
+                        help="dotted overrides applied after the file, e.g. search.space.num_nodes=[8,16]")
     parser.add_argument("--dry-run", action="store_true", help="check the config and list the trials; start nothing")
     args = parser.parse_args(argv)
     if args.config is None:
