@@ -4,7 +4,7 @@
     ray job submit --working-dir . -- python -m jobs.train_drafter --config jobs/configs/eagle3-micro.yaml
 
 Needs the target (jobs.train_target) and a data set (jobs.generate_data). Output: ``$EYAS_HOME/drafters/<name>/``,
-a registry checkpoint (config.json + model.safetensors, loadable by ``registry.load_drafter``) plus
+a registry checkpoint (config.json + model.safetensors, loadable by ``eyas.methods.load_drafter``) plus
 ``training.json``, and MLflow model ``<name>`` with alias ``tracking.alias`` (``models:/<name>@champion``).
 
 Workers: ``TorchTrainer`` with ``scaling.num_workers`` workers (gloo on CPU, NCCL on GPU). Each worker loads the
