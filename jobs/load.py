@@ -111,7 +111,8 @@ async def run_level(base_url: str, mode: str, model: str, prompts: list[str], co
         while queue:
             i = queue.pop(0)
             body = {"model": model, "prompt": prompts[i % len(prompts)], "max_tokens": max_tokens,
-                    "temperature": temperature, "seed": i, "stream": True}
+                    "temperature": temperature, "seed": i, "stream": True,
+                    "stream_options": {"include_usage": True}}  # OpenAI sends the usage chunk only when asked
             records.append(await one_request(client, url, body))
 
     limits = httpx.Limits(max_connections=concurrency + 2)
