@@ -70,7 +70,7 @@ def workspace(tmp_path_factory, random_checkpoint):
 def local_ray(workspace):
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)  # never a running cluster
     yield
     ray.shutdown()
 
