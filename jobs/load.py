@@ -3,6 +3,7 @@
     python -m jobs.load [--config serving/configs/tiny.yaml] [--target PATH] [--arg KEY=VALUE ...]
         [--concurrency 1,4,8] [--requests-per-level N] [--max-tokens N] [--suite code|prose|all]
         [--max-prompt-chars N] [--temperature T] [--out load.json]
+    python -m jobs.load --soak MINUTES [--soak-concurrency N] [--max-rss-growth-mb MB] [--config ...] [--out soak.json]
 
 Deploys the config's application twice on the local Ray (or ``RAY_ADDRESS``): as configured (``spec``, route
 /spec) and with ``spec.method: vanilla`` (``vanilla``, route /vanilla), each on exactly one replica (autoscaling
@@ -14,6 +15,11 @@ so both modes generate the very same tokens.
 Per (mode, c): tokens/s (generated tokens over the level's wall time), p50/p99 request latency, p50 time to first
 token, mean tau; ``speedup`` = spec tokens/s over vanilla tokens/s at the same c; ``scaling`` = tokens/s over the
 same mode's at the lowest concurrency. Writes load.json ``{"commit", "machine", "config", "results": [...]}``.
+
+``--soak MINUTES`` instead deploys the configured application alone (one replica, route /spec) and runs jobs.soak's
+mixed load on it for that long (streaming, non-streaming, chat, sampled, seeded, over-long, malformed, dropped
+streams); it writes ``{"commit", "machine", "config", "soak": {...}}`` and exits 1 when the soak found a 5xx, a
+greedy output that differs from the single request's, rows left held, or RSS growth past ``--max-rss-growth-mb``.
 """
 from __future__ import annotations
 
@@ -163,10 +169,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--max-prompt-chars", type=int, default=400, help="cut longer prompts (small contexts)")
     parser.add_argument("--port", type=int, help="HTTP port (default: a free one)")
-    parser.add_argument("--out", default="load.json")
+    parser.add_argument("--out", help="the report (default: load.json, or soak.json with --soak)")
+    parser.add_argument("--soak", type=float, metavar="MINUTES", help="run the mixed soak this long instead")
+    parser.add_argument("--soak-concurrency", type=int, default=6, help="closed-loop clients in the soak")
+    parser.add_argument("--max-rss-growth-mb", type=float, default=256.0,
+                        help="fail the soak when the replica's and workers' RSS grows more than this")
     args = parser.parse_args(argv)
     try:
         levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
+        if args.soak is not None and not (args.soak > 0 and args.soak_concurrency >= 1):
+            raise ConfigError(f"--soak {args.soak} --soak-concurrency {args.soak_concurrency}: give minutes > 0 "
+                              "and at least one client")
         if not levels or min(levels) < 1:
             raise ConfigError(f"--concurrency {args.concurrency!r}: give positive integers like 1,4,8")
         path = Path(args.config)
@@ -188,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     from serving.app import run_config
     from serving.config import ServeArgs
 
-    serve_args = {mode: ServeArgs.from_args(configs[mode]["applications"][0]["args"]) for mode in MODES}
+    modes = ("spec",) if args.soak is not None else MODES
+    serve_args = {mode: ServeArgs.from_args(configs[mode]["applications"][0]["args"]) for mode in modes}
     ray_options: dict[str, Any] = {"log_to_driver": False}
     if not os.environ.get("RAY_ADDRESS"):
         # a local Ray gets enough logical CPUs for both applications: they are deployed side by side but measured
@@ -197,10 +211,12 @@ def main(argv: list[str] | None = None) -> int:
         ray_options["num_cpus"] = max(os.cpu_count() or 1, math.ceil(reserved) + 1)
     init_ray(**ray_options)
     model = model or serve_args["spec"].served_name
-    for mode in MODES:
+    for mode in modes:
         print(f"[load] deploying {mode} ...", flush=True)
         run_config(configs[mode])
     base_url = f"http://127.0.0.1:{port}"
+    if args.soak is not None:
+        return run_soak(args, path, configs["spec"], base_url, model, prompts)
     results = []
     try:
         for mode in MODES:  # warm-up: first requests pay for lazy initialisation
@@ -223,10 +239,33 @@ def main(argv: list[str] | None = None) -> int:
                          "max_prompt_chars": args.max_prompt_chars,
                          "max_tokens": args.max_tokens, "temperature": args.temperature, "suite": args.suite},
               "results": results}
-    Path(args.out).write_text(json.dumps(report, indent=2))
+    out = args.out or "load.json"
+    Path(out).write_text(json.dumps(report, indent=2))
     print_table(results)
-    print(f"[load] wrote {args.out}")
+    print(f"[load] wrote {out}")
     return 0
+
+
+def run_soak(args: argparse.Namespace, path: Path, config: dict[str, Any], base_url: str, model: str,
+             prompts: list[str]) -> int:
+    from ray import serve
+
+    from jobs.soak import print_report, soak
+
+    print(f"[load] soak: {args.soak:g} min, {args.soak_concurrency} clients ...", flush=True)
+    try:
+        result = asyncio.run(soak(f"{base_url}/spec", "load-spec", model, prompts, args.soak,
+                                  args.soak_concurrency, args.max_tokens, args.max_rss_growth_mb))
+    finally:
+        serve.delete("load-spec")
+    report = {"commit": git_commit(), "machine": machine(),
+              "config": {"serve_config": str(path), "app": config["applications"][0], "minutes": args.soak,
+                         "max_prompt_chars": args.max_prompt_chars, "suite": args.suite}, "soak": result}
+    out = args.out or "soak.json"
+    Path(out).write_text(json.dumps(report, indent=2))
+    print_report(result)
+    print(f"[load] wrote {out}; soak {'passed' if result['ok'] else 'FAILED'}")
+    return 0 if result["ok"] else 1
 
 
 if __name__ == "__main__":

@@ -1,0 +1,265 @@
+"""The soak behind ``python -m jobs.load --soak MINUTES``: one replica under a mixed, bounded loopback load.
+
+Closed-loop clients draw request kinds from ``KINDS`` until the time is up: greedy completions (plain and
+streamed), greedy chat, sampled and seeded-sampled streams, an over-long prompt (400), malformed bodies (400) and
+streams the client drops after two events. The run fails (the report lists every failure) when:
+
+- any answer is a 5xx, or any status other than the kind's expected one (a 429 with Retry-After is back-pressure,
+  counted, and the client waits as told);
+- a greedy answer differs from that prompt's single-request output, taken from the same replica before the load;
+- the replica's and its TP workers' resident memory grew past ``max_rss_growth_mb`` from start to end;
+- rows are still running or waiting once the load stops (a dropped stream that kept its row).
+
+Reports p50/p99 latency per kind, requests per kind and status, disconnects, RSS per process at start and end.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from typing import Any
+
+from jobs.load import percentile
+
+# kind -> weight in the mix; the kind's expected status is in EXPECTED
+KINDS = {"greedy": 3, "greedy_stream": 3, "chat": 2, "sampled_stream": 2, "seeded": 2, "over_long": 1,
+         "malformed": 1, "disconnect": 2}
+EXPECTED = {"over_long": 400, "malformed": 400}
+CHAT_PROMPTS = ["hello", "write a python function that adds two numbers", "what is a list?"]
+WARMUP_S = 5.0
+MALFORMED = [b"{not json", b'{"prompt": "x", "max_tokens": -3}', b'{"prompt": 7}', b"[]",
+             b'{"prompt": "x", "temperature": "hot"}']
+
+
+def process_rss(app: str) -> dict[str, int | None]:
+    """Resident bytes of the app's replica and TP worker processes, by actor name (None: on another node).
+
+    Reads the actor table of the Ray this process is connected to (ray.util.state would need the dashboard, and
+    without an address it may pick another cluster on the machine)."""
+    import psutil
+    import ray
+    from ray._private import state
+
+    here = ray.get_runtime_context().get_node_id()
+    out: dict[str, int | None] = {}
+    for actor in state.actors().values():
+        name = actor.get("Name") or ""
+        if actor.get("State") != "ALIVE" or not name.startswith((f"eyas-worker-{app}-",
+                                                                  f"SERVE_REPLICA::{app}#EyasServer#")):
+            continue
+        rss = None
+        if actor["Address"].get("NodeID") == here:
+            try:
+                rss = psutil.Process(actor["Pid"]).memory_info().rss
+            except psutil.NoSuchProcess:  # it died between the table read and now: the caller reports the change
+                continue
+        out[name] = rss
+    return out
+
+
+class Soak:
+    def __init__(self, base_url: str, model: str, prompts: list[str], max_tokens: int, seed: int) -> None:
+        self.url, self.model, self.prompts, self.max_tokens = base_url, model, prompts, max_tokens
+        self.rng = random.Random(seed)
+        self.reference: dict[tuple[str, str], list[int]] = {}  # (kind, prompt) -> greedy token ids
+        self.records: list[dict[str, Any]] = []
+        self.failures: list[str] = []
+        self.max_len = 0
+
+    # ------------------------------------------------------------ requests
+
+    def body(self, kind: str, prompt: str) -> dict[str, Any]:
+        base = {"model": self.model, "max_tokens": self.max_tokens, "temperature": 0, "return_token_ids": True}
+        if kind == "chat":
+            return {**base, "messages": [{"role": "user", "content": prompt}]}
+        body = {**base, "prompt": prompt}
+        if kind in ("greedy_stream", "sampled_stream", "disconnect"):
+            body.update(stream=True, stream_options={"include_usage": True})
+        if kind == "sampled_stream":
+            body.update(temperature=0.8, top_p=0.9)
+        if kind == "seeded":
+            body.update(temperature=0.7, top_k=20, seed=self.rng.randrange(2 ** 32))
+        if kind == "over_long":
+            body.update(prompt=[1] * (self.max_len + 8))
+        if kind == "disconnect":
+            body["max_tokens"] = max(self.max_tokens, 64)
+        return body
+
+    async def send(self, client, kind: str, prompt: str) -> dict[str, Any]:
+        """One request of ``kind``: status, latency, token ids (None when not read to the end)."""
+        route = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+        start = time.perf_counter()
+        if kind == "malformed":
+            response = await client.post(route, content=self.rng.choice(MALFORMED),
+                                         headers={"content-type": "application/json"})
+            return self._done(kind, prompt, start, response.status_code, None, response)
+        body = self.body(kind, prompt)
+        if not body.get("stream"):
+            response = await client.post(route, json=body)
+            ids = response.json()["choices"][0].get("token_ids") if response.status_code == 200 else None
+            return self._done(kind, prompt, start, response.status_code, ids, response)
+        ids: list[int] = []
+        async with client.stream("POST", route, json=body) as response:
+            if response.status_code != 200:
+                await response.aread()
+                return self._done(kind, prompt, start, response.status_code, None, response)
+            events = 0
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:  # an error after the 200: a server failure mid-stream
+                    return self._done(kind, prompt, start, 500, None, None, chunk["error"]["message"])
+                for part in chunk.get("choices") or []:
+                    ids.extend(part.get("token_ids") or [])
+                events += 1
+                if kind == "disconnect" and events >= 2:
+                    break  # leaving the block closes the connection mid-stream
+        return self._done(kind, prompt, start, 200, None if kind == "disconnect" else ids, None)
+
+    def _done(self, kind: str, prompt: str, start: float, status: int, ids: list[int] | None, response,
+              detail: str = "") -> dict[str, Any]:
+        record = {"kind": kind, "status": status, "latency": time.perf_counter() - start, "prompt": prompt,
+                  "ids": ids, "retry_after": None}
+        if response is not None and status >= 400:
+            detail = response.text[:200]
+            record["retry_after"] = response.headers.get("retry-after")
+        if status >= 500 or status not in (EXPECTED.get(kind, 200), 429):
+            self.failures.append(f"{kind}: HTTP {status} (expected {EXPECTED.get(kind, 200)}): {detail}")
+        elif status == 429 and record["retry_after"] is None:
+            self.failures.append(f"{kind}: 429 without a Retry-After header")
+        return record
+
+    # ------------------------------------------------------------ phases
+
+    async def take_reference(self, client) -> None:
+        """Greedy output of every prompt as a single request (one at a time) before the load starts."""
+        self.max_len = (await client.get("/v1/models")).json()["data"][0]["max_model_len"]
+        for kind, prompts in (("greedy", self.prompts), ("chat", CHAT_PROMPTS)):
+            for prompt in prompts:
+                record = await self.send(client, kind, prompt)
+                if record["status"] != 200:
+                    raise RuntimeError(f"the reference request ({kind}, {prompt!r}) got HTTP {record['status']}; "
+                                       f"{self.failures[-1:]}")
+                self.reference[(kind, prompt)] = record["ids"]
+        self.failures.clear()
+
+    def check_greedy(self, record: dict[str, Any]) -> None:
+        if record["status"] != 200 or record["ids"] is None or record["kind"] not in ("greedy", "greedy_stream",
+                                                                                       "chat"):
+            return
+        key = ("chat" if record["kind"] == "chat" else "greedy", record["prompt"])
+        if record["ids"] != self.reference[key]:
+            self.failures.append(f"{record['kind']} {record['prompt']!r}: greedy output under load differs from "
+                                 f"the single-request output ({record['ids'][:12]}... vs "
+                                 f"{self.reference[key][:12]}...)")
+
+    async def load(self, client, seconds: float, concurrency: int) -> None:
+        kinds, weights = list(KINDS), list(KINDS.values())
+        deadline = time.monotonic() + seconds
+
+        async def client_loop() -> None:
+            while time.monotonic() < deadline:
+                kind = self.rng.choices(kinds, weights)[0]
+                prompt = self.rng.choice(CHAT_PROMPTS if kind == "chat" else self.prompts)
+                record = await self.send(client, kind, prompt)
+                self.check_greedy(record)
+                record.pop("ids")
+                self.records.append(record)
+                if record["status"] == 429 and record["retry_after"]:
+                    await asyncio.sleep(float(record["retry_after"]))
+
+        await asyncio.gather(*[client_loop() for _ in range(concurrency)])
+
+    def summary(self) -> dict[str, Any]:
+        by_kind: dict[str, Any] = {}
+        for kind in KINDS:
+            rows = [r for r in self.records if r["kind"] == kind]
+            statuses: dict[str, int] = {}
+            for r in rows:
+                statuses[str(r["status"])] = statuses.get(str(r["status"]), 0) + 1
+            done = [r["latency"] for r in rows if r["status"] == EXPECTED.get(kind, 200)]
+            by_kind[kind] = {"num_requests": len(rows), "statuses": statuses,
+                             "latency_p50_s": percentile(done, 50) if done else None,
+                             "latency_p99_s": percentile(done, 99) if done else None}
+        full = [r["latency"] for r in self.records if r["status"] == 200 and r["kind"] in (
+            "greedy", "greedy_stream", "chat", "sampled_stream", "seeded")]
+        return {"num_requests": len(self.records), "num_5xx": sum(r["status"] >= 500 for r in self.records),
+                "num_429": sum(r["status"] == 429 for r in self.records),
+                "num_disconnects": by_kind["disconnect"]["statuses"].get("200", 0),
+                "num_greedy_checked": sum(r["status"] == 200 and r["kind"] in ("greedy", "greedy_stream", "chat")
+                                          for r in self.records),
+                "latency_p50_s": percentile(full, 50) if full else None,
+                "latency_p99_s": percentile(full, 99) if full else None, "by_kind": by_kind}
+
+
+async def wait_idle(client, timeout_s: float) -> dict[str, Any]:
+    """The replica's /health once nothing runs or waits (or at the timeout: the caller reports it)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        health = (await client.get("/health")).json()
+        if (health.get("running"), health.get("waiting")) == (0, 0) or time.monotonic() > deadline:
+            return health
+        await asyncio.sleep(0.2)
+
+
+def rss_total(rss: dict[str, int | None]) -> int:
+    return sum(v for v in rss.values() if v is not None)
+
+
+async def soak(base_url: str, app: str, model: str, prompts: list[str], minutes: float, concurrency: int,
+               max_tokens: int, max_rss_growth_mb: float, seed: int = 0) -> dict[str, Any]:
+    """Run the soak against the deployed application ``app`` at ``base_url``; returns the report (``ok``,
+    ``failures``, counts, latencies, RSS)."""
+    import httpx
+
+    run = Soak(base_url, model, prompts, max_tokens, seed)
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(base_url=base_url, timeout=300, limits=limits) as client:
+        await run.take_reference(client)
+        await run.load(client, WARMUP_S, concurrency)  # first requests pay for lazy init and allocator growth
+        run.records.clear()
+        rss_start = process_rss(app)
+        start = time.monotonic()
+        await run.load(client, minutes * 60, concurrency)
+        seconds = time.monotonic() - start
+        health = await wait_idle(client, 30)
+        rss_end = process_rss(app)
+    report = {"seconds": seconds, "concurrency": concurrency, "max_tokens": max_tokens, **run.summary(),
+              "health_after": health, "rss_start": rss_start, "rss_end": rss_end,
+              "rss_start_mb": rss_total(rss_start) / 2 ** 20, "rss_end_mb": rss_total(rss_end) / 2 ** 20,
+              "max_rss_growth_mb": max_rss_growth_mb}
+    failures = list(run.failures)
+    if (health.get("running"), health.get("waiting")) != (0, 0):
+        failures.append(f"after the load, /health still shows rows held: {health} (a dropped stream kept its row?)")
+    if not rss_start or set(rss_start) != set(rss_end):
+        failures.append(f"the replica's processes changed during the soak (a replica was replaced?): start "
+                        f"{sorted(rss_start)}, end {sorted(rss_end)}")
+    growth = report["rss_end_mb"] - report["rss_start_mb"]
+    report["rss_growth_mb"] = growth
+    if growth > max_rss_growth_mb:
+        failures.append(f"resident memory of the replica and its workers grew {growth:.1f} MB over the soak "
+                        f"({report['rss_start_mb']:.1f} -> {report['rss_end_mb']:.1f} MB), past "
+                        f"--max-rss-growth-mb {max_rss_growth_mb:g}: a leak, or raise the bound for this target")
+    report["failures"] = failures[:50]
+    report["num_failures"] = len(failures)
+    report["ok"] = not failures
+    return report
+
+
+def print_report(report: dict[str, Any]) -> None:
+    print(f"{'kind':15} {'requests':>8} {'p50 s':>7} {'p99 s':>7}  statuses")
+    for kind, row in report["by_kind"].items():
+        p50 = f"{row['latency_p50_s']:.3f}" if row["latency_p50_s"] is not None else "-"
+        p99 = f"{row['latency_p99_s']:.3f}" if row["latency_p99_s"] is not None else "-"
+        print(f"{kind:15} {row['num_requests']:>8} {p50:>7} {p99:>7}  {row['statuses']}")
+    p50, p99 = report["latency_p50_s"], report["latency_p99_s"]
+    print(f"[soak] {report['num_requests']} requests in {report['seconds']:.0f}s at concurrency "
+          f"{report['concurrency']}: 5xx={report['num_5xx']} 429={report['num_429']} "
+          f"disconnects={report['num_disconnects']} greedy checked={report['num_greedy_checked']}; "
+          f"p50={p50 if p50 is None else round(p50, 3)}s p99={p99 if p99 is None else round(p99, 3)}s; "
+          f"RSS {report['rss_start_mb']:.1f} -> {report['rss_end_mb']:.1f} MB ({report['rss_growth_mb']:+.1f} MB, "
+          f"bound {report['max_rss_growth_mb']:g})")
+    for failure in report["failures"]:
+        print(f"[soak] FAIL: {failure}")
