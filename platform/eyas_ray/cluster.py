@@ -8,7 +8,7 @@ from eyas_ray import auth
 
 
 def init_ray(**kwargs: Any) -> None:
-    """``ray.init()``: a fresh local Ray unless ``RAY_ADDRESS`` names a cluster (``ray job submit`` sets it).
+    """``ray.init()``: a fresh local Ray of its own unless ``RAY_ADDRESS`` names a cluster (``ray job submit`` sets it).
 
     Either way the process runs with ``RAY_AUTH_MODE=token``. Joining a cluster needs its token (``RAY_AUTH_TOKEN``,
     ``RAY_AUTH_TOKEN_PATH`` or ``~/.ray/auth_token``; a job submitted to a cluster inherits the head's). A fresh
@@ -29,4 +29,6 @@ def init_ray(**kwargs: Any) -> None:
     else:
         auth.ensure_user_token()
         kwargs.setdefault("include_dashboard", False)
-        ray.init(**kwargs)
+        # "local": a Ray of this process's own; a bare ray.init() would attach to whatever cluster
+        # /tmp/ray/ray_current_cluster names (someone else's `ray start`, with another token)
+        ray.init(address="local", **kwargs)
