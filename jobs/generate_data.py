@@ -33,6 +33,7 @@ from eyas.train.config import DataConfig, data_path, target_path
 from eyas.train.data import corpus_chunks, num_shards, response_row, shard_path, write_shard
 
 DATA_FILE = "data.json"
+ACTOR_RESTARTS = 3  # per Regenerator actor: restarts after its process died, each retrying the shard it had
 
 
 def check_target(cfg: DataConfig) -> Path:
@@ -167,7 +168,10 @@ def regenerate_shards(cfg: DataConfig, out: Path, target_dir: Path, todo: list[t
     if available < 1:
         raise RuntimeError(f"use_gpu={cfg.use_gpu}: the Ray cluster has no {resource}")
     num_actors = min(cfg.num_workers or available, len(tasks))
-    actor_cls = ray.remote(num_cpus=1, num_gpus=1 if cfg.use_gpu else 0)(Regenerator)
+    # an actor whose process dies (OOM, a lost node, a kill) is restarted and its shard redone by Ray; a shard is
+    # written whole under its own name, so a redone one replaces nothing and none is counted twice
+    actor_cls = ray.remote(num_cpus=1, num_gpus=1 if cfg.use_gpu else 0, max_restarts=ACTOR_RESTARTS,
+                           max_task_retries=ACTOR_RESTARTS)(Regenerator)
     actors = [actor_cls.remote(to_dict(cfg), str(target_dir), cfg.use_gpu) for _ in range(num_actors)]
     print(f"[data] {len(tasks)} shards on {num_actors} actors ({resource})", flush=True)
     totals = {"prompts": 0, "rows": 0, "skipped": 0, "new_tokens": 0}
@@ -239,6 +243,8 @@ def build(cfg: DataConfig, force: bool = False) -> Path:
         build_shards = corpus_shards if cfg.source == "corpus" else regenerate_shards
         totals = build_shards(cfg, out, target_dir, todo)
     seconds = time.monotonic() - start
+    for stale in out.glob("*/.shard-*.tmp"):  # a shard's temp file, left by a process killed while writing it
+        stale.unlink()
     counts = count_rows(out)
     meta = {"name": cfg.name, "config": to_dict(cfg), "content_key": cfg.content_key(), "rows": counts,
             "last_run": {**totals, "seconds": seconds}, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}

@@ -357,7 +357,8 @@ def run_trainer(cfg: TrainConfig, target_dir: Path, data_dir: Path, run_id: str 
     storage = resolve_path(scaling.storage_path)
     run_name = f"train_drafter-{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     loop = {"config": to_dict(cfg), "target_dir": str(target_dir), "data_dir": str(data_dir), "run_id": run_id,
-            "tracking_uri": track.tracking_uri(), "artifact_root": str(track.artifact_root().resolve()),
+            "tracking_uri": track.tracking_uri(),
+            "artifact_root": str(root.resolve()) if (root := track.artifact_root()) else "",  # none: a server's
             "marker_dir": str(storage / run_name)}
     resources = {"CPU": scaling.cpus_per_worker, **({"GPU": 1} if scaling.use_gpu else {})}
     trainer = TorchTrainer(
@@ -424,8 +425,9 @@ def train(cfg: TrainConfig) -> Path:
             track.log_dict(summary, "training.json")
             if tracking.register:
                 version = track.register_directory(out, cfg.name, alias=tracking.alias, artifact_path="drafter")
-                print(f"[train_drafter] registered {track.model_uri(cfg.name, tracking.alias)} (version {version})",
-                      flush=True)
+                if version is not None:  # None: the tracking store was down (track warned with the gap)
+                    print(f"[train_drafter] registered {track.model_uri(cfg.name, tracking.alias)} "
+                          f"(version {version})", flush=True)
     metrics = summary["metrics"]
     shown = " ".join(f"{k}={metrics[k]:.3f}" for k in ("loss", "heldout_acc_1", "heldout_sim_tau", "tau")
                      if k in metrics)

@@ -10,19 +10,38 @@ holding ``pyproject.toml`` and ``jobs/``, else the working directory. Under ``ra
 an unpacked copy of the working dir, so pass ``MLFLOW_TRACKING_URI`` (an absolute sqlite path or a server) in the
 job's ``env_vars`` to keep runs.
 
+A tracking server that goes away mid-run does not stop the work: each logging call (params, metrics, figures,
+dicts, artifacts, tags, registration, the run's end) is tried ``LOG_ATTEMPTS`` times, then its values are dropped
+with one warning naming what was not logged; later drops are counted, and the run's end warns with the whole gap
+(``gap()`` has the counts). MLflow's own HTTP retries default to minutes per call against a dead server (7 retries,
+backoff factor 2, 120 s timeout); eyas sets short defaults (``HTTP_RETRY_DEFAULTS``), and the variables, when set,
+win. Starting a run still needs the server: a job that cannot track from the start fails at once.
+
 Registry: any directory (a drafter, a target) is logged as run artifacts and registered as a model version whose
 source is that artifact location; ``download_model("models:/NAME@ALIAS")`` (or ``models:/NAME/3``) brings it back.
 """
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import tempfile
+import time
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 MAX_PARAM_CHARS = 6000  # MLflow's param value limit; longer values are truncated
+# per HTTP call: 2 retries about 1 s and 2 s apart (the factor is an integer), 10 s to connect and answer: a dead
+# server costs seconds per call, not minutes
+HTTP_RETRY_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                       "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+LOG_ATTEMPTS = 2  # eyas's tries of one logging call (each with MLflow's HTTP retries) before its values are dropped
+RETRY_PAUSE_S = 1.0
+# MLflow error codes of a store that is down or overloaded (a refused connection is INTERNAL_ERROR); any other
+# MlflowException (a bad value, a missing run) is a bug and raises
+TRANSIENT_CODES = ("INTERNAL_ERROR", "TEMPORARILY_UNAVAILABLE", "REQUEST_LIMIT_EXCEEDED")
+log = logging.getLogger(__name__)
 
 
 def repo_root() -> Path:
@@ -52,6 +71,8 @@ def artifact_root() -> Path | None:
 def _mlflow():
     import mlflow
 
+    for key, value in HTTP_RETRY_DEFAULTS.items():
+        os.environ.setdefault(key, value)
     mlflow.set_tracking_uri(tracking_uri())
     mlflow.set_registry_uri(tracking_uri())
     return mlflow
@@ -105,10 +126,115 @@ def start_run(
     all_tags = dict(tags or {})
     if parent_run_id is not None:
         all_tags["mlflow.parentRunId"] = parent_run_id
-    with mlflow.start_run(experiment_id=experiment_id, run_name=run_name, tags=all_tags or None) as run:
+    run = mlflow.start_run(experiment_id=experiment_id, run_name=run_name, tags=all_tags or None)
+    status = "FAILED"
+    try:
         if params:
             log_params_flat(params)
         yield run
+        status = "FINISHED"
+    finally:
+        # end_run leaves the run first, then tells the store: a dead store keeps the run RUNNING there, no more
+        _tolerant("run status", [f"{run.info.run_id} {status}"], lambda: mlflow.end_run(status))
+        _GAP.report_end(run.info.run_id)
+
+
+class Gap:
+    """What this process could not log: per kind (metrics, figure, ...) the dropped calls, the names they carried
+    (metric keys, artifact names) and, for step series, the steps."""
+
+    MAX_NAMES = 10
+
+    def __init__(self) -> None:
+        self.calls: dict[str, int] = {}
+        self.names: dict[str, list[str]] = {}
+        self.steps: dict[str, list[int]] = {}
+        self.down_since: float | None = None  # the store failed and has not answered since
+        self.error = ""
+
+    def drop(self, kind: str, names: list[str], step: int | None, err: BaseException) -> None:
+        first = not self.calls
+        self.calls[kind] = self.calls.get(kind, 0) + 1
+        known = self.names.setdefault(kind, [])
+        known.extend(n for n in names if n not in known)
+        if step is not None:
+            self.steps.setdefault(kind, []).append(step)
+        self.error = f"{type(err).__name__}: {str(err)[:300]}"
+        if self.down_since is None:
+            self.down_since = time.monotonic()
+            at = "" if step is None else f" at step {step}"
+            log.warning("MLflow tracking store %s is unreachable (%s): %s %s%s NOT logged. Work goes on; what cannot "
+                        "be logged is dropped and counted, and the run's end lists the gap.%s", tracking_uri(),
+                        self.error, kind, _shorten(names), at, "" if first else f" Dropped so far: {self.summary()}")
+
+    def recovered(self) -> None:
+        if self.down_since is not None:
+            log.warning("MLflow tracking store %s answers again after %.0f s; dropped while it was down: %s",
+                        tracking_uri(), time.monotonic() - self.down_since, self.summary())
+            self.down_since = None
+
+    def summary(self) -> str:
+        parts = []
+        for kind, count in self.calls.items():
+            steps = self.steps.get(kind)
+            at = f", steps {min(steps)}..{max(steps)}" if steps else ""
+            parts.append(f"{kind}: {count} call(s){at} ({_shorten(self.names[kind], self.MAX_NAMES)})")
+        return "; ".join(parts)
+
+    def report_end(self, run_id: str) -> None:
+        if self.calls:
+            log.warning("MLflow run %s ended with a gap: this process could NOT log to %s: %s (last error: %s)",
+                        run_id, tracking_uri(), self.summary(), self.error)
+
+
+def _shorten(names: list[str], limit: int = 6) -> str:
+    return ", ".join(names[:limit]) + (f" (+{len(names) - limit} more)" if len(names) > limit else "")
+
+
+_GAP = Gap()
+
+
+def gap() -> dict[str, int]:
+    """Dropped logging calls in this process, per kind (``metrics``, ``figure``, ...); empty when none."""
+    return dict(_GAP.calls)
+
+
+def _is_transient(err: BaseException) -> bool:
+    from mlflow.exceptions import MlflowException
+
+    return not isinstance(err, MlflowException) or err.error_code in TRANSIENT_CODES
+
+
+def _tolerant(kind: str, names: list[str], call: Callable[[], Any], step: int | None = None) -> Any:
+    """``call()``, tried LOG_ATTEMPTS times (once while the store is known down); on a store failure the call's
+    values are dropped into the gap and None returned. Errors of the caller's own making raise."""
+    import requests
+    from mlflow.exceptions import MlflowException
+
+    down = _GAP.down_since is not None
+    attempts = 1 if down else LOG_ATTEMPTS
+    # while the store is known down, urllib3's "Retrying ..." line per HTTP retry would bury the one warning
+    quiet = logging.getLogger("urllib3.connectionpool")
+    level = quiet.level
+    if down:
+        quiet.setLevel(logging.ERROR)
+    try:
+        for attempt in range(attempts):
+            try:
+                result = call()
+            except (MlflowException, requests.exceptions.RequestException, ConnectionError, TimeoutError) as err:
+                if not _is_transient(err):
+                    raise
+                if attempt + 1 == attempts:
+                    _GAP.drop(kind, names, step, err)
+                    return None
+                time.sleep(RETRY_PAUSE_S)
+            else:
+                _GAP.recovered()
+                return result
+    finally:
+        quiet.setLevel(level)
+    return None
 
 
 def log_params_flat(params: Mapping[str, Any] | Any, prefix: str = "") -> None:
@@ -116,7 +242,8 @@ def log_params_flat(params: Mapping[str, Any] | Any, prefix: str = "") -> None:
     from eyas.config import flatten
 
     flat = flatten(params, prefix) if not isinstance(params, Mapping) else flatten(dict(params), prefix)
-    _mlflow().log_params({key: _param_text(value) for key, value in flat.items()})
+    texts = {key: _param_text(value) for key, value in flat.items()}
+    _tolerant("params", list(texts), lambda: _mlflow().log_params(texts))
 
 
 def _param_text(value: Any) -> str:
@@ -132,25 +259,27 @@ def log_metrics(metrics: Mapping[str, Any], step: int | None = None) -> None:
         if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(float(value))
     }
     if numeric:
-        _mlflow().log_metrics(numeric, step=step)
+        _tolerant("metrics", list(numeric), lambda: _mlflow().log_metrics(numeric, step=step), step)
 
 
 def log_figure(figure: Any, name: str) -> None:
     """Log a matplotlib figure as an artifact file ``name`` (e.g. ``acceptance/epoch_3.png``)."""
-    _mlflow().log_figure(figure, name)
+    _tolerant("figure", [name], lambda: _mlflow().log_figure(figure, name))
 
 
 def log_dict(data: Mapping[str, Any], name: str) -> None:
     """Log a JSON/YAML-able mapping as an artifact file ``name`` (``.json`` or ``.yaml``)."""
-    _mlflow().log_dict(dict(data), name)
+    _tolerant("dict", [name], lambda: _mlflow().log_dict(dict(data), name))
 
 
 def log_artifacts(directory: str | Path, artifact_path: str | None = None) -> None:
-    _mlflow().log_artifacts(str(directory), artifact_path)
+    _tolerant("artifacts", [f"{directory} -> {artifact_path or '/'}"],
+              lambda: _mlflow().log_artifacts(str(directory), artifact_path))
 
 
 def set_tags(tags: Mapping[str, Any]) -> None:
-    _mlflow().set_tags({key: str(value) for key, value in tags.items()})
+    texts = {key: str(value) for key, value in tags.items()}
+    _tolerant("tags", list(texts), lambda: _mlflow().set_tags(texts))
 
 
 def active_run_id() -> str | None:
@@ -165,15 +294,22 @@ def register_directory(
     artifact_path: str = "model",
     run_id: str | None = None,
     description: str | None = None,
-) -> str:
+) -> str | None:
     """Log ``directory`` as artifacts of a run and register it as a new version of model ``name``.
 
     Uses the active run, else ``run_id``, else a fresh run in experiment ``eyas-registry``. ``alias`` (e.g.
-    ``latest`` or ``champion``) is moved to the new version. Returns the version number as a string.
+    ``latest`` or ``champion``) is moved to the new version. Returns the version number as a string, or None when
+    the tracking store could not be reached (warned, and in the gap: the directory itself is untouched).
     """
     directory = Path(directory)
     if not directory.is_dir():
         raise FileNotFoundError(f"cannot register {directory}: not a directory")
+    return _tolerant("registration", [f"model {name} from {directory}"],
+                     lambda: _register(directory, name, alias, artifact_path, run_id, description))
+
+
+def _register(directory: Path, name: str, alias: str | None, artifact_path: str, run_id: str | None,
+              description: str | None) -> str:
     mlflow = _mlflow()
     mlflow_client = client()
     active = mlflow.active_run()

@@ -1,0 +1,222 @@
+"""Faults in jobs, injected for real on one local Ray of the module's own (``ray.init(address="local")``):
+
+- the MLflow tracking server (a real ``mlflow server`` on 127.0.0.1, sqlite backend) killed in the middle of
+  ``jobs.train_drafter``: training goes on and publishes its drafter; the gap is warned, naming what was not logged;
+  the end of the run does not crash, and a dead server costs seconds per call, not MLflow's default minutes;
+- a ``jobs.generate_data`` Regenerator actor's process killed while it works: the job finishes, and every shard is
+  there once, holding exactly its planned prompts.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+NUM_TRAIN, NUM_HELDOUT = 48, 8
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def wait_until(condition, timeout_s: float, every_s: float = 0.25, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(every_s)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    import ray
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=True)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture()
+def home(tmp_path, random_checkpoint, monkeypatch) -> Path:
+    home = tmp_path / "eyas-home"
+    shutil.copytree(random_checkpoint, home / "targets" / "target-rand")
+    monkeypatch.setenv("EYAS_HOME", str(home))
+    return home
+
+
+# ---------------------------------------------------------------- MLflow server down mid-training
+
+
+@pytest.fixture()
+def mlflow_server(tmp_path):
+    from eyas.decoding.tp import free_port
+
+    port, db = free_port(), tmp_path / "server.db"
+    log = open(tmp_path / "mlflow-server.log", "w")
+    command = [str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
+               "--backend-store-uri", f"sqlite:///{db}", "--artifacts-destination", str(tmp_path / "served"),
+               "--workers", "1"]
+    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        assert server.poll() is None, (tmp_path / "mlflow-server.log").read_text()[-3000:]
+        try:
+            return httpx.get(f"{url}/health", timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    # the test waits for it (wait()) once its own setup is done: the server starts meanwhile
+    yield {"url": url, "db": db, "process": server,
+           "wait": lambda: wait_until(healthy, 120, what=f"mlflow server on {url}")}
+    if server.poll() is None:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait(30)
+    log.close()
+
+
+def regenerated_data(home: Path, num_train: int) -> Path:
+    from eyas import corpus
+    from eyas.models import load_target, load_tokenizer
+    from eyas.train.data import regenerate, response_row, shard_path, write_shard
+
+    target_dir = home / "targets" / "target-rand"
+    target, tokenizer = load_target(target_dir), load_tokenizer(target_dir)
+    tokenizer.model_max_length = 10**9
+    data_dir = home / "data" / "data-rand"
+    splits = {"train": corpus.train_prompts(num_train), "heldout": corpus.heldout_prompts("all", NUM_HELDOUT)}
+    for split, prompts in splits.items():
+        ids = [tokenizer(p).input_ids[:16] for p in prompts]
+        rows = [response_row(p, r) for p, r in zip(ids, regenerate(target, ids, 24, [tokenizer.eos_token_id]))]
+        write_shard(shard_path(data_dir, split, 0), rows)
+    return data_dir
+
+
+def logged_losses(db: Path) -> list[int]:
+    with sqlite3.connect(db) as connection:
+        try:
+            return [step for (step,) in connection.execute("SELECT step FROM metrics WHERE key = 'loss'")]
+        except sqlite3.OperationalError:  # the server is still creating its tables
+            return []
+
+
+def test_mlflow_server_killed_mid_training_training_finishes_and_reports_the_gap(
+        home, local_ray, mlflow_server, monkeypatch, caplog):
+    from mlflow import MlflowClient
+
+    from eyas import track
+    from eyas.config import load_config
+    from eyas.train.config import TrainConfig
+    from jobs.train_drafter import train
+
+    data_dir = regenerated_data(home, 24)  # one worker, batches of 4: 6 steps, a loss logged every 2
+    mlflow_server["wait"]()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server["url"])
+    monkeypatch.delenv("EYAS_MLFLOW_ARTIFACTS", raising=False)
+    for key in track.HTTP_RETRY_DEFAULTS:  # eyas's short defaults, not whatever the machine has
+        monkeypatch.delenv(key, raising=False)
+    cfg = load_config(TrainConfig, REPO / "jobs" / "configs" / "eagle3-micro.yaml", [
+        "name=e3-mlflow-down", f"target={home / 'targets' / 'target-rand'}", f"data={data_dir}",
+        "scaling.num_workers=1", "scaling.num_to_keep=1", "train.num_epochs=1", "measure.num_prompts=1"])
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["out"] = train(cfg)
+        except BaseException as err:  # handed to the test thread below
+            outcome["error"] = err
+        outcome["end"] = time.monotonic()
+
+    caplog.set_level(logging.WARNING, logger="eyas.track")
+    thread = threading.Thread(target=run)
+    thread.start()
+    # kill the server (SIGKILL, no goodbye) once rank 0 logged its first loss: training is under way
+    wait_until(lambda: logged_losses(mlflow_server["db"]) or "end" in outcome, 240, what="the first logged loss")
+    os.killpg(mlflow_server["process"].pid, signal.SIGKILL)
+    mlflow_server["process"].wait(30)
+    killed = time.monotonic()
+    thread.join(240)
+    assert not thread.is_alive(), "training hung after the tracking server died"
+    assert "error" not in outcome, repr(outcome.get("error"))
+    print(f"training ended {outcome['end'] - killed:.0f}s after the tracking server was killed")
+
+    out = outcome["out"]
+    assert (out / "model.safetensors").is_file() and (out / "training.json").is_file()  # published all the same
+    # the driver's last calls fell into the gap: warned once with what was dropped, listed again at the run's end
+    gap = track.gap()
+    assert {"metrics", "dict", "registration", "run status"} <= set(gap), gap
+    messages = [r.getMessage() for r in caplog.records if r.name == "eyas.track"]
+    assert any("is unreachable" in m and "NOT logged" in m for m in messages), messages
+    end = [m for m in messages if "ended with a gap" in m]
+    assert end and "training.json" in end[-1] and "model e3-mlflow-down" in end[-1] and mlflow_server["url"] in end[-1]
+    # the server's own store: the run is there with the losses from before the kill, never marked finished
+    steps = logged_losses(mlflow_server["db"])
+    client = MlflowClient(f"sqlite:///{mlflow_server['db']}")
+    runs = client.search_runs([client.get_experiment_by_name(cfg.tracking.experiment).experiment_id])
+    assert len(runs) == 1 and runs[0].info.status == "RUNNING", runs
+    assert steps and max(steps) < 6, steps  # 6 steps ran; the later losses are the gap
+    assert "metrics" in end[-1] and "run status" in end[-1]
+
+
+# ---------------------------------------------------------------- a Regenerator actor killed mid-run
+
+
+def regenerator_pids() -> list[int]:
+    from ray._private import state
+
+    return [a["Pid"] for a in state.actors().values()
+            if a.get("ActorClassName") == "Regenerator" and a.get("State") == "ALIVE" and a.get("Pid")]
+
+
+def test_a_killed_regenerator_actor_is_replaced_and_every_shard_is_there_once(home, local_ray):
+    import pyarrow.parquet as pq
+
+    from eyas.config import load_config
+    from eyas.train.config import DataConfig, target_path
+    from eyas.train.data import num_shards
+    from jobs.generate_data import build, plan_prompts
+
+    cfg = load_config(DataConfig, REPO / "jobs" / "configs" / "data-micro.yaml", [
+        "name=data-killed", "target=target-rand", "num_prompts=48", "num_heldout_prompts=8", "shard_size=4",
+        "max_new_tokens=24", "batch_size=4", "num_workers=2"])
+    out = home / "data" / "data-killed"
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["out"] = build(cfg)
+        except BaseException as err:  # handed to the test thread below
+            outcome["error"] = err
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    # once the first shard is written, both actors are up and working: kill one's process (SIGKILL)
+    wait_until(lambda: list(out.glob("*/shard-*.parquet")) or not thread.is_alive(), 180, what="the first shard")
+    pids = regenerator_pids()
+    assert thread.is_alive() and pids, "the job ended before an actor could be killed; make it longer"
+    done_before = len(list(out.glob("*/shard-*.parquet")))
+    os.kill(pids[0], signal.SIGKILL)
+    thread.join(240)
+    assert not thread.is_alive() and "error" not in outcome, repr(outcome.get("error"))
+    planned = {"train": NUM_TRAIN, "heldout": 8}
+    assert done_before < sum(num_shards(n, 4) for n in planned.values()), "the kill came after the last shard"
+
+    prompts = plan_prompts(cfg, target_path(cfg.target))
+    for split, count in planned.items():
+        files = sorted((out / split).glob("shard-*.parquet"))
+        assert [f.name for f in files] == [f"shard-{i:05d}.parquet" for i in range(num_shards(count, 4))]
+        rows = [row for f in files for row in pq.read_table(f).to_pylist()]
+        # every planned prompt once, in shard order: none missing, none twice
+        assert [row["prompt_ids"] for row in rows] == prompts[split][:count]
+        assert all(row["response_ids"] for row in rows)
+    assert not list(out.glob("*/.shard-*")), "a temp file of the killed actor was left behind"
