@@ -4,8 +4,11 @@ method table, ``eyas.methods.METHODS``.
 
 A checkpoint directory holds
   config.json        {"drafter_type", "target" (path or name), "target_taps", "draft_vocab" (d2t list or null),
-                      "target_shape" {"hidden_size", "vocab_size", "num_layers"}, "config" (the family config)}
+                      "target_shape" {"hidden_size", "vocab_size", "num_layers"}, "target_fingerprint"
+                      (interop/fingerprint.py), "config" (the family config)}
   model.safetensors  the drafter's own weights (the frozen target parts it borrows are not saved)
+A directory in an engine's format (SGLang, vLLM, speculators: a config.json without "drafter_type") loads too:
+``read_meta`` detects it and ``load_model`` converts it (eyas.interop).
 
 Adding a family: one ``FAMILIES`` entry (and ``eyas.methods.METHODS`` entries for its method names).
 ``make_drafter(model, target, tree, name)`` wraps a loaded model for one sequence with a validated TreeSpec.
@@ -27,6 +30,7 @@ from eyas.drafters.eagle1 import Eagle1Config, Eagle1Model
 from eyas.drafters.eagle3 import Eagle3Config, Eagle3Model, build_draft_vocab
 from eyas.drafters.medusa import MedusaConfig, MedusaDrafter, MedusaModel
 from eyas.drafters.trees import BLOCK_MODES, EXPAND_MODES, TreeSpec
+from eyas.interop.fingerprint import check_fingerprint, target_fingerprint
 from eyas.models.config import CheckpointError
 from eyas.models.decoder import Decoder
 
@@ -89,11 +93,20 @@ def save_drafter(model: torch.nn.Module, directory: str | Path, target_ref: str 
             "draft_vocab": model.draft_vocab,
             "target_shape": {"hidden_size": target_config.hidden_size, "vocab_size": target_config.vocab_size,
                              "num_layers": target_config.num_layers},
+            "target_fingerprint": target_fingerprint(target_config, _target_dir(target_ref)),
             "config": to_dict(model.config)}
     state = {name: tensor.detach().contiguous().cpu() for name, tensor in model.state_dict().items()}
     save_file(state, str(directory / WEIGHTS_FILE))
     (directory / CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
     return directory
+
+
+def _target_dir(target_ref: str | Path | None) -> Path | None:
+    """The target's checkpoint directory when ``target_ref`` names one (its tokenizer enters the fingerprint)."""
+    if target_ref is None:
+        return None
+    path = resolve_path(target_ref)
+    return path if path.is_dir() else None
 
 
 def read_meta(path: str | Path) -> tuple[Path, dict[str, Any]]:
@@ -109,6 +122,10 @@ def read_meta(path: str | Path) -> tuple[Path, dict[str, Any]]:
         meta = json.loads(config_path.read_text())
     except json.JSONDecodeError as err:
         raise CheckpointError(f"{config_path}: not valid JSON ({err})") from None
+    from eyas import interop  # an engine's format: detected here, converted in load_model
+    foreign = interop.detect(meta)
+    if foreign is not None:
+        return directory, interop.foreign_meta(meta, foreign, config_path)
     missing = [k for k in ("drafter_type", "target", "target_taps", "config") if k not in meta]
     if missing:
         raise CheckpointError(f"{config_path}: missing field(s) {missing}")
@@ -126,11 +143,19 @@ def _check_target(meta: dict[str, Any], target: Decoder, where: Path) -> None:
                               f"target ({details})")
 
 
-def load_model(path: str | Path, target: Decoder) -> torch.nn.Module:
-    """The drafter model saved at ``path`` (directory or a file in it), attached to ``target``, in eval mode."""
+def load_model(path: str | Path, target: Decoder, target_dir: str | Path | None = None) -> torch.nn.Module:
+    """The drafter model saved at ``path`` (directory or a file in it), attached to ``target``, in eval mode.
+    ``target_dir`` (the target's checkpoint directory, when known) adds its tokenizer to the fingerprint check."""
     directory, meta = read_meta(path)
+    state = None
+    if "format" in meta:  # SGLang / vLLM / speculators: converted to eyas's meta and tensor names
+        from eyas import interop
+        meta, state = interop.import_checkpoint(directory, meta, target)
     entry = family(meta["drafter_type"])
     _check_target(meta, target, directory)
+    check_fingerprint(meta.get("target_fingerprint"), target.config,
+                      target_dir or getattr(target, "checkpoint_dir", None), str(directory / CONFIG_FILE),
+                      meta["target"])
     try:
         config = from_dict(entry.config_cls, meta["config"], prefix="config.")
         model = entry.build_model(config, target, meta.get("draft_vocab"))
@@ -140,9 +165,10 @@ def load_model(path: str | Path, target: Decoder) -> torch.nn.Module:
         raise CheckpointError(f"{directory / CONFIG_FILE}: target_taps {meta['target_taps']} disagree with the "
                               f"config's {list(model.target_taps)}")
     weights = directory / WEIGHTS_FILE
-    if not weights.is_file():
-        raise CheckpointError(f"{weights}: missing file")
-    state = load_file(str(weights), device=str(target.device))
+    if state is None:
+        if not weights.is_file():
+            raise CheckpointError(f"{weights}: missing file")
+        state = load_file(str(weights), device=str(target.device))
     expected = model.state_dict()
     missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
     if missing or unexpected:

@@ -1,0 +1,157 @@
+"""Drafters that travel: eyas drafters written in the engines' formats, and theirs read as eyas drafters.
+
+Formats (``FORMATS``): ``sglang`` and ``vllm`` (the engines' own config.json + model.safetensors: EAGLE-3 as
+LlamaForCausalLMEagle3 / Eagle3LlamaForCausalLM, DFlash as DFlashDraftModel), ``speculators`` (the speculators
+package's config with a ``speculators_config``). EAGLE-1 and Medusa are not exported: SGLang's EAGLE-1 layout
+(LlamaForCausalLMEagle: fc over concat(embed, feature) with no input norm) and Medusa's ResBlock heads differ from
+eyas's modules, so they are refused by name rather than written approximately.
+
+Import: ``registry.read_meta`` / ``load_model`` call ``detect`` on a checkpoint's config.json; an engine format is
+converted here (``import_checkpoint``), so every ``--drafter`` (generate, bench, sweep, serving) reads it.
+Layer-id conventions: layer_ids.py. Target fingerprints: fingerprint.py.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from eyas.config import to_dict
+from eyas.interop import dflash, eagle3, speculators
+from eyas.interop.fingerprint import target_fingerprint
+from eyas.models.config import CheckpointError
+from eyas.models.decoder import Decoder
+
+FORMATS = ("sglang", "vllm", "speculators")
+WEIGHTS_FILE = "model.safetensors"
+EYAS_BLOCK = "eyas"  # what eyas adds to an exported config.json (engines keep unknown keys and ignore them)
+
+
+def export_checkpoint(model: torch.nn.Module, fmt: str, target_ref: str, fingerprint: dict[str, Any] | None
+                      ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(config.json dict, tensors) of ``model`` in format ``fmt``; CheckpointError names what cannot be exported."""
+    if fmt not in FORMATS:
+        raise ValueError(f"--to {fmt!r}: must be one of {FORMATS}")
+    kind = model.drafter_type
+    if kind == "eagle3":
+        config = (speculators.eagle3_config(model, target_ref) if fmt == "speculators"
+                  else eagle3.export_config(model, fmt))
+        weights = eagle3.export_weights(model)
+    elif kind == "dflash":
+        config = speculators.dflash_config(model, target_ref) if fmt == "speculators" else dflash.export_config(model)
+        weights = dflash.export_weights(model)
+    else:
+        raise CheckpointError(f"a {kind} drafter has no {fmt} format eyas can write exactly (EAGLE-3 and DFlash "
+                              "export; see eyas.interop's docstring)")
+    config[EYAS_BLOCK] = {"drafter_type": kind, "target": str(target_ref), "config": to_dict(model.config),
+                          "target_fingerprint": fingerprint or target_fingerprint(model.target_config)}
+    return config, weights
+
+
+def detect(config: dict[str, Any]) -> str | None:
+    """The foreign format of a checkpoint's config.json ("speculators", "eagle3" or "dflash"), None for eyas's own
+    (a top-level ``drafter_type``) or anything unknown."""
+    if "drafter_type" in config:
+        return None
+    if "speculators_config" in config or "speculators_model_type" in config:
+        return "speculators"
+    architectures = config.get("architectures") or []
+    if any(a in eagle3.ARCHITECTURES for a in architectures):
+        return "eagle3"
+    if dflash.ARCHITECTURE in architectures or "dflash_config" in config:
+        return "dflash"
+    return None
+
+
+def foreign_meta(config: dict[str, Any], fmt: str, where: Path) -> dict[str, Any]:
+    """What ``registry.read_meta`` returns for a foreign checkpoint before a target is known."""
+    block = config.get(EYAS_BLOCK) or {}
+    if fmt == "speculators":
+        drafter_type = speculators.drafter_type(config, where)
+    else:
+        drafter_type = fmt
+    return {"drafter_type": drafter_type, "format": fmt, "target": block.get("target") or _verifier(config),
+            "engine_config": config}
+
+
+def _verifier(config: dict[str, Any]) -> str:
+    verifier = (config.get("speculators_config") or {}).get("verifier") or {}
+    return verifier.get("name_or_path") or "unknown (trained outside eyas)"
+
+
+def import_checkpoint(directory: Path, meta: dict[str, Any], target: Decoder
+                      ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """A foreign checkpoint -> (eyas meta as in registry's config.json, eyas state_dict), checked against target."""
+    config, where = meta["engine_config"], directory / "config.json"
+    block = config.get(EYAS_BLOCK) or {}
+    weights = directory / WEIGHTS_FILE
+    if not weights.is_file():
+        raise CheckpointError(f"{weights}: missing file (multi-file checkpoints are not read; merge the shards)")
+    state = load_file(str(weights))
+    if meta["format"] == "speculators":
+        config = speculators.engine_config(config, target, where)
+    if meta["drafter_type"] == "eagle3":
+        family_config = eagle3.import_config(config, target, str(where), block.get("config"))
+        vocab = family_config.draft_vocab_size or target.config.vocab_size
+        state, draft_vocab = eagle3.import_weights(state, target, vocab, str(where))
+    else:
+        family_config = dflash.import_config(config, target, str(where), block.get("config"))
+        state, draft_vocab = dflash.import_weights(state, str(where)), None
+    from eyas.drafters import registry
+    model_taps = registry.build_model(meta["drafter_type"], family_config, target, draft_vocab).target_taps
+    t = target.config
+    eyas_meta = {"drafter_type": meta["drafter_type"], "target": meta["target"], "target_taps": list(model_taps),
+                 "draft_vocab": draft_vocab, "target_fingerprint": block.get("target_fingerprint"),
+                 "target_shape": {"hidden_size": config.get("target_hidden_size", config.get("hidden_size")),
+                                  "vocab_size": config.get("vocab_size", t.vocab_size),
+                                  "num_layers": config.get("num_target_layers", t.num_layers)},
+                 "config": to_dict(family_config)}
+    return eyas_meta, state
+
+
+def readme(config: dict[str, Any], fmt: str) -> str:
+    block = config[EYAS_BLOCK]
+    serve = {"sglang": "python -m sglang.launch_server --model TARGET --speculative-algorithm "
+                       f"{'EAGLE3' if block['drafter_type'] == 'eagle3' else 'DFLASH'} "
+                       "--speculative-draft-model-path THIS_DIR",
+             "vllm": "vllm serve TARGET --speculative-config '{\"method\": \"%s\", \"model\": \"THIS_DIR\"}'"
+                     % ("eagle3" if block["drafter_type"] == "eagle3" else "dflash"),
+             "speculators": "vllm serve THIS_DIR  (the speculators_config names the verifier)"}[fmt]
+    fingerprint = block["target_fingerprint"]
+    return (f"# eyas {block['drafter_type']} drafter, {fmt} format\n\n"
+            f"Trained for target: `{block['target']}`\n\n"
+            f"Target fingerprint: config `{fingerprint.get('config')}`, tokenizer `{fingerprint.get('tokenizer')}` "
+            "(eyas.interop.fingerprint; eyas refuses to load this drafter beside a target whose fingerprint "
+            "differs).\n\n"
+            f"Serve: `{serve}`\n\n"
+            "Load back into eyas: `python -m jobs.generate --target TARGET --drafter THIS_DIR --method "
+            f"{block['drafter_type']} ...`\n")
+
+
+def write_export(model: torch.nn.Module, fmt: str, out_dir: str | Path, target_ref: str,
+                 fingerprint: dict[str, Any] | None = None) -> Path:
+    """Write config.json, model.safetensors and README.md of ``model`` in ``fmt`` to ``out_dir`` atomically: into
+    a temporary sibling directory, then renamed (an existing ``out_dir`` is an error, never overwritten)."""
+    import json
+    import shutil
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    out = Path(out_dir).expanduser().resolve()
+    if out.exists():
+        raise FileExistsError(f"--out {out}: already exists; choose a new directory (exports never overwrite)")
+    config, weights = export_checkpoint(model, fmt, target_ref, fingerprint)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        save_file(weights, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (tmp / "README.md").write_text(readme(config, fmt))
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

@@ -1,0 +1,202 @@
+"""EAGLE-3 drafters in the engines' layout (``LlamaForCausalLMEagle3`` / ``Eagle3LlamaForCausalLM``) and back.
+
+Checked against the engines' own model files: SGLang models/llama_eagle3.py (LlamaForCausalLMEagle3: ``fc``
+[E, 3*target_hidden_size], ``midlayer`` whose q/k/v take concat(input_layernorm(embeds), hidden_norm(hidden)) and
+whose residual is the un-normed hidden state, final ``norm``, ``lm_head`` over ``draft_vocab_size``; load_weights
+reads ``d2t`` as "target id minus draft id" (hot_token_id = d2t + arange) and skips ``t2d`` and unknown names);
+vLLM models/llama_eagle3.py (the same names, ``midlayer.`` -> ``layers.0.``, ``d2t`` -> draft_id_to_target_id with
+targets = arange + d2t, ``norm_before_residual`` false = residual before hidden_norm, embed_tokens shared with the
+target when the checkpoint has none). eyas's EAGLE-3 layer (drafters/eagle.py DraftLayer, two_stream) computes the
+same thing, so the weights map name for name:
+
+  eyas                       engines
+  layer.<name>               midlayer.<name>      (input_layernorm, hidden_norm, self_attn.{q,k,v,o}_proj,
+                                                   post_attention_layernorm, mlp.{gate,up,down}_proj)
+  fc / norm / lm_head        fc / norm / lm_head
+  draft_vocab (target ids)   d2t[x] = id - x (int64), t2d[id] = id in the draft vocab (bool)
+The embedding is the target's and is not written. What cannot be written exactly is refused: a tap count other
+than 3 (the engines' fc takes three target layers), taps an engine cannot capture (layer_ids.py).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from eyas.drafters.eagle import DraftLayerConfig
+from eyas.drafters.eagle3 import Eagle3Config, Eagle3Model
+from eyas.interop import layer_ids
+from eyas.models.config import CheckpointError
+from eyas.models.decoder import Decoder
+
+SGLANG_ARCH, VLLM_ARCH = "LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM"
+ARCHITECTURES = (SGLANG_ARCH, VLLM_ARCH)
+LAYER_PREFIX, ENGINE_LAYER_PREFIX = "layer.", "midlayer."
+# engine-only tensors eyas has no counterpart for: refusing beats silently dropping them
+UNSUPPORTED_PREFIXES = ("fc_norm.", "midlayers.", "layers.1.", "additional_layers.", "mask_hidden")
+
+
+def llama_layer_config(model: Eagle3Model) -> dict[str, Any]:
+    """The LlamaConfig keys of the drafter's one decoder layer (its own widths, the target's rope and norm eps)."""
+    layer = model.layer_config
+    return {"model_type": "llama", "hidden_size": layer.hidden_size, "intermediate_size": layer.intermediate_size,
+            "num_attention_heads": layer.num_heads, "num_key_value_heads": layer.num_kv_heads,
+            "head_dim": layer.head_dim, "num_hidden_layers": 1, "hidden_act": "silu", "rms_norm_eps": layer.rms_norm_eps,
+            "rope_theta": layer.rope_theta, "rope_scaling": layer.rope_scaling,
+            "max_position_embeddings": layer.max_position_embeddings, "vocab_size": model.target_config.vocab_size,
+            "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False, "torch_dtype": "float32"}
+
+
+def engine_ids(model: Eagle3Model, convention: str) -> list[int]:
+    taps = list(model.target_taps)
+    if len(taps) != 3:
+        raise CheckpointError(f"an EAGLE-3 drafter with {len(taps)} taps {taps} cannot be exported: the engines' fc "
+                              "fuses exactly three target layers (fc.weight [E, 3*target_hidden_size])")
+    return layer_ids.to_engine(taps, model.target_config.num_layers, convention)
+
+
+def export_config(model: Eagle3Model, engine: str) -> dict[str, Any]:
+    """config.json for ``engine`` "sglang" (ids in eagle_config, +1 convention) or "vllm" (top-level ids)."""
+    config = llama_layer_config(model)
+    config["draft_vocab_size"] = len(model.draft_vocab) if model.draft_vocab else model.target_config.vocab_size
+    config["target_hidden_size"] = model.target_config.hidden_size
+    if engine == "sglang":
+        ids = engine_ids(model, "sglang-eagle3")
+        config["architectures"] = [SGLANG_ARCH]
+        config["eagle_config"] = {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": ids}
+    elif engine == "vllm":
+        config["architectures"] = [VLLM_ARCH]
+        config["eagle_config"] = {"use_aux_hidden_state": True}
+        config["eagle_aux_hidden_state_layer_ids"] = engine_ids(model, "vllm-eagle3")
+        config["norm_before_residual"] = False  # eyas: residual = the un-normed hidden state
+    else:
+        raise ValueError(f"unknown engine {engine!r}")
+    return config
+
+
+def export_weights(model: Eagle3Model) -> dict[str, torch.Tensor]:
+    state = {}
+    for name, tensor in model.state_dict().items():
+        key = ENGINE_LAYER_PREFIX + name[len(LAYER_PREFIX):] if name.startswith(LAYER_PREFIX) else name
+        state[key] = tensor.detach().float().contiguous().cpu()
+    d2t_X = model.d2t.cpu()
+    state["d2t"] = (d2t_X - torch.arange(d2t_X.numel())).contiguous()  # target id minus draft id
+    t2d_V = torch.zeros(model.target_config.vocab_size, dtype=torch.bool)
+    t2d_V[d2t_X] = True
+    state["t2d"] = t2d_V
+    return state
+
+
+# ---- import ------------------------------------------------------------------------------------------------
+
+def _require_equal(where: str, name: str, value: Any, expected: Any, meaning: str) -> None:
+    if value is not None and value != expected:
+        raise CheckpointError(f"{where}: {name}={value!r} but {meaning} is {expected!r}; eyas's EAGLE-3 cannot "
+                              "represent that drafter exactly")
+
+
+def import_taps(config: dict[str, Any], num_layers: int, where: str) -> tuple[int, ...]:
+    """The taps (HF numbering) an engine would capture for this config: top-level ids are vLLM's capture points,
+    ``eagle_config`` ids SGLang's (+1); both present must agree; neither = the engines' default."""
+    vllm_ids = config.get("eagle_aux_hidden_state_layer_ids")
+    sglang_ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    vllm_taps = layer_ids.from_engine(vllm_ids, num_layers, "vllm-eagle3") if vllm_ids else None
+    sglang_taps = layer_ids.from_engine(sglang_ids, num_layers, "sglang-eagle3") if sglang_ids else None
+    if vllm_taps and sglang_taps and vllm_taps != sglang_taps:
+        raise CheckpointError(f"{where}: eagle_aux_hidden_state_layer_ids {vllm_ids} (vLLM: HF {list(vllm_taps)}) "
+                              f"and eagle_config's {sglang_ids} (SGLang, +1: HF {list(sglang_taps)}) select different "
+                              "target layers; the two engines would serve this drafter differently")
+    return vllm_taps or sglang_taps or layer_ids.default_eagle3_taps(num_layers)
+
+
+def _layer_config(config: dict[str, Any], target: Decoder) -> DraftLayerConfig:
+    """The layer widths, with None where the target's value gives the same layer (eyas's default)."""
+    t = target.config
+    explicit = {"intermediate_size": config.get("intermediate_size", t.intermediate_size),
+                "num_heads": config.get("num_attention_heads", t.num_heads),
+                "num_kv_heads": config.get("num_key_value_heads", config.get("num_attention_heads", t.num_kv_heads)),
+                "head_dim": config.get("head_dim") or config.get("hidden_size", t.hidden_size)
+                // config.get("num_attention_heads", t.num_heads)}
+    wanted = DraftLayerConfig(**explicit).model_config(t)
+    fields = dict(explicit)
+    for name in list(fields):  # drop overrides the default already reproduces
+        trial = {**fields, name: None}
+        if DraftLayerConfig(**trial).model_config(t) == wanted:
+            fields = trial
+    return DraftLayerConfig(**fields)
+
+
+def check_architecture(config: dict[str, Any], target: Decoder, where: str) -> None:
+    t = target.config
+    _require_equal(where, "hidden_size", config.get("hidden_size"), t.hidden_size, "the target's hidden size")
+    _require_equal(where, "target_hidden_size", config.get("target_hidden_size"), t.hidden_size,
+                   "the target's hidden size")
+    _require_equal(where, "vocab_size", config.get("vocab_size"), t.vocab_size, "the target's vocab size")
+    _require_equal(where, "num_hidden_layers", config.get("num_hidden_layers"), 1, "eyas's drafter layer count")
+    _require_equal(where, "hidden_act", config.get("hidden_act"), "silu", "eyas's activation")
+    _require_equal(where, "rms_norm_eps", config.get("rms_norm_eps"), t.rms_norm_eps, "the target's norm eps")
+    _require_equal(where, "rope_theta", config.get("rope_theta"), t.rope_theta, "the target's rope theta")
+    _require_equal(where, "norm_before_residual", config.get("norm_before_residual"), False,
+                   "eyas's layer (residual = the un-normed hidden state)")
+    _require_equal(where, "tie_word_embeddings", config.get("tie_word_embeddings"), False,
+                   "eyas's EAGLE-3 (its own LM head)")
+    for flag in ("attention_bias", "mlp_bias", "bias"):
+        _require_equal(where, flag, config.get(flag), False, "eyas's drafter layer (no biases)")
+    if (config.get("eagle_config") or {}).get("use_aux_hidden_state") is False:
+        raise CheckpointError(f"{where}: use_aux_hidden_state=false (an EAGLE-1-style feature drafter); eyas's "
+                              "EAGLE-3 fuses three target layers")
+
+
+def import_weights(state: dict[str, torch.Tensor], target: Decoder, draft_vocab_size: int, where: str
+                   ) -> tuple[dict[str, torch.Tensor], list[int] | None]:
+    """Engine tensors -> (eyas state_dict, draft_vocab as target ids or None for the full vocabulary)."""
+    unsupported = sorted(k for k in state if k.startswith(UNSUPPORTED_PREFIXES) or k.endswith(".bias"))
+    if unsupported:
+        raise CheckpointError(f"{where}: tensors {unsupported[:4]} have no counterpart in eyas's EAGLE-3 (EAGLE-3.1 "
+                              "fc_norm, extra layers, biases or parallel drafting); refusing rather than dropping them")
+    embed = state.get("embed_tokens.weight")
+    if embed is not None and not torch.equal(embed.to(target.embed_tokens.weight), target.embed_tokens.weight):
+        raise CheckpointError(f"{where}: embed_tokens.weight differs from the target's embedding; eyas's EAGLE-3 "
+                              "reads tokens through the target's own (frozen) embedding")
+    out = {}
+    for name, tensor in state.items():
+        if name in ("d2t", "t2d", "embed_tokens.weight"):
+            continue
+        out[LAYER_PREFIX + name[len(ENGINE_LAYER_PREFIX):] if name.startswith(ENGINE_LAYER_PREFIX) else name] = tensor
+    V = target.config.vocab_size
+    if "d2t" not in state:
+        if draft_vocab_size != V:
+            raise CheckpointError(f"{where}: draft_vocab_size={draft_vocab_size} < vocab {V} but no d2t tensor maps "
+                                  "draft ids to target ids")
+        return out, None
+    d2t_X = state["d2t"].long()
+    ids_X = d2t_X + torch.arange(d2t_X.numel())  # d2t holds target id minus draft id
+    if d2t_X.numel() != draft_vocab_size:
+        raise CheckpointError(f"{where}: d2t has {d2t_X.numel()} entries, draft_vocab_size={draft_vocab_size}")
+    if draft_vocab_size == V and torch.equal(ids_X, torch.arange(V)):
+        return out, None
+    return out, ids_X.tolist()
+
+
+def import_config(config: dict[str, Any], target: Decoder, where: str, eyas_block: dict[str, Any] | None
+                  ) -> Eagle3Config:
+    """The Eagle3Config an engine checkpoint describes. eyas's own exports carry an ``eyas`` block with the
+    training-only settings (ttt_steps, step_decay, ...); its architecture must agree with the engine keys."""
+    check_architecture(config, target, where)
+    taps = import_taps(config, target.config.num_layers, where)
+    vocab = config.get("draft_vocab_size") or target.config.vocab_size
+    derived = Eagle3Config(layer=_layer_config(config, target), taps=taps,
+                           draft_vocab_size=None if vocab == target.config.vocab_size else vocab)
+    if eyas_block is None:
+        return derived
+    from eyas.config import from_dict
+    saved = from_dict(Eagle3Config, eyas_block, prefix="eyas.config.")
+    from eyas.drafters.eagle3 import eagle3_taps
+    same = (tuple(saved.taps or eagle3_taps(target.config.num_layers)) == taps
+            and saved.layer.model_config(target.config) == derived.layer.model_config(target.config)
+            and (saved.draft_vocab_size or target.config.vocab_size) == vocab)
+    if not same:
+        raise CheckpointError(f"{where}: the eyas block disagrees with the engine keys (taps, layer widths or draft "
+                              "vocab size); was config.json edited by hand? Remove the eyas block to load by the "
+                              "engine keys alone")
+    return saved
