@@ -212,7 +212,8 @@ def run_bench(args: argparse.Namespace) -> dict:
     for rep in range(args.repeats):
         for suite, prompts in suites.items():
             for prompt in prompts:
-                prompt_ids = tokenizer.encode(prompt)[:max_prompt_tokens]
+                # a chat prompt is already rendered by the chat template, special tokens included
+                prompt_ids = tokenizer.encode(prompt, add_special_tokens=suite != "chat")[:max_prompt_tokens]
                 order = order[1:] + order[:1]  # rotate: no method always runs first
                 for method in order:
                     spec, drafter = drafters[method]
@@ -284,11 +285,11 @@ def plot(report: dict, path: Path) -> None:
 
 
 def print_table(report: dict) -> None:
-    print(f"{'method':<18}{'suite':<8}{'tok/s':>9}{'speedup':>9}{'tau':>7}  per-depth accept")
+    print(f"{'method':<18}{'suite':<10}{'tok/s':>9}{'speedup':>9}{'tau':>7}  per-depth accept")
     for r in report["results"]:
         tau = f"{r['tau']:.2f}" if r["tau"] else "-"
         depth = " ".join(f"{a:.2f}" for a in (r["per_depth_accept"] or [])[:6])
-        print(f"{r['method']:<18}{r['suite']:<8}{r['tokens_per_s']:>9.1f}{r['speedup']:>8.2f}x{tau:>7}  {depth}")
+        print(f"{r['method']:<18}{r['suite']:<10}{r['tokens_per_s']:>9.1f}{r['speedup']:>8.2f}x{tau:>7}  {depth}")
     print(f"commit {report['commit']}; {report['config']['command']}")
 
 
