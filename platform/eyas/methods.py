@@ -178,16 +178,33 @@ def checkpoint_factory(path: str | Path, target: Decoder, method: str | None, tr
     return lambda: make(model, target, tree, method)
 
 
-def load_drafter(path: str | Path, target: Decoder, method: str | None = None,
-                 tree: dict[str, Any] | None = None, where: str = "tree.") -> Any:
-    """One drafter over the checkpoint at ``path`` (training-time evaluation, tests): ``method`` defaults to the
-    family's own, ``tree`` holds tree options over the method's default tree (errors named ``where`` + field)."""
-    model_type = registry.read_meta(path)[1]["drafter_type"]
+def _method_tree(model_type: str, method: str | None, tree: dict[str, Any] | None, where: str
+                 ) -> tuple[str, TreeSpec | None]:
     method = method or FAMILY_METHOD.get(model_type, model_type)
     require(method in METHODS, f"{where.rsplit('tree.', 1)[0]}method", method, f"must be one of {sorted(METHODS)}")
     default = METHODS[method].tree
-    spec = tree_over(default, dict(tree or {}), prefix=where) if default is not None else None
+    return method, tree_over(default, dict(tree or {}), prefix=where) if default is not None else None
+
+
+def load_drafter(path: str | Path, target: Decoder, method: str | None = None,
+                 tree: dict[str, Any] | None = None, where: str = "tree.") -> Any:
+    """One drafter over the checkpoint at ``path`` (tests, tools): ``method`` defaults to the family's own,
+    ``tree`` holds tree options over the method's default tree (errors named ``where`` + field)."""
+    method, spec = _method_tree(registry.read_meta(path)[1]["drafter_type"], method, tree, where)
     return checkpoint_factory(path, target, method, spec)()
+
+
+def wrap_model(model: Any, target: Decoder, method: str | None = None, tree: dict[str, Any] | None = None,
+               where: str = "tree.") -> Any:
+    """One drafter over an in-memory drafter model (training-time evaluation drafts with the live weights, no
+    checkpoint round trip); ``method`` and ``tree`` as in ``load_drafter``."""
+    method, spec = _method_tree(model.drafter_type, method, tree, where)
+    require(METHODS[method].trained, "method", method,
+            f"a trained drafter runs one of {sorted(m for m in METHODS if METHODS[m].trained)}")
+    if METHODS[method].family != model.drafter_type:
+        raise ConfigError(f"method {method!r} needs a {METHODS[method].family} drafter, not a "
+                          f"{model.drafter_type} model")
+    return registry.family(model.drafter_type).make_drafter(model, target, spec or METHODS[method].tree, method)
 
 
 def resolve_checkpoint(location: str | Path, field: str) -> Path:

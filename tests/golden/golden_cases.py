@@ -27,7 +27,7 @@ from eyas.drafters import registry
 from eyas.drafters.draft_lm import DraftLMConfig, DraftLMDrafter
 from eyas.methods import SpecConfig, drafter_factory
 from eyas.models import Decoder, ModelConfig
-from eyas.train.features import TrainBatch, target_features
+from eyas.models.features import TrainBatch, target_features
 
 FIXTURE = Path(__file__).with_name("decoding.json")
 VOCAB = 64

@@ -19,7 +19,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from eyas.train.features import TargetFeatures, TrainBatch
+from eyas.models.features import TargetFeatures, TrainBatch
 
 
 def draw_anchors(loss_mask_BT: torch.Tensor, valid_BT: torch.Tensor, num_anchors: int,

@@ -27,7 +27,7 @@ from eyas.config import require
 from eyas.drafters.eagle import (KV, DraftLayerConfig, EagleModel, masked_mean, scalar, shift_left,
                                  soft_cross_entropy, step_mask, unroll)
 from eyas.models.decoder import Decoder
-from eyas.train.features import TargetFeatures, TrainBatch
+from eyas.models.features import TargetFeatures, TrainBatch
 
 
 @dataclass(frozen=True)

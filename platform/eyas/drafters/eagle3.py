@@ -30,7 +30,7 @@ from eyas.config import require
 from eyas.drafters.eagle import (KV, DraftLayerConfig, EagleModel, check_taps, masked_mean, scalar, shift_left,
                                  soft_cross_entropy, step_mask, unroll)
 from eyas.models.decoder import Decoder, RMSNorm
-from eyas.train.features import TargetFeatures, TrainBatch
+from eyas.models.features import TargetFeatures, TrainBatch
 
 
 def eagle3_taps(num_layers: int) -> tuple[int, int, int]:

@@ -33,7 +33,7 @@ from eyas.drafters.trees import EXPAND_MODES, TreeSpec, grow_tree
 from eyas.models.decoder import Decoder
 from eyas.decoding.builders import EAGLE_DEFAULT
 from eyas.decoding.tree import DraftTree, PartialTree
-from eyas.train.features import TargetFeatures, TrainBatch
+from eyas.models.features import TargetFeatures, TrainBatch
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""What the frozen target tells a drafter during training: hidden-state taps and logits, computed online.
+"""What the frozen target tells a drafter during training (shared by train/ and drafters/, which never import each
+other): hidden-state taps and logits, computed online.
 
 Shape legend: B batch, T tokens, E hidden size, V vocab.
 """

@@ -26,7 +26,7 @@ import torch
 
 from eyas.models.decoder import Decoder
 from eyas.decoding.verify import process_logits
-from eyas.train.features import TargetFeatures, TrainBatch, target_features
+from eyas.models.features import TargetFeatures, TrainBatch, target_features
 
 SPLITS = ("train", "heldout")
 COLUMNS = ("prompt_ids", "response_ids", "loss_mask")

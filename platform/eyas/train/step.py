@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from eyas.train.config import OptimConfig, TrainConfig
-from eyas.train.features import TargetFeatures, TrainBatch
+from eyas.models.features import TargetFeatures, TrainBatch
 
 ACC_KEY = re.compile(r"^acc_(\d+)$")
 TRAINER_STATE = "trainer.pt"   # optimizer + scheduler (DDP / single process)

@@ -6,7 +6,7 @@ import torch
 
 from eyas.models import Decoder, ModelConfig
 from eyas.decoding.generate import generate
-from eyas.train.features import TrainBatch, target_features
+from eyas.models.features import TrainBatch, target_features
 
 torch.set_num_threads(1)  # tiny tensors: on a loaded 2-core machine a second thread only spins
 

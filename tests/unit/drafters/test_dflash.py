@@ -15,7 +15,7 @@ from eyas.methods import load_drafter
 from eyas.models.config import CheckpointError, ModelConfig
 from eyas.models.decoder import Decoder
 from eyas.decoding.generate import SamplingParams, generate
-from eyas.train.features import TrainBatch, target_features
+from eyas.models.features import TrainBatch, target_features
 
 VOCAB, MASK_ID = 64, 63  # the last id is reserved as <|mask|>: the target never sees it in prompts
 TINY = DFlashConfig(num_layers=2, block_size=4, num_taps=3, loss_decay=4.0, num_anchors=16, mask_token_id=MASK_ID)

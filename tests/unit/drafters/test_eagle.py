@@ -12,7 +12,7 @@ from eyas.drafters.eagle1 import Eagle1Config, Eagle1Model
 from eyas.drafters.eagle3 import Eagle3Config, Eagle3Model, build_draft_vocab, eagle3_taps
 from eyas.drafters.trees import TreeSpec
 from eyas.decoding.tree import PartialTree
-from eyas.train.features import target_features
+from eyas.models.features import target_features
 
 
 @pytest.fixture(scope="module")

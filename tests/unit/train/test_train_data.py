@@ -8,7 +8,7 @@ from eyas.models import load_target
 from eyas.decoding.generate import generate
 from eyas.train.data import (DataPosition, FeatureCache, SequenceDataset, collate, corpus_chunks, regenerate,
                              response_row, shard_path, slot_window, write_shard)
-from eyas.train.features import target_features
+from eyas.models.features import target_features
 
 
 @pytest.fixture(scope="module")

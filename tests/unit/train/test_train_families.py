@@ -12,7 +12,7 @@ from eyas.models import Decoder, ModelConfig
 from eyas.decoding.generate import generate
 from eyas.train.config import OptimConfig
 from eyas.train.data import collate, response_row, token_counts
-from eyas.train.features import target_features
+from eyas.models.features import target_features
 from eyas.train.step import LossModule, build_optimizer, build_scheduler, evaluate, train_step
 
 SMALL = {  # fields over each family's defaults, sized for a 6-layer hidden-32 target

@@ -14,7 +14,7 @@ from eyas.models import Decoder, ModelConfig
 from eyas.decoding.generate import generate
 from eyas.train.config import DataConfig, OptimConfig, TrainConfig
 from eyas.train.data import collate, response_row
-from eyas.train.features import TrainBatch, target_features
+from eyas.models.features import TrainBatch, target_features
 from eyas.train.step import (LossModule, acceptance_curve, build_optimizer, build_scheduler, evaluate,
                              lr_factor, simulated_accept_length, train_step)
 

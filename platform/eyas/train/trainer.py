@@ -1,0 +1,174 @@
+"""The one Ray-free drafter trainer: from a TrainConfig, a frozen target and its data sets, build the drafter and its
+strategy (DDP or DeepSpeed ZeRO), run seeded steps, evaluate on held-out data and measure tau with the live drafter.
+
+jobs.train_drafter wraps it in Ray Train (one Trainer per worker: checkpoints, ray.train.report, MLflow on rank 0);
+the Tune trials (tune/measure.py) run it in one process, an epoch per report. torch.distributed, when there is more
+than one rank, is the caller's to set up.
+
+Shape legend: docs/SHAPES.md.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from eyas import corpus
+from eyas.config import ConfigError
+from eyas.decoding.generate import generate
+from eyas.decoding.tree import MAX_TREE_NODES
+from eyas.drafters import registry
+from eyas.methods import wrap_model
+from eyas.models import load_target, load_tokenizer
+from eyas.models.decoder import Decoder
+from eyas.models.features import TrainBatch
+from eyas.train.config import TrainConfig
+from eyas.train.data import FeatureCache, SequenceDataset, feature_cache_key, to_device
+from eyas.train.step import build_drafter, evaluate, make_strategy, measure_tau
+
+
+@dataclass
+class Inputs:
+    """What a Trainer trains on, loaded from the target and data directories (``load_inputs``)."""
+
+    target: Decoder
+    data: SequenceDataset
+    heldout: SequenceDataset | None
+    prompts: list[list[int]]
+    eos_token_ids: list[int]
+
+
+def load_inputs(cfg: TrainConfig, target_dir: str | Path, data_dir: str | Path, device: torch.device,
+                evaluates: bool = True) -> Inputs:
+    """The target, the train split and (``evaluates``: the rank that evaluates) the held-out split and prompts."""
+    target = load_target(target_dir, device=device)
+    tokenizer = load_tokenizer(target_dir)
+    tokenizer.model_max_length = 10**9  # long held-out prompts are cut below, not warned about
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    data = SequenceDataset(data_dir, "train", cfg.train.max_len, pad_id)
+    heldout, prompts = None, []
+    if evaluates:
+        if any((Path(data_dir) / "heldout").glob("shard-*.parquet")):
+            heldout = SequenceDataset(data_dir, "heldout", cfg.train.max_len, pad_id, limit=cfg.train.eval_sequences)
+        else:
+            print(f"[train] {data_dir}/heldout has no shards: held-out evaluation is off "
+                  "(set num_heldout_prompts > 0 in the data config)", flush=True)
+        prompts = heldout_prompts(cfg, tokenizer, target.config.max_position_embeddings)
+    eos = set(target.config.eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    return Inputs(target, data, heldout, prompts, sorted(eos))
+
+
+def heldout_prompts(cfg: TrainConfig, tokenizer, max_positions: int) -> list[list[int]]:
+    """``measure.num_prompts`` held-out prompts, cut so prompt + max_new_tokens + a draft tree fit the context."""
+    measure = cfg.measure
+    room = max_positions - measure.max_new_tokens - MAX_TREE_NODES
+    if measure.num_prompts and room < 1:
+        raise ConfigError(f"measure.max_new_tokens={measure.max_new_tokens} leaves no room for a prompt in the "
+                          f"target's context of {max_positions} tokens")
+    texts = corpus.heldout_prompts(measure.suite, measure.num_prompts) if measure.num_prompts else []
+    return [tokenizer(text).input_ids[:room] for text in texts]
+
+
+class Trainer:
+    """One rank's drafter training: drafter, strategy, feature cache, step counter and evaluation inputs.
+
+    ``strategy`` defaults to ``cfg.scaling.strategy``; ``feature_cache`` to ``cfg.train.feature_cache`` ("disk"
+    needs ``feature_dir``, the data set's feature directory). ``heldout`` and ``prompts`` are given to the rank
+    that evaluates. ``target_dir`` names the target in saved drafters.
+    """
+
+    def __init__(self, cfg: TrainConfig, target: Decoder, data: SequenceDataset,
+                 heldout: SequenceDataset | None = None, *, prompts: Sequence[list[int]] = (),
+                 eos_token_ids: Sequence[int] = (), target_dir: str | Path | None = None,
+                 rank: int = 0, world_size: int = 1, strategy: str | None = None,
+                 feature_cache: str | None = None, feature_dir: Path | None = None) -> None:
+        self.cfg, self.target, self.data = cfg, target, data
+        self.rank, self.world_size, self.device = rank, world_size, target.device
+        self.target_dir = str(target_dir) if target_dir is not None else None
+        self.prompts, self.eos_token_ids = list(prompts), list(eos_token_ids)
+        train = cfg.train
+        torch.manual_seed(train.seed)  # the same initial drafter on every rank
+        self.drafter = build_drafter(cfg, target, data.rows)
+        self.taps = tuple(self.drafter.target_taps)
+        self.steps_per_epoch = data.num_batches(world_size, train.batch_size)
+        self.total_steps = train.num_epochs * self.steps_per_epoch
+        if train.max_steps is not None:
+            self.total_steps = min(self.total_steps, train.max_steps)
+        self.strategy = make_strategy(strategy or cfg.scaling.strategy, self.drafter, cfg.optim, train.batch_size,
+                                      self.total_steps, world_size, self.device)
+        mode = feature_cache or train.feature_cache
+        if mode == "disk" and feature_dir is not None:
+            feature_dir = Path(feature_dir) / feature_cache_key(Path(self.target_dir), self.taps, train.max_len)
+        self.features = FeatureCache(target, self.taps, mode, feature_dir if mode == "disk" else None)
+        self.heldout = self._heldout_batches(heldout) if heldout is not None else []
+        self.step = 0
+        self.vanilla: list[list[int]] | None = None  # plain greedy continuations of the prompts, made once
+
+    def _heldout_batches(self, heldout: SequenceDataset) -> list:
+        """(batch, features) pairs of the held-out split, features computed once."""
+        cache, size = FeatureCache(self.target, self.taps, "memory"), self.cfg.train.batch_size
+        out = []
+        for start in range(0, len(heldout), size):
+            indices = list(range(start, min(start + size, len(heldout))))
+            batch = to_device(heldout.batch(indices), self.device)
+            out.append((batch, cache.features(indices, batch)))
+        return out
+
+    @property
+    def done(self) -> bool:
+        return self.step >= self.total_steps
+
+    def batches(self, epoch: int, start: int = 0) -> Iterator[tuple[list[int], TrainBatch]]:
+        """This rank's (indices, batch) of ``epoch`` from batch ``start`` on; a memory feature cache keeps each
+        rank's sequences fixed across epochs (SequenceDataset.epoch_indices)."""
+        train = self.cfg.train
+        yield from self.data.batches(epoch, train.seed, self.rank, self.world_size, train.batch_size, start,
+                                     fixed_ranks=self.features.mode == "memory")
+
+    def train_step(self, indices: Sequence[int], batch: TrainBatch) -> dict[str, float]:
+        """One optimizer step on ``batch``; this rank's metrics (loss, acc_j, ...)."""
+        # randomness (feature noise, DFlash anchors) as a function of (seed, step, rank): a resumed run draws
+        # exactly what the uninterrupted run would have
+        torch.manual_seed(self.cfg.train.seed * 1_000_003 + self.step * 1_009 + self.rank)
+        batch = to_device(batch, self.device)
+        metrics = self.strategy.step(batch, self.features.features(indices, batch))
+        self.step += 1
+        return metrics
+
+    def evaluate_heldout(self) -> dict[str, float]:
+        """Held-out loss, acc_j and simulated acceptance, prefixed ``heldout_`` (empty without held-out data)."""
+        if not self.heldout:
+            return {}
+        return {f"heldout_{k}": v for k, v in evaluate(self.drafter, self.heldout).items()}
+
+    def spec_drafter(self, where: str = "measure.tree.") -> Any:
+        """The live drafter model as the speculative loop drafts with it (``measure.method`` and ``.tree``); the
+        model is shared, so call ``self.drafter.eval()`` around its use and ``.train()`` after."""
+        measure = self.cfg.measure
+        return wrap_model(self.drafter, self.target, method=measure.method, tree=measure.tree, where=where)
+
+    def measure(self) -> tuple[dict[str, float], Any]:
+        """tau of the live drafter on the held-out prompts (greedy eyas generate) and whether its output equals
+        plain greedy decoding: (metrics, SpecStats); ({}, None) without prompts."""
+        if not self.prompts:
+            return {}, None
+        max_new = self.cfg.measure.max_new_tokens
+        self.drafter.eval()
+        stats, outputs = measure_tau(self.target, self.spec_drafter(), self.prompts, max_new, self.eos_token_ids)
+        self.drafter.train()
+        if self.vanilla is None:  # speculative output must equal plain greedy decoding token for token
+            self.vanilla = [generate(self.target, p, max_new, eos_token_ids=self.eos_token_ids).token_ids
+                            for p in self.prompts]
+        metrics = {"tau": stats.tau or 0.0,
+                   "draft_nodes_per_cycle": stats.num_draft_nodes / max(stats.cycles, 1),
+                   "greedy_identical": sum(a == b for a, b in zip(outputs, self.vanilla)) / len(outputs),
+                   **{f"accept_depth_{d + 1}": rate for d, rate in enumerate(stats.per_depth_accept)}}
+        return metrics, stats
+
+    def save(self, directory: str | Path) -> Path:
+        """The drafter as a registry checkpoint (``eyas.methods.load_drafter`` reads it)."""
+        return registry.save_drafter(self.drafter, directory, self.target_dir)
