@@ -7,7 +7,8 @@ Needs the target (jobs.train_target) and a data set (jobs.generate_data). Output
 a registry checkpoint (config.json + model.safetensors, loadable by ``eyas.methods.load_drafter``) plus
 ``training.json``, and MLflow model ``<name>`` with alias ``tracking.alias`` (``models:/<name>@champion``).
 
-Workers: ``TorchTrainer`` with ``scaling.num_workers`` workers (gloo on CPU, NCCL on GPU). Each worker loads the
+Workers: ``TorchTrainer`` with ``scaling.num_workers`` workers (gloo on CPU, NCCL on GPU), each running
+``eyas_ray.train_worker`` around the library trainer ``eyas.train.trainer.Trainer``. Each worker loads the
 frozen target and computes its features online for its own batches (``train.feature_cache`` memory / disk reuses
 them across epochs). ``scaling.strategy``: ``ddp`` (DistributedDataParallel) or ``zero1`` / ``zero2``
 (``deepspeed.initialize`` with that ZeRO stage: optimizer state, and gradients for stage 2, partitioned over ranks).
@@ -27,307 +28,30 @@ figures. Registration happens on the driver because only there is it known that 
 """
 from __future__ import annotations
 
+import contextlib
 import json
-import os
 import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from eyas.config import ConfigError, flatten, from_dict, resolve_path, to_dict
-from eyas.decoding.tree import MAX_TREE_NODES
+import ray
+from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train.torch import TorchConfig, TorchTrainer
+
+from eyas import track
+from eyas.config import flatten, from_dict, resolve_path, to_dict
+from eyas.drafters import registry
 from eyas.train.config import TrainConfig, data_path, target_path
-from eyas.train.data import DataPosition, to_device
-
-
-# ---------------------------------------------------------------- the worker
-
-
-class Tracker:
-    """Rank 0's MLflow logging into the driver's run; a no-op on other ranks or with tracking disabled."""
-
-    def __init__(self, enabled: bool, loop: dict[str, Any], experiment: str) -> None:
-        self.enabled, self.loop, self.experiment, self.context = enabled, loop, experiment, None
-
-    def __enter__(self) -> "Tracker":
-        if self.enabled:
-            from eyas import track
-
-            os.environ["MLFLOW_TRACKING_URI"] = self.loop["tracking_uri"]
-            os.environ["EYAS_MLFLOW_ARTIFACTS"] = self.loop["artifact_root"]
-            os.environ["MLFLOW_RUN_ID"] = self.loop["run_id"]  # start_run resumes it (and consumes the variable)
-            self.context = track.start_run(self.experiment)
-            self.context.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.context is not None:
-            self.context.__exit__(*exc)
-
-    def metrics(self, metrics: dict[str, float], step: int) -> None:
-        if self.enabled:
-            from eyas import track
-
-            track.log_metrics(metrics, step=step)
-
-    def figure(self, figure, name: str) -> None:
-        if self.enabled:
-            from eyas import track
-
-            track.log_figure(figure, name)
-
-    def log_dict(self, data: dict[str, Any], name: str) -> None:
-        if self.enabled:
-            from eyas import track
-
-            track.log_dict(data, name)
-
-
-class Worker:
-    """Everything one Ray Train worker holds: target, data, drafter, strategy, and (rank 0) evaluation inputs."""
-
-    def __init__(self, loop: dict[str, Any]) -> None:
-        import ray.train
-        import ray.train.torch
-        import torch
-
-        from eyas.models import load_target, load_tokenizer
-        from eyas.train.data import FeatureCache, SequenceDataset, feature_cache_key
-        from eyas.train.step import build_drafter, make_strategy
-
-        self.loop = loop
-        self.cfg = cfg = from_dict(TrainConfig, loop["config"])
-        context = ray.train.get_context()
-        self.rank, self.world_size = context.get_world_rank(), context.get_world_size()
-        os.environ.setdefault("LOCAL_RANK", str(context.get_local_rank()))  # DeepSpeed picks its device by it
-        torch.set_num_threads(cfg.scaling.cpus_per_worker)
-        self.device = ray.train.torch.get_device() if cfg.scaling.use_gpu else torch.device("cpu")
-        self.target = load_target(loop["target_dir"], device=self.device)
-        self.tokenizer = load_tokenizer(loop["target_dir"])
-        self.tokenizer.model_max_length = 10**9
-        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        self.data = SequenceDataset(loop["data_dir"], "train", cfg.train.max_len, pad_id)
-        torch.manual_seed(cfg.train.seed)  # the same initial drafter on every rank
-        self.drafter = build_drafter(cfg, self.target, self.data.rows)
-        self.taps = tuple(self.drafter.target_taps)
-        self.steps_per_epoch = self.data.num_batches(self.world_size, cfg.train.batch_size)
-        self.total_steps = cfg.train.num_epochs * self.steps_per_epoch
-        if cfg.train.max_steps is not None:
-            self.total_steps = min(self.total_steps, cfg.train.max_steps)
-        self.strategy = make_strategy(cfg.scaling.strategy, self.drafter, cfg.optim, cfg.train.batch_size,
-                                      self.total_steps, self.world_size, self.device)
-        cache_dir = None
-        if cfg.train.feature_cache == "disk":
-            key = feature_cache_key(Path(loop["target_dir"]), self.taps, cfg.train.max_len)
-            cache_dir = Path(loop["data_dir"]) / "features" / key
-        self.features = FeatureCache(self.target, self.taps, cfg.train.feature_cache, cache_dir)
-        self.heldout = self._heldout(pad_id) if self.rank == 0 else []
-        self.prompts = self._prompts() if self.rank == 0 else []
-        self.vanilla: list[list[int]] | None = None
-
-    def _heldout(self, pad_id: int) -> list:
-        """(batch, features) pairs of the held-out split, features computed once (rank 0 evaluates)."""
-        from eyas.train.data import FeatureCache, SequenceDataset
-
-        cfg = self.cfg
-        try:
-            data = SequenceDataset(self.loop["data_dir"], "heldout", cfg.train.max_len, pad_id,
-                                   limit=cfg.train.eval_sequences)
-        except FileNotFoundError:
-            print(f"[train_drafter] {self.loop['data_dir']}/heldout has no shards: held-out evaluation is off "
-                  "(set num_heldout_prompts > 0 in the data config)", flush=True)
-            return []
-        cache = FeatureCache(self.target, self.taps, "memory")
-        out = []
-        for start in range(0, len(data), cfg.train.batch_size):
-            indices = list(range(start, min(start + cfg.train.batch_size, len(data))))
-            batch = to_device(data.batch(indices), self.device)
-            out.append((batch, cache.features(indices, batch)))
-        return out
-
-    def _prompts(self) -> list[list[int]]:
-        """Held-out prompts, cut so prompt + max_new_tokens + a draft tree fit the target's context."""
-        from eyas import corpus
-
-        measure = self.cfg.measure
-        room = self.target.config.max_position_embeddings - measure.max_new_tokens - MAX_TREE_NODES
-        if measure.num_prompts and room < 1:
-            raise ConfigError(f"measure.max_new_tokens={measure.max_new_tokens} leaves no room for a prompt in the "
-                              f"target's context of {self.target.config.max_position_embeddings} tokens")
-        texts = corpus.heldout_prompts(measure.suite, measure.num_prompts) if measure.num_prompts else []
-        return [self.tokenizer(text).input_ids[:room] for text in texts]
-
-    @property
-    def eos(self) -> list[int]:
-        eos = set(self.target.config.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        return sorted(eos)
-
-
-def maybe_fail(worker: Worker, step: int) -> None:
-    """Testing hook: rank ``fail_rank`` dies (os._exit, as a crashed process would) at ``fail_at_step``, once."""
-    train = worker.cfg.train
-    if train.fail_at_step != step or worker.rank != train.fail_rank:
-        return
-    marker = Path(worker.loop["marker_dir"]) / "fail_at_step.done"
-    if marker.exists():
-        return
-    import ray.train
-
-    # a crash right after ray.train.report may beat the controller to registering that checkpoint (it polls the
-    # workers every few seconds) and the run would resume from an older one; wait, so the test is deterministic
-    ray.train.get_all_reported_checkpoints(consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED)
-    marker.parent.mkdir(parents=True, exist_ok=True)
-    marker.write_text(f"rank {worker.rank} failed at step {step}\n")
-    print(f"[train_drafter] rank {worker.rank}: injected failure at step {step} (train.fail_at_step)", flush=True)
-    os._exit(1)
-
-
-def evaluate_heldout(worker: Worker) -> dict[str, float]:
-    from eyas.train.step import evaluate
-
-    if not worker.heldout:
-        return {}
-    return {f"heldout_{k}": v for k, v in evaluate(worker.drafter, worker.heldout).items()}
-
-
-def epoch_end(worker: Worker, tracker: Tracker, step: int, epoch_label: str) -> dict[str, float]:
-    """Rank 0: held-out evaluation, tau measured with eyas generate, and the two figures."""
-    from eyas.drafters import registry
-    from eyas.decoding.generate import generate
-    from eyas.methods import load_drafter
-    from eyas.train.step import acceptance_curve, acceptance_figure, calibration_figure, measure_tau
-
-    cfg = worker.cfg
-    metrics = evaluate_heldout(worker)
-    measured: list[float] = []
-    if worker.prompts:
-        worker.drafter.eval()
-        with tempfile.TemporaryDirectory() as tmp:
-            registry.save_drafter(worker.drafter, tmp, worker.loop["target_dir"])
-            drafter = load_drafter(tmp, worker.target, method=cfg.measure.method, tree=cfg.measure.tree,
-                                   where="measure.tree.")
-        stats, outputs = measure_tau(worker.target, drafter, worker.prompts, cfg.measure.max_new_tokens,
-                                     worker.eos)
-        worker.drafter.train()
-        if worker.vanilla is None:  # plain greedy decoding: speculative output must equal it token for token
-            worker.vanilla = [generate(worker.target, p, cfg.measure.max_new_tokens, eos_token_ids=worker.eos
-                                       ).token_ids for p in worker.prompts]
-        measured = stats.per_depth_accept
-        metrics.update({"tau": stats.tau or 0.0,
-                        "draft_nodes_per_cycle": stats.num_draft_nodes / max(stats.cycles, 1),
-                        "greedy_identical": sum(a == b for a, b in zip(outputs, worker.vanilla)) / len(outputs),
-                        **{f"accept_depth_{d + 1}": rate for d, rate in enumerate(measured)}})
-        tracker.log_dict(stats.to_dict(), f"spec_stats/{epoch_label}.json")
-        tracker.figure(calibration_figure(stats.calibration(), f"{cfg.name} calibration ({epoch_label})"),
-                       f"calibration/{epoch_label}.png")
-    heldout_acc = acceptance_curve({k.removeprefix("heldout_"): v for k, v in metrics.items()})
-    tracker.figure(acceptance_figure(heldout_acc, measured, f"{cfg.name} acceptance ({epoch_label})"),
-                   f"acceptance/{epoch_label}.png")
-    tracker.metrics(metrics, step)
-    return metrics
-
-
-def save_checkpoint(worker: Worker, step: int, position: DataPosition, metrics: dict[str, float]) -> None:
-    """Every rank: its part of the checkpoint into a local directory, then one ``ray.train.report`` (a barrier);
-    Ray merges the ranks' directories into one checkpoint in storage."""
-    import ray.train
-
-    from eyas.train.step import save_training_checkpoint
-
-    state = {"step": step, "position": position.to_dict(), "metrics": metrics}
-    with tempfile.TemporaryDirectory() as tmp:
-        save_training_checkpoint(Path(tmp), worker.strategy, worker.rank, state, worker.loop["target_dir"])
-        checkpoint = ray.train.Checkpoint.from_directory(tmp) if any(Path(tmp).iterdir()) else None
-        ray.train.report({"step": step, "epoch": position.epoch, **metrics}, checkpoint=checkpoint,
-                         checkpoint_dir_name=f"checkpoint-step{step:07d}")
-
-
-def after_step(worker: Worker, tracker: Tracker, step: int, epoch: int, index: int,
-               last_metrics: dict[str, float]) -> None:
-    """Epoch end (or the last step): evaluation, measured tau and figures on rank 0, then a checkpoint. Otherwise
-    the periodic held-out evaluation and the optional mid-epoch checkpoint."""
-    cfg, rank = worker.cfg, worker.rank
-    epoch_done = index + 1 == worker.steps_per_epoch
-    if epoch_done or step >= worker.total_steps:
-        label = f"epoch_{epoch + 1}" if epoch_done else f"step_{step}"
-        summary = epoch_end(worker, tracker, step, label) if rank == 0 else {}
-        position = DataPosition(epoch + 1, 0) if epoch_done else DataPosition(epoch, index + 1)
-        save_checkpoint(worker, step, position, {**last_metrics, **summary})
-        if rank == 0 and summary:
-            shown = ("heldout_loss", "heldout_acc_1", "heldout_sim_tau", "tau", "greedy_identical")
-            print(f"[train_drafter] {label}: step {step} "
-                  + " ".join(f"{k}={summary[k]:.3f}" for k in shown if k in summary), flush=True)
-        return
-    if rank == 0 and step % cfg.train.eval_every == 0:
-        tracker.metrics(evaluate_heldout(worker), step)
-    if cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0:
-        save_checkpoint(worker, step, DataPosition(epoch, index + 1), last_metrics)
-
-
-def train_loop_per_worker(loop: dict[str, Any]) -> None:
-    import ray.train
-    import torch
-
-    from eyas.train.step import load_training_checkpoint, mean_over_ranks
-    from jobs.common import Progress
-
-    worker = Worker(loop)
-    cfg, rank = worker.cfg, worker.rank
-    step, position = 0, DataPosition()
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint is not None:
-        with checkpoint.as_directory() as directory:
-            state = load_training_checkpoint(Path(directory), worker.strategy)
-        step, position = int(state["step"]), DataPosition.from_dict(state["position"])
-        print(f"[train_drafter] rank {rank}: resumed at step {step}, epoch {position.epoch}, "
-              f"batch {position.batch}", flush=True)
-    tracker = Tracker(cfg.tracking.enabled and rank == 0, loop, cfg.tracking.experiment)
-    progress = Progress(f"train_drafter {cfg.name}", total=worker.total_steps, every_s=15.0)
-    with tracker:
-        if checkpoint is not None:
-            tracker.metrics({"resumed_from_step": step}, step)
-        elif rank == 0:
-            tracker.metrics({"steps_per_epoch": worker.steps_per_epoch, "total_steps": worker.total_steps,
-                             "train_sequences": len(worker.data)}, 0)
-        last_metrics: dict[str, float] = {}
-        for epoch in range(position.epoch, cfg.train.num_epochs):
-            start = position.batch if epoch == position.epoch else 0
-            for index, (indices, batch) in enumerate(
-                    worker.data.batches(epoch, cfg.train.seed, rank, worker.world_size, cfg.train.batch_size, start,
-                                        fixed_ranks=cfg.train.feature_cache == "memory"),
-                    start=start):
-                if step >= worker.total_steps:
-                    break
-                maybe_fail(worker, step)
-                # randomness (feature noise, DFlash anchors) as a function of (seed, step, rank): a resumed run
-                # draws exactly what the uninterrupted run would have
-                torch.manual_seed(cfg.train.seed * 1_000_003 + step * 1_009 + rank)
-                batch = to_device(batch, worker.device)
-                metrics = worker.strategy.step(batch, worker.features.features(indices, batch))
-                step += 1
-                if step % cfg.train.log_every == 0 or step == worker.total_steps:
-                    last_metrics = mean_over_ranks(metrics, worker.device)
-                    if rank == 0:
-                        tracker.metrics({**last_metrics, "epoch": epoch + (index + 1) / worker.steps_per_epoch},
-                                        step)
-                        progress.update(step, loss=last_metrics["loss"], acc_1=last_metrics.get("acc_1", 0.0))
-                after_step(worker, tracker, step, epoch, index, last_metrics)
-            if step >= worker.total_steps:
-                break
-        if rank == 0 and worker.features.mode != "none":
-            print(f"[train_drafter] feature cache: {worker.features.hits} hits, {worker.features.misses} misses",
-                  flush=True)
+from eyas.train.step import read_state
+from eyas_ray.train_worker import train_loop_per_worker
+from jobs.common import init_ray, job_argparser, load_job_config
 
 
 # ---------------------------------------------------------------- driver
 
 
 def check_inputs(cfg: TrainConfig) -> tuple[Path, Path]:
-    from eyas.drafters import registry
-
     target_dir, data_dir = target_path(cfg.target), data_path(cfg.data)
     if not (target_dir / "config.json").is_file():
         raise FileNotFoundError(f"target={cfg.target!r}: {target_dir} holds no checkpoint; build it with "
@@ -341,12 +65,6 @@ def check_inputs(cfg: TrainConfig) -> tuple[Path, Path]:
 
 
 def run_trainer(cfg: TrainConfig, target_dir: Path, data_dir: Path, run_id: str | None):
-    import ray
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
-
-    from eyas import track
-
     scaling = cfg.scaling
     resource = "GPU" if scaling.use_gpu else "CPU"
     needed = scaling.num_workers * (1 if scaling.use_gpu else scaling.cpus_per_worker)
@@ -383,8 +101,6 @@ def run_trainer(cfg: TrainConfig, target_dir: Path, data_dir: Path, run_id: str 
 
 def publish(cfg: TrainConfig, result, run_dir: Path) -> tuple[Path, dict[str, Any]]:
     """Copy the last checkpoint's drafter to ``$EYAS_HOME/drafters/<name>`` (staged, then swapped in)."""
-    from eyas.train.step import read_state
-
     out = cfg.output_dir
     staging = out.with_name(f".{cfg.name}.staging")
     shutil.rmtree(staging, ignore_errors=True)
@@ -402,11 +118,6 @@ def publish(cfg: TrainConfig, result, run_dir: Path) -> tuple[Path, dict[str, An
 
 
 def train(cfg: TrainConfig) -> Path:
-    import contextlib
-
-    from eyas import track
-    from jobs.common import init_ray
-
     target_dir, data_dir = check_inputs(cfg)
     init_ray()
     start = time.monotonic()
@@ -436,8 +147,6 @@ def train(cfg: TrainConfig) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from jobs.common import job_argparser, load_job_config
-
     parser = job_argparser(__doc__.split("\n\n")[0])
     args = parser.parse_args(argv)
     if args.config is None:
@@ -447,7 +156,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # Through the importable module: Ray workers import train_loop_per_worker by name, not from __main__.
-    from jobs.train_drafter import main as importable_main
-
-    raise SystemExit(importable_main())
+    raise SystemExit(main())

@@ -6,22 +6,23 @@ prompts, speculative first on odd ones), so a slow drift of a shared machine hit
 of the two tokens-per-second sums. The speculative output must equal the vanilla output token for token (greedy);
 ``greedy_identical`` is the fraction of prompts where it does.
 
-Training: the same Ray-free pieces jobs.train_drafter's workers run (``eyas.train.step``: build_drafter, the
-``ddp`` strategy's optimizer, schedule and step, evaluate; ``SequenceDataset``, ``FeatureCache``) in one process, one
+Training: the library trainer jobs.train_drafter's workers run (``eyas.train.trainer.Trainer``) in one process, one
 epoch per call, so a Tune trial can report after every epoch and ASHA can stop it.
 """
 from __future__ import annotations
 
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
+from eyas import corpus
 from eyas.decoding.generate import generate
 from eyas.decoding.stats import SpecStats
 from eyas.decoding.tree import MAX_TREE_NODES
+from eyas.train.config import TrainConfig
+from eyas.train.trainer import Trainer, load_inputs
 
 
 def context_room(max_positions: int, max_new_tokens: int) -> int:
@@ -32,8 +33,6 @@ def context_room(max_positions: int, max_new_tokens: int) -> int:
 def heldout_prompt_ids(tokenizer, suite: str, num_prompts: int, max_prompt_tokens: int, max_positions: int,
                        max_new_tokens: int) -> list[list[int]]:
     """Held-out prompts (eyas.corpus), tokenized and cut to fit the context; ValueError when none fits."""
-    from eyas import corpus
-
     room = min(max_prompt_tokens, context_room(max_positions, max_new_tokens))
     if room < 1:
         raise ValueError(f"measure.max_new_tokens={max_new_tokens} leaves no room for a prompt in the target's "
@@ -92,109 +91,42 @@ def measure_speed(target, drafter, prompts: Sequence[list[int]], max_new_tokens:
 # ---------------------------------------------------------------- a trial-sized training loop
 
 
-class TrialTrainer:
-    """One process trains one drafter from a TrainConfig, an epoch per ``run_epoch`` call (no DDP, no Ray).
+class TrialTrainer(Trainer):
+    """The library trainer in one process (no DDP, no Ray), an epoch per ``run_epoch`` call.
 
-    ``cfg.scaling`` is ignored: the trial's resources decide the device and threads.
+    ``cfg.scaling`` is ignored: the trial's resources decide the device and threads; the strategy is ``ddp`` over
+    one process (the plain module) and a feature cache is kept in memory. The sweep measures speed on prompts of its
+    own (``heldout_prompt_ids``), so ``cfg.measure``'s prompts are not loaded.
     """
 
-    def __init__(self, cfg, target_dir: str | Path, data_dir: str | Path, device: str = "cpu") -> None:
-        from eyas.models import load_target, load_tokenizer
-        from eyas.train.data import FeatureCache, SequenceDataset
-        from eyas.train.step import build_drafter, make_strategy
-
-        self.cfg, self.target_dir, self.data_dir = cfg, str(target_dir), Path(data_dir)
-        self.device = torch.device(device)
-        self.target = load_target(target_dir, device=self.device)
-        self.tokenizer = load_tokenizer(target_dir)
-        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        self.data = SequenceDataset(self.data_dir, "train", cfg.train.max_len, pad_id)
-        torch.manual_seed(cfg.train.seed)
-        self.drafter = build_drafter(cfg, self.target, self.data.rows)
-        self.taps = tuple(self.drafter.target_taps)
-        self.steps_per_epoch = self.data.num_batches(1, cfg.train.batch_size)
-        self.total_steps = cfg.train.num_epochs * self.steps_per_epoch
-        if cfg.train.max_steps is not None:
-            self.total_steps = min(self.total_steps, cfg.train.max_steps)
-        # one process: DDPStrategy is the plain module with jobs.train_drafter's optimizer, schedule and step
-        self.strategy = make_strategy("ddp", self.drafter, cfg.optim, cfg.train.batch_size, self.total_steps, 1,
-                                      self.device)
-        self.features = FeatureCache(self.target, self.taps, "memory" if cfg.train.feature_cache != "none" else "none")
-        self.heldout = self._heldout(pad_id)
-        self.step = 0
-
-    def _heldout(self, pad_id: int) -> list:
-        from eyas.train.data import FeatureCache, SequenceDataset, to_device
-
-        if not any((self.data_dir / "heldout").glob("shard-*.parquet")):
-            return []
-        data = SequenceDataset(self.data_dir, "heldout", self.cfg.train.max_len, pad_id,
-                               limit=self.cfg.train.eval_sequences)
-        cache, size = FeatureCache(self.target, self.taps, "memory"), self.cfg.train.batch_size
-        out = []
-        for start in range(0, len(data), size):
-            indices = list(range(start, min(start + size, len(data))))
-            batch = to_device(data.batch(indices), self.device)
-            out.append((batch, cache.features(indices, batch)))
-        return out
-
-    @property
-    def done(self) -> bool:
-        return self.step >= self.total_steps
+    def __init__(self, cfg: TrainConfig, target_dir: str | Path, data_dir: str | Path, device: str = "cpu") -> None:
+        inputs = load_inputs(cfg, target_dir, data_dir, torch.device(device), prompts=False)
+        self.tokenizer = inputs.tokenizer
+        super().__init__(cfg, inputs.target, inputs.data, inputs.heldout, eos_token_ids=inputs.eos_token_ids,
+                         target_dir=target_dir, strategy="ddp",
+                         feature_cache="memory" if cfg.train.feature_cache != "none" else "none")
 
     def run_epoch(self, epoch: int) -> dict[str, float]:
         """Train one epoch (or up to the step budget); returns the epoch's mean training metrics."""
-        from eyas.train.data import to_device
-
-        train = self.cfg.train
         sums: dict[str, float] = {}
         count = 0
-        for indices, batch in self.data.batches(epoch, train.seed, 0, 1, train.batch_size):
+        for indices, batch in self.batches(epoch):
             if self.done:
                 break
-            # per-step randomness (feature noise, DFlash anchors) as jobs.train_drafter seeds it
-            torch.manual_seed(train.seed * 1_000_003 + self.step * 1_009)
-            batch = to_device(batch, self.device)
-            metrics = self.strategy.step(batch, self.features.features(indices, batch))
-            self.step += 1
-            count += 1
-            for key, value in metrics.items():
+            for key, value in self.train_step(indices, batch).items():
                 sums[key] = sums.get(key, 0.0) + value
+            count += 1
         out = {f"train_{key}": value / max(count, 1) for key, value in sums.items()}
         return {**out, "epoch": float(epoch + 1), "step": float(self.step)}
 
     def evaluate(self) -> dict[str, float]:
-        """Held-out loss, acc_j and the simulated acceptance length (empty without held-out data)."""
-        from eyas.train.step import evaluate
+        """Held-out loss and acc_j (``heldout_`` prefix) and the simulated acceptance length (``sim_tau``,
+        ``sim_accept_len``: the sweep's objective names); empty without held-out data."""
+        return {key.removeprefix("heldout_") if key in SIM_KEYS else key: value
+                for key, value in self.evaluate_heldout().items()}
 
-        if not self.heldout:
-            return {}
-        metrics = evaluate(self.drafter, self.heldout)
-        renamed = {("heldout_" + key if key not in ("sim_accept_len", "sim_tau") else key): value
-                   for key, value in metrics.items()}
-        return renamed
+    def spec_drafter(self, where: str = "training.measure.tree.") -> Any:
+        return super().spec_drafter(where)
 
-    def save(self, directory: str | Path) -> Path:
-        from eyas.drafters import registry
 
-        return registry.save_drafter(self.drafter, directory, self.target_dir)
-
-    def spec_drafter(self) -> Any:
-        """The drafter as the speculative loop uses it (``training.measure`` picks the method and tree)."""
-        from eyas.methods import load_drafter
-
-        measure = self.cfg.measure
-        self.drafter.eval()
-        with tempfile.TemporaryDirectory() as tmp:
-            self.save(tmp)
-            drafter = load_drafter(tmp, self.target, method=measure.method, tree=measure.tree,
-                                   where="training.measure.tree.")
-        self.drafter.train()
-        return drafter
-
-    @property
-    def eos_token_ids(self) -> list[int]:
-        eos = set(self.target.config.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        return sorted(eos)
+SIM_KEYS = ("heldout_sim_accept_len", "heldout_sim_tau")

@@ -3,7 +3,7 @@ sweep's fixed settings, put in the object store once by ``tune.with_parameters``
 
   inference_trial   build the drafter for the point's SpecConfig, time it against vanilla (tune.measure), report once
   training_trial    train a drafter in the trial (tune.measure.TrialTrainer), report every epoch with a checkpoint
-  ray_train_trial   launch a TorchTrainer (jobs.train_drafter's worker loop) from the trial, as Ray Train V2
+  ray_train_trial   launch a TorchTrainer (jobs.train_drafter's worker loop, eyas_ray.train_worker) from the trial, as Ray Train V2
                     documents Train inside Tune; the workers' epoch reports reach Tune through TuneReportCallback
 """
 from __future__ import annotations
@@ -12,6 +12,21 @@ import os
 import tempfile
 from pathlib import Path
 from typing import Any
+
+import ray.train
+import torch
+from ray import tune
+from ray.train.torch import TorchConfig, TorchTrainer
+from ray.tune.integration.ray_train import TuneReportCallback
+
+from eyas import track
+from eyas.config import from_dict, to_dict
+from eyas.methods import SpecConfig, build_drafter
+from eyas.models import load_target
+from eyas.train.config import TrainConfig
+from eyas_ray.train_worker import train_loop_per_worker
+from tune.config import set_dotted
+from tune.measure import TrialTrainer, heldout_prompt_ids, measure_speed
 
 # the target stays loaded in a reused trial actor (Tune reuses actors between function trials)
 _TARGETS: dict[tuple[str, str], Any] = {}
@@ -23,15 +38,11 @@ def point_of(config: dict[str, Any], keys: list[str]) -> dict[str, Any]:
 
 
 def setup_torch(context: dict[str, Any]) -> str:
-    import torch
-
     torch.set_num_threads(context["threads"])
     return "cuda" if context["use_gpu"] and torch.cuda.is_available() else "cpu"
 
 
 def cached_target(target_dir: str, device: str):
-    from eyas.models import load_target
-
     key = (target_dir, device)
     if key not in _TARGETS:
         _TARGETS.clear()
@@ -40,12 +51,6 @@ def cached_target(target_dir: str, device: str):
 
 
 def inference_trial(config: dict[str, Any], context: dict[str, Any]) -> None:
-    from ray import tune
-
-    from eyas.config import from_dict
-    from eyas.methods import SpecConfig, build_drafter
-    from tune.measure import measure_speed
-
     device = setup_torch(context)
     point = point_of(config, context["keys"])
     spec = from_dict(SpecConfig, {**context["spec"], **point}, prefix="spec.")
@@ -58,10 +63,6 @@ def inference_trial(config: dict[str, Any], context: dict[str, Any]) -> None:
 
 
 def training_trial(config: dict[str, Any], context: dict[str, Any]) -> None:
-    from ray import tune
-
-    from tune.measure import TrialTrainer, heldout_prompt_ids, measure_speed
-
     device = setup_torch(context)
     point = point_of(config, context["keys"])
     cfg = trial_train_config(context, point, tune.get_context().get_trial_id())
@@ -76,8 +77,10 @@ def training_trial(config: dict[str, Any], context: dict[str, Any]) -> None:
         metrics = trainer.run_epoch(epoch)
         metrics.update(trainer.evaluate())
         if prompts:
-            metrics.update(measure_speed(trainer.target, trainer.spec_drafter(), prompts, measure["max_new_tokens"],
-                                         trainer.eos_token_ids, measure["warmup_prompts"], measure["repeats"]))
+            with trainer.evaluating():
+                metrics.update(measure_speed(trainer.target, trainer.spec_drafter(), prompts,
+                                             measure["max_new_tokens"], trainer.eos_token_ids,
+                                             measure["warmup_prompts"], measure["repeats"]))
         with tempfile.TemporaryDirectory() as tmp:
             trainer.save(Path(tmp) / "drafter")
             tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(tmp))
@@ -87,10 +90,6 @@ def training_trial(config: dict[str, Any], context: dict[str, Any]) -> None:
 
 def trial_train_config(context: dict[str, Any], point: dict[str, Any], trial_id: str):
     """The TrainConfig of this trial: the sweep's base with the point applied, its own name, tracking off."""
-    from eyas.config import from_dict
-    from eyas.train.config import TrainConfig
-    from tune.config import set_dotted
-
     data = _deep_copy(context["training"])
     for key, value in point.items():
         set_dotted(data, key, value)
@@ -116,15 +115,6 @@ RENAMED = {"heldout_sim_tau": "sim_tau", "heldout_sim_accept_len": "sim_accept_l
 
 
 def ray_train_trial(config: dict[str, Any], context: dict[str, Any]) -> None:
-    import ray.train
-    from ray import tune
-    from ray.train.torch import TorchConfig, TorchTrainer
-    from ray.tune.integration.ray_train import TuneReportCallback
-
-    from eyas import track
-    from eyas.config import to_dict
-    from jobs.train_drafter import train_loop_per_worker
-
     class RenamedReport(TuneReportCallback):
         def after_report(self, run_context, metrics, checkpoint):
             renamed = [{RENAMED.get(k, k): v for k, v in m.items()} for m in metrics]

@@ -363,3 +363,37 @@ def resolve_model(path_or_uri: str | Path, dst_dir: str | Path | None = None) ->
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist (expected a directory or a models:/NAME@ALIAS URI)")
     return path
+
+
+class Tracker:
+    """Rank 0's logging into the driver's run (a distributed trainer's worker re-attaches to it by id, also after a
+    restart); a no-op on other ranks or with tracking disabled. ``loop`` carries the driver's ``tracking_uri``,
+    ``artifact_root`` and ``run_id``."""
+
+    def __init__(self, enabled: bool, loop: Mapping[str, Any], experiment: str) -> None:
+        self.enabled, self.loop, self.experiment, self.context = enabled, loop, experiment, None
+
+    def __enter__(self) -> "Tracker":
+        if self.enabled:
+            os.environ["MLFLOW_TRACKING_URI"] = self.loop["tracking_uri"]
+            os.environ["EYAS_MLFLOW_ARTIFACTS"] = self.loop["artifact_root"]
+            os.environ["MLFLOW_RUN_ID"] = self.loop["run_id"]  # start_run resumes it (and consumes the variable)
+            self.context = start_run(self.experiment)
+            self.context.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.context is not None:
+            self.context.__exit__(*exc)
+
+    def metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        if self.enabled:
+            log_metrics(metrics, step=step)
+
+    def figure(self, figure: Any, name: str) -> None:
+        if self.enabled:
+            log_figure(figure, name)
+
+    def log_dict(self, data: Mapping[str, Any], name: str) -> None:
+        if self.enabled:
+            log_dict(data, name)

@@ -9,6 +9,7 @@ Shape legend: docs/SHAPES.md.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -34,6 +35,7 @@ class Inputs:
     """What a Trainer trains on, loaded from the target and data directories (``load_inputs``)."""
 
     target: Decoder
+    tokenizer: Any
     data: SequenceDataset
     heldout: SequenceDataset | None
     prompts: list[list[int]]
@@ -41,25 +43,25 @@ class Inputs:
 
 
 def load_inputs(cfg: TrainConfig, target_dir: str | Path, data_dir: str | Path, device: torch.device,
-                evaluates: bool = True) -> Inputs:
-    """The target, the train split and (``evaluates``: the rank that evaluates) the held-out split and prompts."""
+                heldout: bool = True, prompts: bool = True) -> Inputs:
+    """The target, the train split and, for the rank that evaluates, the held-out split (``heldout``) and the
+    ``measure`` section's tau prompts (``prompts``)."""
     target = load_target(target_dir, device=device)
     tokenizer = load_tokenizer(target_dir)
     tokenizer.model_max_length = 10**9  # long held-out prompts are cut below, not warned about
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     data = SequenceDataset(data_dir, "train", cfg.train.max_len, pad_id)
-    heldout, prompts = None, []
-    if evaluates:
-        if any((Path(data_dir) / "heldout").glob("shard-*.parquet")):
-            heldout = SequenceDataset(data_dir, "heldout", cfg.train.max_len, pad_id, limit=cfg.train.eval_sequences)
-        else:
-            print(f"[train] {data_dir}/heldout has no shards: held-out evaluation is off "
-                  "(set num_heldout_prompts > 0 in the data config)", flush=True)
-        prompts = heldout_prompts(cfg, tokenizer, target.config.max_position_embeddings)
+    heldout_data = None
+    if heldout and any((Path(data_dir) / "heldout").glob("shard-*.parquet")):
+        heldout_data = SequenceDataset(data_dir, "heldout", cfg.train.max_len, pad_id, limit=cfg.train.eval_sequences)
+    elif heldout:
+        print(f"[train] {data_dir}/heldout has no shards: held-out evaluation is off "
+              "(set num_heldout_prompts > 0 in the data config)", flush=True)
+    prompt_ids = heldout_prompts(cfg, tokenizer, target.config.max_position_embeddings) if prompts else []
     eos = set(target.config.eos_token_ids)
     if tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)
-    return Inputs(target, data, heldout, prompts, sorted(eos))
+    return Inputs(target, tokenizer, data, heldout_data, prompt_ids, sorted(eos))
 
 
 def heldout_prompts(cfg: TrainConfig, tokenizer, max_positions: int) -> list[list[int]]:
@@ -147,9 +149,18 @@ class Trainer:
 
     def spec_drafter(self, where: str = "measure.tree.") -> Any:
         """The live drafter model as the speculative loop drafts with it (``measure.method`` and ``.tree``); the
-        model is shared, so call ``self.drafter.eval()`` around its use and ``.train()`` after."""
+        model is the one being trained, so draft with it inside ``with trainer.evaluating():``."""
         measure = self.cfg.measure
         return wrap_model(self.drafter, self.target, method=measure.method, tree=measure.tree, where=where)
+
+    @contextlib.contextmanager
+    def evaluating(self) -> Iterator[None]:
+        """The drafter in eval mode for the block, back in training mode after it."""
+        self.drafter.eval()
+        try:
+            yield
+        finally:
+            self.drafter.train()
 
     def measure(self) -> tuple[dict[str, float], Any]:
         """tau of the live drafter on the held-out prompts (greedy eyas generate) and whether its output equals
@@ -157,9 +168,9 @@ class Trainer:
         if not self.prompts:
             return {}, None
         max_new = self.cfg.measure.max_new_tokens
-        self.drafter.eval()
-        stats, outputs = measure_tau(self.target, self.spec_drafter(), self.prompts, max_new, self.eos_token_ids)
-        self.drafter.train()
+        with self.evaluating():
+            stats, outputs = measure_tau(self.target, self.spec_drafter(), self.prompts, max_new,
+                                         self.eos_token_ids)
         if self.vanilla is None:  # speculative output must equal plain greedy decoding token for token
             self.vanilla = [generate(self.target, p, max_new, eos_token_ids=self.eos_token_ids).token_ids
                             for p in self.prompts]
