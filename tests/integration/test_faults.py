@@ -57,10 +57,13 @@ def home(tmp_path, random_checkpoint, monkeypatch) -> Path:
 # ---------------------------------------------------------------- MLflow server down mid-training
 
 
-@pytest.fixture()
-def mlflow_server(tmp_path):
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    """A real ``mlflow server`` (module scope, asked for before local_ray: it boots, migrating its sqlite store,
+    while Ray starts)."""
     from eyas.decoding.tp import free_port
 
+    tmp_path = tmp_path_factory.mktemp("mlflow-server")
     port, db = free_port(), tmp_path / "server.db"
     log = open(tmp_path / "mlflow-server.log", "w")
     command = [str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
@@ -111,7 +114,7 @@ def logged_losses(db: Path) -> list[int]:
 
 
 def test_mlflow_server_killed_mid_training_training_finishes_and_reports_the_gap(
-        home, local_ray, mlflow_server, monkeypatch, caplog):
+        mlflow_server, home, local_ray, monkeypatch, caplog):
     from mlflow import MlflowClient
 
     from eyas import track
