@@ -36,12 +36,15 @@ def export_checkpoint(model: torch.nn.Module, fmt: str, target_ref: str, fingerp
         raise ValueError(f"--to {fmt!r}: must be one of {FORMATS}")
     kind = model.drafter_type
     if kind == "eagle3":
-        config = (speculators.eagle3_config(model, target_ref) if fmt == "speculators"
-                  else eagle3.export_config(model, fmt))
-        weights = eagle3.export_weights(model)
+        if fmt == "speculators":
+            config, weights = speculators.eagle3_config(model, target_ref), speculators.eagle3_weights(model)
+        else:
+            config, weights = eagle3.export_config(model, fmt), eagle3.export_weights(model)
     elif kind == "dflash":
-        config = speculators.dflash_config(model, target_ref) if fmt == "speculators" else dflash.export_config(model)
-        weights = dflash.export_weights(model)
+        if fmt == "speculators":
+            config, weights = speculators.dflash_config(model, target_ref), speculators.dflash_weights(model)
+        else:
+            config, weights = dflash.export_config(model), dflash.export_weights(model)
     else:
         raise CheckpointError(f"a {kind} drafter has no {fmt} format eyas can write exactly (EAGLE-3 and DFlash "
                               "export; see eyas.interop's docstring)")
@@ -91,7 +94,7 @@ def import_checkpoint(directory: Path, meta: dict[str, Any], target: Decoder
         raise CheckpointError(f"{weights}: missing file (multi-file checkpoints are not read; merge the shards)")
     state = load_file(str(weights))
     if meta["format"] == "speculators":
-        config = speculators.engine_config(config, target, where)
+        config, state = speculators.to_engine(config, state, target, where)
     if meta["drafter_type"] == "eagle3":
         family_config = eagle3.import_config(config, target, str(where), block.get("config"))
         vocab = family_config.draft_vocab_size or target.config.vocab_size
@@ -101,13 +104,11 @@ def import_checkpoint(directory: Path, meta: dict[str, Any], target: Decoder
         state, draft_vocab = dflash.import_weights(state, str(where)), None
     from eyas.drafters import registry
     model_taps = registry.build_model(meta["drafter_type"], family_config, target, draft_vocab).target_taps
-    t = target.config
+    shape = {"hidden_size": config.get("target_hidden_size") or config.get("hidden_size"),
+             "vocab_size": config.get("vocab_size"), "num_layers": config.get("num_target_layers")}
     eyas_meta = {"drafter_type": meta["drafter_type"], "target": meta["target"], "target_taps": list(model_taps),
                  "draft_vocab": draft_vocab, "target_fingerprint": block.get("target_fingerprint"),
-                 "target_shape": {"hidden_size": config.get("target_hidden_size", config.get("hidden_size")),
-                                  "vocab_size": config.get("vocab_size", t.vocab_size),
-                                  "num_layers": config.get("num_target_layers", t.num_layers)},
-                 "config": to_dict(family_config)}
+                 "target_shape": {k: v for k, v in shape.items() if v is not None}, "config": to_dict(family_config)}
     return eyas_meta, state
 
 

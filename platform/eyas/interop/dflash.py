@@ -92,9 +92,11 @@ def import_config(config: dict[str, Any], target: Decoder, where: str, eyas_bloc
                                     ("hidden_act", "silu", "eyas's activation"),
                                     ("attention_bias", False, "eyas's DFlash layer (no biases)"),
                                     ("is_causal", False, "eyas's block attention (bidirectional)"),
-                                    ("layer_types", None, "eyas's (full attention, no sliding window)"),
                                     ("draft_vocab_size", t.vocab_size, "the target's vocab (DFlash uses its LM head)")):
         _require_equal(where, name, config.get(name), expected, meaning)
+    if set(config.get("layer_types") or ["full_attention"]) != {"full_attention"}:
+        raise CheckpointError(f"{where}: layer_types {config['layer_types']}; eyas's DFlash layers are full attention "
+                              "(no sliding window)")
     _require_equal(where, "dflash_config.causal", dflash.get("causal"), False, "eyas's block attention")
     _require_equal(where, "dflash_config.projector_type", dflash.get("projector_type"), None, "eyas's (plain fc)")
     mask_token_id = dflash.get("mask_token_id", config.get("mask_token_id"))

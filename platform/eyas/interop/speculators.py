@@ -1,5 +1,151 @@
-"""placeholder"""
-def eagle3_config(model, target_ref): raise NotImplementedError
-def dflash_config(model, target_ref): raise NotImplementedError
-def drafter_type(config, where): raise NotImplementedError
-def engine_config(config, target, where): raise NotImplementedError
+"""The ``speculators`` package's format (vllm-project/speculators 0.9.0, which vLLM also serves).
+
+Checked against the installed speculators 0.9.0 source: models/eagle3/config.py (Eagle3SpeculatorConfig:
+``transformer_layer_config``, ``draft_vocab_size``, ``norm_before_residual`` (default False here; vLLM's
+speculators adapter update_eagle3 defaults it to True when absent, so eyas always writes it), ``target_hidden_size``,
+``eagle_aux_hidden_state_layer_ids``, ``norm_before_fc`` / ``fc_norm`` / ``norm_output`` (EAGLE-3.1 variants eyas does
+not have)), models/eagle3/core.py (Eagle3DraftModel: ``fc``, ``layers.0.*`` whose first layer splits
+cat(embeds, hidden), normalises each and keeps the un-normed hidden as residual, ``norm``, ``lm_head`` over the
+draft vocab, ``embed_tokens`` [V, E] and the ``d2t`` / ``t2d`` buffers only when draft vocab < vocab),
+models/dflash/config.py + core.py (DFlashSpeculatorConfig: ``aux_hidden_state_layer_ids``, top-level
+``mask_token_id``, ``block_size``, ``sample_from_anchor``, ``sliding_window_non_causal``; DFlashDraftModel: Qwen3
+layers with q/k norms, ``fc`` + ``hidden_norm`` over the context, its own ``embed_tokens`` / ``lm_head``) and
+config.py (``speculators_config``: algorithm, proposal_methods, default_proposal_method, verifier).
+
+Layer ids: speculators' ids are vLLM capture points, HF numbering (vLLM's speculators adapter passes
+eagle_aux_hidden_state_layer_ids through for EAGLE-3 and, for DFlash, sets eagle_aux_hidden_state_layer_ids = ids and
+dflash_config.target_layer_ids = ids - 1). ``sliding_window_non_causal`` is written true: speculators keeps full
+attention bidirectional either way, but vLLM's adapter sets dflash_config.causal = not sliding_window_non_causal.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from eyas.interop import dflash, eagle3, layer_ids
+from eyas.models.config import CheckpointError
+from eyas.models.decoder import Decoder
+
+VERSION = "0.9.0"
+VERIFIER_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                          "mistral": "MistralForCausalLM"}
+TOP_LEVEL = ("architectures", "torch_dtype", "vocab_size")
+
+
+def _rope_parameters(layer: dict[str, Any]) -> dict[str, Any]:
+    scaling = dict(layer.pop("rope_scaling", None) or {"rope_type": "default"})
+    return {"rope_theta": layer.pop("rope_theta"), **scaling}
+
+
+def _speculators_block(algorithm: str, num_tokens: int, target_config, target_ref: str) -> dict[str, Any]:
+    return {"algorithm": algorithm,
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": num_tokens}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": str(target_ref),
+                         "architectures": [VERIFIER_ARCHITECTURES[target_config.model_type]]}}
+
+
+def eagle3_config(model, target_ref: str) -> dict[str, Any]:
+    layer = {k: v for k, v in eagle3.llama_layer_config(model).items() if k not in ("torch_dtype",)}
+    layer["rope_parameters"] = _rope_parameters(layer)
+    target = model.target_config
+    return {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "speculators_version": VERSION,
+            "transformer_layer_config": layer,
+            "draft_vocab_size": len(model.draft_vocab) if model.draft_vocab else target.vocab_size,
+            "norm_before_residual": False, "target_hidden_size": target.hidden_size,
+            "eagle_aux_hidden_state_layer_ids": eagle3.engine_ids(model, "vllm-eagle3"),
+            "norm_before_fc": False, "fc_norm": False, "norm_output": False,
+            "speculators_config": _speculators_block("eagle3", model.config.ttt_steps, target, target_ref)}
+
+
+def eagle3_weights(model) -> dict[str, torch.Tensor]:
+    state = {}
+    for name, tensor in eagle3.export_weights(model).items():
+        state["layers.0." + name[len("midlayer."):] if name.startswith("midlayer.") else name] = tensor
+    if not model.draft_vocab:  # speculators registers d2t / t2d only for a reduced draft vocabulary
+        state.pop("d2t"), state.pop("t2d")
+    state["embed_tokens.weight"] = model.frozen.embed.weight.detach().float().contiguous().cpu()
+    return state
+
+
+def dflash_config(model, target_ref: str) -> dict[str, Any]:
+    engine = dflash.export_config(model)
+    layer = {k: v for k, v in engine.items() if k not in ("architectures", "torch_dtype", "block_size",
+                                                          "num_target_layers", "dflash_config")}
+    layer["rope_parameters"] = _rope_parameters(layer)
+    layer["layer_types"] = ["full_attention"] * model.config.num_layers
+    target = model.target_config
+    return {"architectures": ["DFlashSpeculator"], "speculators_model_type": "dflash", "speculators_version": VERSION,
+            "transformer_layer_config": layer, "draft_vocab_size": target.vocab_size,
+            "block_size": model.config.block_size, "target_hidden_size": target.hidden_size,
+            "aux_hidden_state_layer_ids": list(model.target_taps), "mask_token_id": model.config.mask_token_id,
+            "sliding_window_non_causal": True, "sample_from_anchor": False,
+            "speculators_config": _speculators_block("dflash", model.config.block_size - 1, target, target_ref)}
+
+
+def dflash_weights(model) -> dict[str, torch.Tensor]:
+    state = dflash.export_weights(model)
+    state["embed_tokens.weight"] = model.embed_tokens.weight.detach().float().contiguous().cpu()
+    state["lm_head.weight"] = model.lm_head.weight.detach().float().contiguous().cpu()
+    return state
+
+
+# ---- import ------------------------------------------------------------------------------------------------
+
+def drafter_type(config: dict[str, Any], where) -> str:
+    kind = config.get("speculators_model_type") or (config.get("speculators_config") or {}).get("algorithm")
+    if kind not in ("eagle3", "dflash"):
+        raise CheckpointError(f"{where}: speculators model type {kind!r}; eyas reads eagle3 and dflash speculators")
+    return kind
+
+
+def _layer(config: dict[str, Any]) -> dict[str, Any]:
+    layer = dict(config.get("transformer_layer_config") or {})
+    rope = dict(layer.pop("rope_parameters", None) or {})
+    if rope:
+        layer["rope_theta"] = rope.pop("rope_theta", layer.get("rope_theta"))
+        if rope.get("rope_type", "default") != "default":
+            layer["rope_scaling"] = rope
+    return layer
+
+
+def _same_as_target(state: dict[str, torch.Tensor], name: str, weight: torch.Tensor, where) -> None:
+    if name in state and not torch.equal(state.pop(name).to(weight), weight):
+        raise CheckpointError(f"{where}: {name} differs from the target's; eyas's drafters use the target's own")
+
+
+def to_engine(config: dict[str, Any], state: dict[str, torch.Tensor], target: Decoder, where
+              ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """A speculators checkpoint -> (the engine-style config and tensor names eagle3.py / dflash.py import)."""
+    state = {k: v for k, v in state.items() if not k.startswith(("verifier_lm_head.", "verifier_norm."))}
+    layer, kind = _layer(config), drafter_type(config, where)
+    if kind == "eagle3":
+        for flag in ("norm_before_fc", "fc_norm", "norm_output"):
+            if config.get(flag):
+                raise CheckpointError(f"{where}: {flag}=true (an EAGLE-3.1 variant); eyas's EAGLE-3 has no such norm")
+        if "norm_before_residual" not in config:
+            raise CheckpointError(f"{where}: no norm_before_residual; speculators defaults it to false and vLLM to "
+                                  "true, so the residual convention is ambiguous")
+        engine = {**layer, "draft_vocab_size": config.get("draft_vocab_size"),
+                  "norm_before_residual": config["norm_before_residual"],
+                  "eagle_aux_hidden_state_layer_ids": config.get("eagle_aux_hidden_state_layer_ids")}
+        if config.get("target_hidden_size") is not None:
+            engine["target_hidden_size"] = config["target_hidden_size"]
+        renamed = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v for k, v in state.items()}
+        return engine, renamed
+    if config.get("sample_from_anchor"):
+        raise CheckpointError(f"{where}: sample_from_anchor=true (the anchor slot drafts too); eyas's DFlash drafts "
+                              "block slots 1..G-1 after a bonus-token anchor")
+    types = set(layer.pop("layer_types", None) or ["full_attention"])
+    if types != {"full_attention"}:
+        raise CheckpointError(f"{where}: layer_types {sorted(types)}; eyas's DFlash layers are full attention")
+    ids = config.get("aux_hidden_state_layer_ids") or []
+    taps = layer_ids.from_engine([i - 1 for i in ids], target.config.num_layers, "dflash")  # HF = speculators id
+    engine = {**layer, "block_size": config.get("block_size"), "draft_vocab_size": config.get("draft_vocab_size"),
+              "target_hidden_size": config.get("target_hidden_size"),
+              "dflash_config": {"mask_token_id": config.get("mask_token_id"),
+                                "target_layer_ids": layer_ids.to_engine(taps, target.config.num_layers, "dflash")}}
+    _same_as_target(state, "embed_tokens.weight", target.embed_tokens.weight, where)
+    _same_as_target(state, "lm_head.weight", target.lm_head.weight, where)
+    return engine, state

@@ -11,7 +11,7 @@ from eyas.drafters import registry
 from eyas.interop import write_export
 from eyas.methods import load_drafter
 
-CASES = [("eagle3", "sglang"), ("eagle3", "vllm"), ("dflash", "sglang"), ("dflash", "vllm")]
+CASES = [(kind, fmt) for kind in ("eagle3", "dflash") for fmt in ("sglang", "vllm", "speculators")]
 
 
 @pytest.fixture(scope="module")
