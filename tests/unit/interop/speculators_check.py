@@ -1,0 +1,59 @@
+"""Run by test_speculators_thirdparty.py with the python of a SEPARATE environment holding speculators 0.9.0
+(its pins conflict with eyas's): speculators' own classes load eyas's exports with from_pretrained, and their draft
+logits must equal eyas's (saved by the test) within 1e-4 in float32. Usage: python speculators_check.py DIR"""
+import sys
+import torch
+from speculators.models.eagle3.core import Eagle3DraftModel
+from speculators.models.dflash.core import DFlashDraftModel
+from speculators.models.attention import create_float_mask
+
+
+def eager(model):
+    """CPU: eager attention (flex attention needs a compiled BlockMask); the layers read the config at run time."""
+    model.config.transformer_layer_config._attn_implementation = "eager"
+    model._attn_impl, model._create_mask_fn = "eager", create_float_mask
+    return model
+root = sys.argv[1]
+torch.manual_seed(0)
+# ---- EAGLE-3 -----------------------------------------------------------------------------------------------
+m = eager(Eagle3DraftModel.from_pretrained(f"{root}/eagle3")).float().eval()
+print("eagle3 class", type(m).__name__, "aux ids", m.config.eagle_aux_hidden_state_layer_ids)
+assert not any(torch.isnan(p).any() for p in m.state_dict().values() if p.is_floating_point()), "NaN weights left"
+data = torch.load(f"{root}/eagle3.pt")
+T = data["ids"].shape[1]
+with torch.no_grad():
+    hs = m.fc(data["hidden"].float())
+    emb = m.embed_tokens(data["ids"])
+    x = torch.cat([emb, hs], -1)
+    pos = torch.arange(T)[None]
+    pe = m.rotary_emb(x, pos)
+    mask = torch.full((T, T), float("-inf")).triu(1)[None, None]
+    for layer in m.layers:
+        x = layer(x, attention_mask=mask, position_ids=pos, position_embeddings=pe)
+    logits = m.lm_head(m.norm(x))
+    # and through its own forward (ttt_steps=1; default positions 1 + arange, a uniform shift RoPE ignores)
+    draft = m(data["hidden"].float(), data["ids"], torch.zeros_like(data["ids"]), ttt_steps=1)
+diff = (logits - data["logits"]).abs().max().item()
+print(f"eagle3 max |speculators - eyas| logits = {diff:.3e}; forward() argmax equal: "
+      f"{torch.equal(draft[0], data['logits'].argmax(-1))}; d2t buffer equal to offsets: {m.d2t[:5].tolist()}")
+assert diff < 1e-4
+# ---- DFlash ------------------------------------------------------------------------------------------------
+d = eager(DFlashDraftModel.from_pretrained(f"{root}/dflash")).float().eval()
+print("dflash class", type(d).__name__, "aux ids", d.config.aux_hidden_state_layer_ids, "mask", d.config.mask_token_id)
+assert not any(torch.isnan(p).any() for n, p in d.state_dict().items() if p.is_floating_point()), "NaN weights left"
+data = torch.load(f"{root}/dflash.pt")
+C, G = data["context_len"], d.block_size
+with torch.no_grad():
+    ctx = d.hidden_norm(d.fc(data["features"].float()))
+    block = torch.full((1, G), d.mask_token_id); block[0, 0] = data["root"]
+    x = d.embed_tokens(block)
+    pos = torch.arange(C + G)[None]
+    pe = d.rotary_emb(x, pos)
+    for layer in d.layers:
+        x = layer(hidden_states=x, target_hidden=ctx, attention_mask=None, position_ids=pos, use_cache=False,
+                  position_embeddings=pe)
+    logits = d.lm_head(d.norm(x))[0, 1:]
+diff = (logits - data["logits"][0, 1:]).abs().max().item()
+print(f"dflash max |speculators - eyas| logits = {diff:.3e} over {tuple(logits.shape)}")
+assert diff < 1e-4
+print("OK")

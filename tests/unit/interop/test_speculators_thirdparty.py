@@ -1,0 +1,69 @@
+"""Third-party load: the ``speculators`` package (0.9.0) loads eyas's Eagle-3 and DFlash exports with its own classes
+(Eagle3DraftModel / DFlashDraftModel.from_pretrained) and its draft logits equal eyas's within 1e-4 (float32).
+
+speculators pins transformers <= 5.19 and torch >= 2.14, which conflict with eyas's environment, so it lives in a
+separate one: set EYAS_SPECULATORS_PYTHON to its python (e.g. ``python3 -m venv /tmp/spec-venv &&
+/tmp/spec-venv/bin/pip install speculators==0.9.0``). Skipped without it; no network is needed (the verifier is a
+local directory), about 15 s."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from interop_testing import QWEN3, drafter, tiny
+from safetensors.torch import save_file
+
+from eyas.interop import write_export
+
+PYTHON = os.environ.get("EYAS_SPECULATORS_PYTHON")
+pytestmark = pytest.mark.skipif(not PYTHON, reason="EYAS_SPECULATORS_PYTHON (a python with speculators 0.9.0) unset")
+
+
+def verifier_dir(target, directory: Path) -> str:
+    """What speculators reads of the verifier: its config.json and embed / lm_head / final norm weights."""
+    c = target.config
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps({
+        "architectures": [{"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}[c.model_type]],
+        "model_type": c.model_type, "hidden_size": c.hidden_size, "num_hidden_layers": c.num_layers,
+        "vocab_size": c.vocab_size, "intermediate_size": c.intermediate_size, "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim}))
+    save_file({"model.embed_tokens.weight": target.embed_tokens.weight.contiguous(),
+               "lm_head.weight": target.lm_head.weight.contiguous(), "model.norm.weight": target.norm.weight.contiguous()},
+              str(directory / "model.safetensors"))
+    return str(directory)
+
+
+@torch.no_grad()
+def test_speculators_loads_exports_with_equal_logits(tmp_path):
+    tokens_1T = torch.tensor([[3, 14, 15, 9, 26, 5, 35, 8]])
+    T = tokens_1T.shape[1]
+    target = tiny()
+    eagle = drafter("eagle3", target)
+    _, taps = target(tokens_1T, torch.arange(T)[None], target.new_cache(1, T), taps=eagle.target_taps)
+    prefix = {k: taps[k][:, :-1] for k in eagle.target_taps}  # index i: (embed(t_{i+1}), taps at i), position i
+    _, logits_1TX, _ = eagle.step(tokens_1T[:, 1:], eagle.initial_hidden(prefix), torch.arange(T - 1)[None], None, None)
+    write_export(eagle, "speculators", tmp_path / "eagle3", verifier_dir(target, tmp_path / "verifier-llama"))
+    torch.save({"hidden": torch.cat([prefix[k] for k in eagle.target_taps], -1), "ids": tokens_1T[:, 1:],
+                "logits": logits_1TX.float()}, tmp_path / "eagle3.pt")
+
+    qwen3 = tiny(QWEN3)
+    block = drafter("dflash", qwen3)
+    _, taps = qwen3(tokens_1T, torch.arange(T)[None], qwen3.new_cache(1, T), taps=block.target_taps)
+    C = T - 1  # the root (last token) is not yet run by the target: the context is positions 0..C-1
+    context = {k: taps[k][:, :C] for k in block.target_taps}
+    kv = block.context_kv(block.fuse(context), torch.arange(C)[None])
+    hidden_1GE = block.block_hidden(block.embed_block(tokens_1T[:, -1]), torch.arange(C, C + block.block_size)[None],
+                                    kv, mask_BQS=None)
+    write_export(block, "speculators", tmp_path / "dflash", verifier_dir(qwen3, tmp_path / "verifier-qwen3"))
+    torch.save({"features": torch.cat([context[k] for k in block.target_taps], -1), "root": int(tokens_1T[0, -1]),
+                "context_len": C, "logits": block.logits(hidden_1GE).float()}, tmp_path / "dflash.pt")
+
+    script = Path(__file__).with_name("speculators_check.py")
+    run = subprocess.run([PYTHON, str(script), str(tmp_path)], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    print(run.stdout[-2000:], file=sys.stderr)
+    assert run.returncode == 0 and run.stdout.strip().endswith("OK"), run.stderr[-3000:]
