@@ -76,3 +76,28 @@ def test_export_is_atomic_and_never_overwrites(targets, tmp_path):
     with pytest.raises(Exception, match="final-NORMED"):  # fails while converting: nothing is left behind
         write_export(drafter("eagle3", targets["eagle3"], {**EAGLE3, "taps": [2, 4, 8]}), "sglang", tmp_path / "x", "tiny")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
+
+
+@pytest.mark.parametrize("fmt", ["sglang", "vllm", "speculators"])
+def test_a_checkpoint_trained_elsewhere_runs_through_the_method_table(targets, tmp_path, fmt):
+    """No eyas block (as SpecForge / speculators / vLLM users ship them): the engine keys alone describe it, and
+    every --drafter consumer (methods.drafter_factory: generate, bench, sweep, serving) takes it."""
+    from eyas.methods import SpecConfig, drafter_factory
+
+    target = targets["eagle3"]
+    model = drafter("eagle3", target)
+    registry.save_drafter(model, tmp_path / "eyas", "tiny")
+    out = write_export(model, fmt, tmp_path / fmt, "tiny")
+    config = json.loads((out / "config.json").read_text())
+    del config["eyas"]
+    (out / "config.json").write_text(json.dumps(config))
+    loaded = registry.load_model(out, target)
+    assert loaded.target_taps == model.target_taps and loaded.draft_vocab == model.draft_vocab
+    assert loaded.config.ttt_steps == 7  # training-only settings fall back to eyas's defaults
+    factory = drafter_factory(target, SpecConfig(method="eagle3", drafter=str(out)))
+    ours, theirs = Recorder(load_drafter(tmp_path / "eyas", target)), Recorder(factory())
+    for recorder in (ours, theirs):
+        generate(target, PROMPTS[1], 12, drafter=recorder)
+    assert len(ours.trees) == len(theirs.trees) > 0
+    for a, b in zip(ours.trees, theirs.trees):
+        assert torch.equal(a.tokens_N, b.tokens_N) and torch.equal(a.scores_N, b.scores_N)
