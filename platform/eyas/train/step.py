@@ -20,8 +20,12 @@ from typing import Any, Iterable, Mapping
 import torch
 from torch import nn
 
-from eyas.train.config import OptimConfig, TrainConfig
+from eyas.decoding.generate import generate
+from eyas.decoding.stats import SpecStats
+from eyas.drafters import registry
 from eyas.models.features import TargetFeatures, TrainBatch
+from eyas.train.config import OptimConfig, TrainConfig
+from eyas.train.data import token_counts
 
 ACC_KEY = re.compile(r"^acc_(\d+)$")
 TRAINER_STATE = "trainer.pt"   # optimizer + scheduler (DDP / single process)
@@ -33,9 +37,6 @@ DEEPSPEED_DIR, DEEPSPEED_TAG = "deepspeed", "state"
 def build_drafter(cfg: TrainConfig, target, rows) -> nn.Module:
     """A fresh drafter from the registry; a reduced draft vocabulary (EAGLE-3 ``draft_vocab_size``) is the most
     frequent prediction targets of the training data ``rows``."""
-    from eyas.drafters import registry
-    from eyas.train.data import token_counts
-
     options = dict(cfg.drafter.config)
     counts_V = token_counts(rows, target.config.vocab_size) if options.get("draft_vocab_size") else None
     return registry.build_model(cfg.drafter.type, options, target, token_counts_V=counts_V)
@@ -275,8 +276,6 @@ def make_strategy(name: str, drafter: nn.Module, optim: OptimConfig, batch_size:
 def save_training_checkpoint(directory: Path, strategy, rank: int, state: Mapping[str, Any],
                              target_ref: str) -> None:
     """Every rank calls this (ZeRO saving is a collective); rank 0 adds the drafter and ``state.json``."""
-    from eyas.drafters import registry
-
     directory.mkdir(parents=True, exist_ok=True)
     strategy.save(directory, rank)
     if rank == 0:
@@ -319,9 +318,6 @@ def mean_over_ranks(metrics: Mapping[str, float], device: torch.device) -> dict[
 def measure_tau(target, drafter, prompts: Iterable[list[int]], max_new_tokens: int,
                 eos_token_ids: Iterable[int] = ()) -> tuple[Any, list[list[int]]]:
     """Greedy speculative generation with ``drafter`` on every prompt: (merged SpecStats, continuations)."""
-    from eyas.decoding.generate import generate
-    from eyas.decoding.stats import SpecStats
-
     stats, outputs = SpecStats(), []
     for prompt in prompts:
         generation = generate(target, prompt, max_new_tokens, drafter=drafter, eos_token_ids=tuple(eos_token_ids))
