@@ -6,7 +6,9 @@ whose residual is the un-normed hidden state, final ``norm``, ``lm_head`` over `
 reads ``d2t`` as "target id minus draft id" (hot_token_id = d2t + arange) and skips ``t2d`` and unknown names);
 vLLM models/llama_eagle3.py (the same names, ``midlayer.`` -> ``layers.0.``, ``d2t`` -> draft_id_to_target_id with
 targets = arange + d2t, ``norm_before_residual`` false = residual before hidden_norm, embed_tokens shared with the
-target when the checkpoint has none). eyas's EAGLE-3 layer (drafters/eagle.py DraftLayer, two_stream) computes the
+target when the checkpoint has none); SpecForge specforge/export/to_sglang.py (identity names midlayer.* / fc / norm
+/ lm_head plus t2d / d2t, embeddings dropped) and its vocab mapping (d2t = used ids - arange, t2d a bool mask over the
+target vocab). eyas's EAGLE-3 layer (drafters/eagle.py DraftLayer, two_stream) computes the
 same thing, so the weights map name for name:
 
   eyas                       engines
