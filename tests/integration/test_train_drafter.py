@@ -62,7 +62,7 @@ def workspace(tmp_path_factory, random_checkpoint):
 def local_ray(workspace):
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=True)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=True)  # never another session's cluster
     yield
     ray.shutdown()
 
