@@ -10,7 +10,10 @@ from eyas_ray import auth
 def init_ray(**kwargs: Any) -> None:
     """``ray.init()``: a fresh local Ray of its own unless ``RAY_ADDRESS`` names a cluster (``ray job submit`` sets it).
 
-    Either way the process runs with ``RAY_AUTH_MODE=token``. Joining a cluster needs its token (``RAY_AUTH_TOKEN``,
+    Token auth stays on without eyas setting ``RAY_AUTH_MODE``: Ray 2.60 turns it on by itself for a new local
+    cluster and for a client that has a token, and it reads the variable once, when ``ray`` is imported, so setting
+    it here would be too late (the driver would then speak without a token to a cluster that wants one). What eyas
+    does is make sure the token exists. Joining a cluster needs its token (``RAY_AUTH_TOKEN``,
     ``RAY_AUTH_TOKEN_PATH`` or ``~/.ray/auth_token``; a job submitted to a cluster inherits the head's). A fresh
     local Ray is the user's own cluster: its token is ``~/.ray/auth_token``, created when missing. Idempotent.
     """
@@ -19,10 +22,9 @@ def init_ray(**kwargs: Any) -> None:
     if ray.is_initialized():
         return
     kwargs.setdefault("log_to_driver", True)
-    os.environ.setdefault(auth.AUTH_MODE, "token")
     address = os.environ.get("RAY_ADDRESS")
     if address:
-        if os.environ[auth.AUTH_MODE] == "token" and auth.token_source() is None:
+        if os.environ.get(auth.AUTH_MODE, "token") == "token" and auth.token_source() is None:
             raise RuntimeError(f"RAY_ADDRESS={address} but no Ray auth token was found: set {auth.TOKEN} or "
                                f"{auth.TOKEN_PATH}, or copy the cluster's token to {auth.user_token_file()}")
         ray.init(address=address, **kwargs)
