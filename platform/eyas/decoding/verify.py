@@ -149,8 +149,10 @@ def process_logits(logits_V: torch.Tensor, temperature: float, top_p: float = 1.
     if top_p < 1.0:
         sorted_V, order_V = logits_V.sort(dim=-1, descending=True)
         sorted_probs_V = sorted_V.softmax(dim=-1)
-        # drop a token when the tokens ranked above it already reach top_p (the top token always stays)
+        # drop a token when the tokens ranked above it already reach top_p. The top token always stays, also when
+        # top_p rounds to 0 in float32 (5e-324, 1e-46: "0 >= 0" would drop every token, and softmax gives NaN)
         drop_sorted_V = (sorted_probs_V.cumsum(dim=-1) - sorted_probs_V) >= top_p
+        drop_sorted_V[..., 0] = False
         drop_V = drop_sorted_V.scatter(-1, order_V, drop_sorted_V)
         logits_V = logits_V.masked_fill(drop_V, float("-inf"))
     return logits_V.softmax(dim=-1)

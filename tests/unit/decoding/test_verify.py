@@ -7,6 +7,8 @@ from collections import Counter
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from scipy.stats import chisquare
 
 from eyas.decoding import verify
@@ -324,6 +326,26 @@ def test_process_logits():
         process_logits(logits_2V, 0.0)
     with pytest.raises(ValueError, match="top_p"):
         process_logits(logits_2V, 1.0, top_p=0.0)
+
+
+# top_p values that round to 0 in float32 (5e-324, 1e-46) dropped every token before the top token was pinned
+TINY_TOP_P = st.sampled_from([5e-324, 1e-300, 1e-46, 1e-12, 1e-9])
+
+
+@settings(max_examples=200, deadline=None)
+@given(logits=st.lists(st.floats(-30.0, 30.0, width=32), min_size=1, max_size=40),
+       temperature=st.floats(0.05, 5.0), top_p=TINY_TOP_P | st.floats(1e-6, 1.0, exclude_min=True),
+       top_k=st.integers(0, 45))
+def test_process_logits_is_a_distribution_that_keeps_the_top_token(logits, temperature, top_p, top_k):
+    logits_V = torch.tensor(logits)
+    probs_V = process_logits(logits_V[None], temperature, top_p, top_k)[0]
+    assert torch.isfinite(probs_V).all() and (probs_V >= 0).all()
+    assert abs(probs_V.sum().item() - 1.0) < 1e-5
+    top_V = logits_V == logits_V.max()
+    assert probs_V[top_V].sum() > 0  # a top token (one of them, on a tie) always stays
+    if top_p <= 1e-9:  # the nucleus is the top token alone
+        assert (probs_V > 0).sum() == 1 and top_V[probs_V.argmax()]
+        assert sample(probs_V, torch.Generator().manual_seed(0)) == int(probs_V.argmax())
 
 
 def test_sample_follows_probs():
