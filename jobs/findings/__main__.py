@@ -1,0 +1,3 @@
+from jobs.findings.cli import main
+
+raise SystemExit(main())
