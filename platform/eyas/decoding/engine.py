@@ -176,55 +176,69 @@ class SpecEngine:
                 firsts.append(pick_token(logits_1TV[0, -1], request.sampling, row.generator))
                 if self.speculative:
                     row.drafter = self.free_drafters.pop()
-                    t = time.perf_counter()
                     row.drafter.begin(list(request.prompt_ids), {l: h[0] for l, h in hidden.items()})
-                    row.stats.draft_s += time.perf_counter() - t
         firsts = self.channel.share(firsts if self.leader else None)
         for row, token in zip(new_rows, firsts):
             self._emit(row, [token])
 
     def _cycle(self) -> None:
-        """One draft -> verify -> keep -> commit cycle over every live row."""
+        """One draft -> verify -> keep -> commit cycle over every live row.
+
+        The leader times it with perf_counter (no device syncs but one, below): draft = the drafters' propose and
+        commit calls, verify = the target forward, other = the cycle's wall time less both (packing, verification,
+        cache rollback, bookkeeping: the engine's own overhead). Every row records the whole cycle's split, the
+        time its own cycle took, so a row's draft_s + verify_s + other_s is the wall time of its cycles.
+        """
         rows = self.rows
         trees: list[DraftTree] = []
         plan = None
-        t0 = time.perf_counter()
+        start = time.perf_counter()
+        draft_s = 0.0
         if self.leader:
             limit = self.schedule.max_draft_nodes(len(rows)) if self.speculative else 0
-            trees = [self._draft(row, limit) for row in rows]
+            for row in rows:
+                tree, seconds = self._draft(row, limit)
+                trees.append(tree)
+                draft_s += seconds
             plan = [(tree.tokens_list, tree.parents_list) for tree in trees]
-        t1 = time.perf_counter()
         plan = self.channel.share(plan)
         view = self.cache.rows(0, len(rows), [row.length for row in rows])
         tokens_BT, positions_BT, mask_BTT = pack_trees(plan, view.lengths, self.target.device)
+        forward_start = time.perf_counter()
         logits_BTV, hidden = self.target(tokens_BT, positions_BT, view, mask=mask_BTT, taps=self.taps)
+        if logits_BTV.is_cuda:  # verification's argmax would wait for the forward here anyway; its time is verify's
+            torch.cuda.synchronize(logits_BTV.device)
+        verify_s = time.perf_counter() - forward_start
         verdicts = None
-        t2 = time.perf_counter()
         if self.leader:
             verdicts = []
             for b, (row, tree) in enumerate(zip(rows, trees)):
                 accepted = self._verify(row, tree, logits_BTV[b, :tree.num_nodes])
                 verdicts.append((accepted.nodes, accepted.committed))
-                self._commit(row, tree, accepted, {l: h[b] for l, h in hidden.items()})
-                row.stats.verify_s += t2 - t1
-        t3 = time.perf_counter()
+                draft_s += self._commit(row, tree, accepted, {l: h[b] for l, h in hidden.items()})
         verdicts = self.channel.share(verdicts)
         view.keep([nodes for nodes, _ in verdicts])
         for row, (_, committed), length in zip(rows, verdicts, view.lengths):
             row.length = length
             self._emit(row, committed)
         if self.leader:
-            for row in rows:  # drafting and commit time is shared by the batch
-                row.stats.draft_s += (t1 - t0 + t3 - t2) / len(rows)
+            other_s = time.perf_counter() - start - draft_s - verify_s
+            for row in rows:
+                row.stats.draft_s += draft_s
+                row.stats.verify_s += verify_s
+                row.stats.other_s += other_s
 
-    def _draft(self, row: _Row, limit: int | None) -> DraftTree:
+    def _draft(self, row: _Row, limit: int | None) -> tuple[DraftTree, float]:
+        """The row's tree and the seconds its drafter's propose took."""
         root = row.out[-1]
         if row.drafter is None or limit == 0:
-            return chain(root, [])
+            return chain(root, []), 0.0
+        start = time.perf_counter()
         tree = row.drafter.propose(root, list(row.request.prompt_ids) + row.out, row.request.sampling.temperature,
                                    row.generator)
+        seconds = time.perf_counter() - start
         assert tree.num_nodes <= self.max_tree_nodes, f"{tree.num_nodes} nodes: over the cap the drafter declared"
-        return tree if limit is None else prune(tree, limit)
+        return (tree if limit is None else prune(tree, limit)), seconds
 
     def _verify(self, row: _Row, tree: DraftTree, logits_NV: torch.Tensor) -> Accepted:
         sampling = row.request.sampling
@@ -233,18 +247,23 @@ class SpecEngine:
         probs_NV = process_logits(logits_NV.float(), sampling.temperature, sampling.top_p, sampling.top_k)
         return verify_sampling(tree, probs_NV, row.generator)
 
-    def _commit(self, row: _Row, tree: DraftTree, accepted: Accepted, hidden: dict[int, torch.Tensor]) -> None:
-        """The leader advances the row's drafter on the target's taps at the accepted path and records the cycle.
+    def _commit(self, row: _Row, tree: DraftTree, accepted: Accepted, hidden: dict[int, torch.Tensor]) -> float:
+        """The leader advances the row's drafter on the target's taps at the accepted path and records the cycle;
+        returns the seconds the drafter's commit took.
         Cycles whose tree load-adaptation emptied still count: tau is tokens per target forward for the request.
         A row without a drafter records no SpecStats cycle (tau stays None: vanilla does not speculate)."""
         if row.drafter is None:
             row.cycles.append((0, 0, 0))
-            return
+            return 0.0
         path = torch.as_tensor(accepted.nodes, device=self.target.device)
-        row.drafter.commit([tree.tokens_list[0]] + accepted.tokens, {l: h[path] for l, h in hidden.items()})
+        taps = {l: h[path] for l, h in hidden.items()}
+        start = time.perf_counter()
+        row.drafter.commit([tree.tokens_list[0]] + accepted.tokens, taps)
+        seconds = time.perf_counter() - start
         judged_depth, judged = judged_nodes(tree, accepted.nodes)
         row.stats.record_cycle(accepted.num_accepted, judged_depth, judged, tree.num_nodes - 1)
         row.cycles.append((accepted.num_accepted, judged_depth, tree.num_nodes - 1))
+        return seconds
 
     # -- bookkeeping -----------------------------------------------------
 
@@ -265,6 +284,7 @@ class SpecEngine:
         if row.finish_reason and self.leader:
             stats = row.stats
             stats.new_tokens = len(row.out)
+            stats.emitted(len(row.out) - 1)  # the first token came from the prefill; tau counts what was emitted
         return StepOutput(row.request.request_id, new, row.finish_reason is not None, row.finish_reason, stats,
                           cycles)
 

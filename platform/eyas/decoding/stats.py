@@ -1,7 +1,9 @@
 """SpecStats: what one speculative generation did, in the terms papers report.
 
-tau = mean over verify cycles of (accepted drafted tokens + 1 bonus); n-alpha = acceptance at depth n given all
-shallower drafted tokens were accepted; calibration = draft confidence binned against measured acceptance.
+tau = tokens emitted per verify cycle: the mean of (accepted drafted tokens + 1 bonus), less what a stop (EOS, a
+stop string) or the token budget cut from the final cycle (``emitted``); n-alpha = acceptance at depth n given all
+shallower drafted tokens were accepted, as the verifier judged them (a cut does not undo an acceptance);
+calibration = draft confidence binned against measured acceptance.
 """
 from __future__ import annotations
 
@@ -29,12 +31,19 @@ class SpecStats:
     other_s: float = 0.0
     new_tokens: int = 0
     num_draft_nodes: int = 0
+    num_cut: int = 0  # tokens the cycles committed that a stop or the budget then cut (the final cycle's tail)
 
     @property
     def tau(self) -> float | None:
         if not self.cycles:
             return None
-        return sum(a + 1 for a in self.accepted_per_cycle) / self.cycles
+        return (sum(a + 1 for a in self.accepted_per_cycle) - self.num_cut) / self.cycles
+
+    def emitted(self, num_tokens: int) -> None:
+        """The cycles emitted ``num_tokens`` in all (the prefill's first token not counted): what they committed
+        past that (the final cycle cut at EOS, a stop string or max_new_tokens) leaves tau."""
+        committed = sum(a + 1 for a in self.accepted_per_cycle)
+        self.num_cut = min(max(committed - num_tokens, 0), committed)
 
     @property
     def per_depth_accept(self) -> list[float]:
@@ -80,7 +89,8 @@ class SpecStats:
                         accepted_per_cycle=self.accepted_per_cycle + other.accepted_per_cycle,
                         draft_s=self.draft_s + other.draft_s, verify_s=self.verify_s + other.verify_s,
                         other_s=self.other_s + other.other_s, new_tokens=self.new_tokens + other.new_tokens,
-                        num_draft_nodes=self.num_draft_nodes + other.num_draft_nodes)
+                        num_draft_nodes=self.num_draft_nodes + other.num_draft_nodes,
+                        num_cut=self.num_cut + other.num_cut)
         out._grow(max(len(self.depth_offered), len(other.depth_offered)))
         for src in (self, other):
             for d in range(len(src.depth_offered)):
@@ -95,7 +105,7 @@ class SpecStats:
     def to_dict(self) -> dict[str, Any]:
         return {"cycles": self.cycles, "tau": self.tau, "accepted_per_cycle": list(self.accepted_per_cycle),
                 "per_depth_accept": self.per_depth_accept, "calibration": self.calibration(),
-                "new_tokens": self.new_tokens, "mean_draft_nodes": self.num_draft_nodes / max(self.cycles, 1),
+                "new_tokens": self.new_tokens, "num_cut": self.num_cut, "mean_draft_nodes": self.num_draft_nodes / max(self.cycles, 1),
                 "time_s": {"draft": self.draft_s, "verify": self.verify_s, "other": self.other_s}}
 
 

@@ -12,7 +12,7 @@ from eyas.config import ConfigError
 from eyas.decoding.engine import SpecEngine
 from eyas.decoding.generate import generate
 from eyas.decoding.requests import SequenceRequest
-from eyas.decoding.tree import chain
+from eyas.decoding.tree import MAX_TREE_NODES, chain
 from eyas.models import Decoder, ModelConfig
 
 VOCAB, NUM_NEW = 64, 20
@@ -71,10 +71,12 @@ def test_known_tau_single_sequence(target, continuations, case):
     for prompt in PROMPTS:
         result = generate(target, prompt, NUM_NEW, drafter=ScriptedDrafter(continuations, right))
         assert result.token_ids == continuations[tuple(prompt)][:NUM_NEW]  # lossless
-        # the prefill emits one token, every cycle accepted + 1: ceil((NUM_NEW - 1) / (accepted + 1)) cycles
+        # the prefill emits one token, every cycle accepted + 1: ceil((NUM_NEW - 1) / (accepted + 1)) cycles, the
+        # last one cut at the budget; tau counts the emitted tokens, the verifier's acceptances stay as judged
         cycles = math.ceil((NUM_NEW - 1) / (accepted + 1))
         assert result.stats.cycles == cycles and result.stats.accepted_per_cycle == [accepted] * cycles
-        assert result.stats.tau == accepted + 1
+        assert result.stats.tau == (NUM_NEW - 1) / cycles
+        assert result.stats.num_cut == cycles * (accepted + 1) - (NUM_NEW - 1)
         assert result.stats.per_depth_accept == per_depth
         assert result.stats.new_tokens == NUM_NEW and result.finish_reason == "length"
 
@@ -87,7 +89,8 @@ def test_known_tau_batched(target, continuations, case):
     for i, prompt in enumerate(PROMPTS):
         tokens, final = done[str(i)]
         assert tokens == continuations[tuple(prompt)][:NUM_NEW]
-        assert final.stats.tau == accepted + 1 and final.stats.cycles == math.ceil((NUM_NEW - 1) / (accepted + 1))
+        cycles = math.ceil((NUM_NEW - 1) / (accepted + 1))
+        assert final.stats.cycles == cycles and final.stats.tau == (NUM_NEW - 1) / cycles
 
 
 def test_vanilla_has_no_tau_and_stops_at_eos(target, continuations):
@@ -98,9 +101,12 @@ def test_vanilla_has_no_tau_and_stops_at_eos(target, continuations):
     first = truth.index(stop)
     stopped = generate(target, PROMPTS[0], NUM_NEW, eos_token_ids={stop})
     assert stopped.token_ids == truth[:first + 1] and stopped.finish_reason == "stop"
-    oracle = generate(target, PROMPTS[0], NUM_NEW, drafter=ScriptedDrafter(continuations, [True] * 4),
+    oracle = generate(target, PROMPTS[0], NUM_NEW, drafter=ScriptedDrafter(continuations, [True] * 8),
                       eos_token_ids={stop})
     assert oracle.token_ids == stopped.token_ids and oracle.finish_reason == "stop"  # a stop inside a drafted run
+    # the oracle drafts 8 right tokens, so the cycle that reaches the stop commits past it: tau counts what was emitted
+    assert oracle.stats.accepted_per_cycle == [8] * oracle.stats.cycles and oracle.stats.num_cut > 0
+    assert oracle.stats.tau == (len(oracle.token_ids) - 1) / oracle.stats.cycles
 
 
 def test_user_errors(target, continuations):
@@ -114,3 +120,23 @@ def test_user_errors(target, continuations):
     too_big = ScriptedDrafter(continuations, [True] * 64)
     with pytest.raises(ConfigError, match="reach 64 drafted nodes \\+ the root, over the cap of 64"):
         generate(target, [1], 4, drafter=too_big)
+
+
+@pytest.mark.parametrize("right", [True, False], ids=["oracle", "always-wrong"])
+def test_a_full_size_tree_fits_up_to_the_end_of_the_context(target, continuations, right):
+    """generate() and the batched path reserve the same tree room (MAX_TREE_NODES, root included): a drafter at the
+    cap (63 drafted nodes every cycle) runs a prompt near the end of the context to its last allowed token with no
+    "KV cache full", one more token is refused up front, and a batch emits the same tokens."""
+    prompt = [(7 * i) % (VOCAB - 1) for i in range(150)]
+    room = 256 - len(prompt) - MAX_TREE_NODES
+    truth = generate(target, prompt, 256 - len(prompt) - 1).token_ids  # vanilla reserves one slot only
+    known = {**continuations, tuple(prompt): truth}
+    drafter = ScriptedDrafter(known, [right] * (MAX_TREE_NODES - 1))
+    result = generate(target, prompt, room, drafter=drafter)
+    assert result.token_ids == truth[:room] and result.stats.num_draft_nodes == 63 * result.stats.cycles
+    with pytest.raises(ValueError, match="exceeds the context"):
+        generate(target, prompt, room + 1, drafter=drafter)
+    engine = SpecEngine(target, capacity=2, max_len=256,
+                        drafter_factory=lambda: ScriptedDrafter(known, [right] * (MAX_TREE_NODES - 1)))
+    done = engine.run([SequenceRequest("near-end", prompt, room), SequenceRequest("short", PROMPTS[0], 4)])
+    assert done["near-end"][0] == truth[:room] and done["short"][0] == continuations[tuple(PROMPTS[0])][:4]

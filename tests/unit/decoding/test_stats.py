@@ -20,6 +20,19 @@ def test_tau_and_per_depth_acceptance():
     assert stats.to_dict()["mean_draft_nodes"] == 5.0
 
 
+def test_tau_counts_what_was_emitted():
+    stats = SpecStats()
+    stats.record_cycle(3, 3, [], 3)
+    stats.record_cycle(3, 3, [], 3)  # committed 4 + 4 tokens; a stop (or the budget) kept 5 of them
+    stats.emitted(5)
+    assert stats.num_cut == 3 and stats.tau == 5 / 2
+    assert stats.accepted_per_cycle == [3, 3] and stats.per_depth_accept == [1.0, 1.0, 1.0]  # as verified
+    stats.emitted(8)
+    assert stats.num_cut == 0 and stats.tau == 4.0
+    merged = stats.merge(SpecStats(cycles=1, accepted_per_cycle=[1], num_cut=1))
+    assert merged.num_cut == 1 and merged.tau == (8 + 2 - 1) / 3 and merged.to_dict()["num_cut"] == 1
+
+
 def test_calibration_bins_confidence_against_acceptance():
     stats = SpecStats()
     stats.record_cycle(1, 1, [(0.95, True), (0.91, False), (0.05, False), (1.0, True)], 4)
