@@ -2,8 +2,14 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.eyas-installed
+# speculators 0.9.0 pins transformers<=5.19, older than ours: the third-party interop test runs it from its own
+# folder, put before .venv's site-packages on PYTHONPATH (torch, numpy, pandas, ... come from .venv; torch 2.13 meets
+# its pin >=2.9,<=2.14.1). --no-deps with exactly what .venv lacks for speculators' model classes: no second torch.
+SPECULATORS := .venv-tools/speculators
+SPECULATORS_PKGS := speculators==0.9.0 transformers==5.19.0 datasets==5.1.0 hs-connectors==0.9.0 dill==0.4.1 \
+	multiprocess==0.70.19 xxhash==4.1.0 loguru==0.7.3
 
-.PHONY: setup test demo bench mlflow-ui clean
+.PHONY: setup tools test demo bench mlflow-ui clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -17,7 +23,15 @@ $(STAMP): pyproject.toml | $(BIN)/python
 
 setup: $(STAMP)
 
-test: setup
+$(SPECULATORS)/.eyas-installed: $(STAMP) Makefile
+	rm -rf $(SPECULATORS)
+	$(BIN)/pip install --no-deps --target $(SPECULATORS) $(SPECULATORS_PKGS)
+	touch $@
+
+# EYAS_SPECULATORS_PYTHON set by the caller (a python with speculators 0.9.0) replaces the tool folder.
+tools: $(if $(EYAS_SPECULATORS_PYTHON),,$(SPECULATORS)/.eyas-installed)
+
+test: setup tools
 	$(BIN)/python -m pytest tests
 
 demo: setup
@@ -30,4 +44,4 @@ mlflow-ui: setup
 	$(BIN)/mlflow ui --backend-store-uri sqlite:///mlruns.db --host 127.0.0.1 --port 5000
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) .venv-tools

@@ -1,8 +1,12 @@
-"""Run by test_speculators_thirdparty.py with the python of a SEPARATE environment holding speculators 0.9.0
-(its pins conflict with eyas's): speculators' own classes load eyas's exports with from_pretrained, and their draft
-logits must equal eyas's (saved by the test) within 1e-4 in float32. Usage: python speculators_check.py DIR"""
+"""Run by test_speculators_thirdparty.py in a subprocess where speculators 0.9.0 imports (its transformers pin
+conflicts with eyas's): the tool folder first on PYTHONPATH, or EYAS_SPECULATORS_PYTHON. speculators' own classes
+load eyas's exports with from_pretrained, and their draft logits must equal eyas's (saved by the test) within 1e-4
+in float32. Usage: python speculators_check.py DIR"""
 import sys
+import speculators
+import speculators.version
 import torch
+import transformers
 from speculators.models.eagle3.core import Eagle3DraftModel
 from speculators.models.dflash.core import DFlashDraftModel
 from speculators.models.attention import create_float_mask
@@ -13,6 +17,11 @@ def eager(model):
     model.config.transformer_layer_config._attn_implementation = "eager"
     model._attn_impl, model._create_mask_fn = "eager", create_float_mask
     return model
+
+
+print(f"speculators {speculators.version.version} ({speculators.__file__}), transformers {transformers.__version__}, "
+      f"torch {torch.__version__}")
+assert speculators.version.version == "0.9.0", "the check is written against speculators 0.9.0"
 root = sys.argv[1]
 torch.manual_seed(0)
 # ---- EAGLE-3 -----------------------------------------------------------------------------------------------
@@ -34,9 +43,10 @@ with torch.no_grad():
     # and through its own forward (ttt_steps=1; default positions 1 + arange, a uniform shift RoPE ignores)
     draft = m(data["hidden"].float(), data["ids"], torch.zeros_like(data["ids"]), ttt_steps=1)
 diff = (logits - data["logits"]).abs().max().item()
-print(f"eagle3 max |speculators - eyas| logits = {diff:.3e}; forward() argmax equal: "
-      f"{torch.equal(draft[0], data['logits'].argmax(-1))}; d2t buffer equal to offsets: {m.d2t[:5].tolist()}")
-assert diff < 1e-4
+same_argmax = torch.equal(draft[0], data["logits"].argmax(-1))
+print(f"eagle3 max |speculators - eyas| logits = {diff:.3e}; forward() argmax equal: {same_argmax}; "
+      f"d2t buffer equal to offsets: {m.d2t[:5].tolist()}")
+assert diff < 1e-4 and same_argmax
 # ---- DFlash ------------------------------------------------------------------------------------------------
 d = eager(DFlashDraftModel.from_pretrained(f"{root}/dflash")).float().eval()
 print("dflash class", type(d).__name__, "aux ids", d.config.aux_hidden_state_layer_ids, "mask", d.config.mask_token_id)

@@ -1,10 +1,11 @@
 """Third-party load: the ``speculators`` package (0.9.0) loads eyas's Eagle-3 and DFlash exports with its own classes
 (Eagle3DraftModel / DFlashDraftModel.from_pretrained) and its draft logits equal eyas's within 1e-4 (float32).
 
-speculators pins transformers <= 5.19 and torch >= 2.14, which conflict with eyas's environment, so it lives in a
-separate one: set EYAS_SPECULATORS_PYTHON to its python (e.g. ``python3 -m venv /tmp/spec-venv &&
-/tmp/spec-venv/bin/pip install speculators==0.9.0``). Skipped without it; no network is needed (the verifier is a
-local directory), about 15 s."""
+speculators pins transformers <= 5.19, older than eyas's, so it runs in a subprocess from a separate tool folder:
+``make test`` installs it (with --no-deps) into .venv-tools/speculators, put before .venv's site-packages on
+PYTHONPATH (torch and the rest come from .venv). EYAS_SPECULATORS_PYTHON, if set, names a python with speculators
+0.9.0 to use instead. Skipped only when neither exists (pytest run by hand before any ``make test``); a broken tool
+folder fails. No network is needed (the verifier is a local directory); about 15 s."""
 import json
 import os
 import subprocess
@@ -18,8 +19,20 @@ from safetensors.torch import save_file
 
 from eyas.interop import write_export
 
+TOOL_DIR = Path(__file__).resolve().parents[3] / ".venv-tools" / "speculators"  # the Makefile's $(SPECULATORS)
 PYTHON = os.environ.get("EYAS_SPECULATORS_PYTHON")
-pytestmark = pytest.mark.skipif(not PYTHON, reason="EYAS_SPECULATORS_PYTHON (a python with speculators 0.9.0) unset")
+pytestmark = pytest.mark.skipif(not PYTHON and not TOOL_DIR.is_dir(), reason=(
+    f"no speculators 0.9.0 environment: `make test` builds {TOOL_DIR}; or set EYAS_SPECULATORS_PYTHON to a python "
+    "with speculators 0.9.0 (CI runs `make test`, so this never skips there)"))
+
+
+def speculators_run(args: list[str]) -> subprocess.CompletedProcess:
+    """Runs ``python ARGS`` with speculators importable: EYAS_SPECULATORS_PYTHON, else this python with the tool folder
+    first on PYTHONPATH (its transformers 5.19 shadows .venv's)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if not PYTHON:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TOOL_DIR), env.get("PYTHONPATH")) if p)
+    return subprocess.run([PYTHON or sys.executable, *args], capture_output=True, text=True, timeout=300, env=env)
 
 
 def verifier_dir(target, directory: Path) -> str:
@@ -63,7 +76,6 @@ def test_speculators_loads_exports_with_equal_logits(tmp_path):
                 "context_len": C, "logits": block.logits(hidden_1GE).float()}, tmp_path / "dflash.pt")
 
     script = Path(__file__).with_name("speculators_check.py")
-    run = subprocess.run([PYTHON, str(script), str(tmp_path)], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    run = speculators_run([str(script), str(tmp_path)])
     print(run.stdout[-2000:], file=sys.stderr)
     assert run.returncode == 0 and run.stdout.strip().endswith("OK"), run.stderr[-3000:]
