@@ -1,12 +1,10 @@
-"""Helpers shared by every job: parse ``--config`` + overrides, progress (eyas.progress) and Ray glue (``eyas_ray``)."""
+"""Helpers shared by every job: parse ``--config`` + overrides (progress is eyas.progress, Ray glue eyas_ray)."""
 from __future__ import annotations
 
 import argparse
 from typing import TypeVar
 
 from eyas.config import load_config
-from eyas.progress import Progress, fmt_metrics  # noqa: F401  (jobs import them from here)
-from eyas_ray.cluster import init_ray  # noqa: F401  (jobs import it from here)
 
 C = TypeVar("C")
 

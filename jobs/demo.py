@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from eyas.config import eyas_home, read_yaml_mapping
 from eyas import track
+from eyas.config import eyas_home, read_yaml_mapping
+from eyas_ray.local_head import LocalRayHead, port_free
 
 
 @dataclass(frozen=True)
@@ -97,8 +98,6 @@ def serve_one_request(head, profile: Profile, env: dict[str, str]) -> None:
     import json
     import urllib.request
 
-    from eyas_ray.local_head import port_free
-
     serve_cfg = read_yaml_mapping(profile.serve)
     port = int((serve_cfg.get("http_options") or {}).get("port", 8000))
     if not port_free(port):
@@ -136,8 +135,6 @@ def serve_one_request(head, profile: Profile, env: dict[str, str]) -> None:
 
 
 def run_demo(profile: Profile, args: argparse.Namespace) -> int:
-    from eyas_ray.local_head import LocalRayHead
-
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env = {"EYAS_HOME": str(eyas_home()), "MLFLOW_TRACKING_URI": track.tracking_uri(),

@@ -41,6 +41,7 @@ from typing import Callable, Sequence
 from eyas.config import eyas_home
 from eyas.models.config import CheckpointError
 from eyas.models.gguf import convert_gguf, file_sha256
+from eyas.models.parity import check_checkpoint
 
 CHECK_FILE = "check.json"
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -185,8 +186,6 @@ def check(directory: Path, source: dict, log: Callable[[str], None]) -> dict:
     """Run the parity check and write check.json, passed or not; a failed check raises ParityFailure."""
     import torch
     import transformers
-
-    from eyas.models.parity import check_checkpoint
 
     report = check_checkpoint(directory, log=lambda line: log("      " + line))
     record = {"target": directory.name, "source": source, "parity": report.to_dict(),

@@ -28,17 +28,23 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from eyas import corpus, datasets
 from eyas.config import ConfigError, to_dict
+from eyas.models import load_target, load_tokenizer
+from eyas.models.config import ModelConfig
+from eyas.progress import Progress
 from eyas.train.config import DataConfig, data_path, target_path
-from eyas.train.data import corpus_chunks, num_shards, response_row, shard_path, write_shard
+from eyas.train.data import corpus_chunks, num_shards, regenerate, response_row, shard_path, write_shard
+from eyas_ray.cluster import init_ray
+from jobs.common import job_argparser, load_job_config
 
 DATA_FILE = "data.json"
 ACTOR_RESTARTS = 3  # per Regenerator actor: restarts after its process died, each retrying the shard it had
 
 
 def check_target(cfg: DataConfig) -> Path:
-    from eyas.models.config import ModelConfig
-
     directory = target_path(cfg.target)
     if not (directory / "config.json").is_file():
         raise FileNotFoundError(f"target={cfg.target!r}: {directory} holds no checkpoint; build it first, e.g. "
@@ -87,8 +93,6 @@ def prompt_ids(cfg: DataConfig, tokenizer: Any, split: str, count: int) -> list[
     regenerate: corpus prompts with the tokenizer's special tokens (BOS), cut to ``max_prompt_tokens``.
     sharegpt: chat-templated first human turns; the template writes the special tokens, longer prompts are skipped.
     """
-    from eyas import corpus, datasets
-
     if cfg.source == "sharegpt":
         return [ids for _, ids in datasets.chat_prompt_ids(split, count, tokenizer, cfg.max_prompt_tokens)]
     texts = corpus.train_prompts(count, cfg.suite) if split == "train" else corpus.heldout_prompts(cfg.suite, count)
@@ -96,8 +100,6 @@ def prompt_ids(cfg: DataConfig, tokenizer: Any, split: str, count: int) -> list[
 
 
 def plan_prompts(cfg: DataConfig, target_dir: Path) -> dict[str, list[list[int]]]:
-    from eyas.models import load_tokenizer
-
     tokenizer = load_tokenizer(target_dir)
     tokenizer.model_max_length = 10**9  # we cut or skip prompts ourselves; silences the long-input warning
     prompts = {split: prompt_ids(cfg, tokenizer, split, count) for split, count in split_plan(cfg).items()}
@@ -113,10 +115,6 @@ class Regenerator:
     """Holds the target; answers one shard of prompts per call (created as a Ray actor by ``regenerate_shards``)."""
 
     def __init__(self, cfg_dict: dict[str, Any], target_dir: str, use_gpu: bool) -> None:
-        import torch
-
-        from eyas.models import load_target, load_tokenizer
-
         torch.set_num_threads(1)
         self.cfg = DataConfig(**cfg_dict) if not isinstance(cfg_dict, DataConfig) else cfg_dict
         device = "cuda" if use_gpu else "cpu"
@@ -130,10 +128,6 @@ class Regenerator:
     def run(self, split: str, index: int, prompts: list[list[int]], out_dir: str) -> dict[str, int]:
         """Answer one shard's prompts (token ids) and write its rows in prompt order. Batches are formed from
         prompts of similar length (sorted), so left padding wastes little of each batched forward."""
-        import torch
-
-        from eyas.train.data import regenerate
-
         cfg = self.cfg
         kept = [i for i, p in enumerate(prompts) if p]
         order = sorted(kept, key=lambda i: (len(prompts[i]), i))
@@ -155,8 +149,6 @@ class Regenerator:
 def regenerate_shards(cfg: DataConfig, out: Path, target_dir: Path, todo: list[tuple[str, int]]) -> dict[str, int]:
     import ray
     from ray.util import ActorPool
-
-    from jobs.common import Progress, init_ray
 
     prompts = plan_prompts(cfg, target_dir)
     tasks = [(split, index, prompts[split][index * cfg.shard_size:(index + 1) * cfg.shard_size])
@@ -193,9 +185,6 @@ def regenerate_shards(cfg: DataConfig, out: Path, target_dir: Path, todo: list[t
 
 def corpus_shards(cfg: DataConfig, out: Path, target_dir: Path, todo: list[tuple[str, int]]) -> dict[str, int]:
     """Pack documents as ``<bos> doc <eos>`` with the target's tokenizer and cut consecutive chunks."""
-    from eyas import corpus
-    from eyas.models import load_tokenizer
-
     tokenizer = load_tokenizer(target_dir)
     tokenizer.model_max_length = 10**9  # whole documents are tokenized, then cut into chunks
     totals = {"prompts": 0, "rows": 0, "skipped": 0, "new_tokens": 0}
@@ -255,8 +244,6 @@ def build(cfg: DataConfig, force: bool = False) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from jobs.common import job_argparser, load_job_config
-
     parser = job_argparser(__doc__.split("\n\n")[0])
     parser.add_argument("--force", action="store_true", help="delete the data set and generate it again")
     args = parser.parse_args(argv)

@@ -36,22 +36,18 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from ray import serve
 
 from eyas import corpus
 from eyas.config import ConfigError, apply_overrides
+from eyas.decoding.tp import free_port
+from eyas_ray.cluster import init_ray
+from eyas_ray.deploy import run_config
+from eyas_ray.serve_config import ServeArgs
 from jobs.bench import git_commit, machine
-from jobs.common import init_ray
+from jobs.soak import percentile, print_report, soak
 
 MODES = ("spec", "vanilla")
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    rank = q / 100 * (len(ordered) - 1)
-    low, high = int(rank), min(int(rank) + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 def app_configs(config: dict[str, Any], target: str | None, port: int, overrides: list[str] = ()
@@ -186,8 +182,6 @@ def main(argv: list[str] | None = None) -> int:
         if not path.is_file():
             raise ConfigError(f"--config {path}: file does not exist")
         config = yaml.safe_load(path.read_text()) or {}
-        from eyas.decoding.tp import free_port
-
         port = args.port or free_port()
         configs = app_configs(config, args.target, port, args.arg)
         model = configs["spec"]["applications"][0]["args"].get("model_name")
@@ -195,11 +189,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-
-    from ray import serve
-
-    from serving.app import run_config
-    from serving.config import ServeArgs
 
     modes = ("spec",) if args.soak is not None else MODES
     serve_args = {mode: ServeArgs.from_args(configs[mode]["applications"][0]["args"]) for mode in modes}
@@ -248,10 +237,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_soak(args: argparse.Namespace, path: Path, config: dict[str, Any], base_url: str, model: str,
              prompts: list[str]) -> int:
-    from ray import serve
-
-    from jobs.soak import print_report, soak
-
     print(f"[load] soak: {args.soak:g} min, {args.soak_concurrency} clients ...", flush=True)
     try:
         result = asyncio.run(soak(f"{base_url}/spec", "load-spec", model, prompts, args.soak,

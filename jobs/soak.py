@@ -20,8 +20,6 @@ import random
 import time
 from typing import Any
 
-from jobs.load import percentile
-
 # kind -> weight in the mix; the kind's expected status is in EXPECTED
 KINDS = {"greedy": 3, "greedy_stream": 3, "chat": 2, "sampled_stream": 2, "seeded": 2, "over_long": 1,
          "malformed": 1, "disconnect": 2}
@@ -30,6 +28,15 @@ CHAT_PROMPTS = ["hello", "write a python function that adds two numbers", "what 
 WARMUP_S = 5.0
 MALFORMED = [b"{not json", b'{"prompt": "x", "max_tokens": -3}', b'{"prompt": 7}', b"[]",
              b'{"prompt": "x", "temperature": "hot"}']
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    rank = q / 100 * (len(ordered) - 1)
+    low, high = int(rank), min(int(rank) + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 def process_rss(app: str) -> dict[str, int | None]:

@@ -44,8 +44,9 @@ from eyas.config import flatten, from_dict, resolve_path, to_dict
 from eyas.drafters import registry
 from eyas.train.config import TrainConfig, data_path, target_path
 from eyas.train.step import read_state
+from eyas_ray.cluster import init_ray
 from eyas_ray.train_worker import train_loop_per_worker
-from jobs.common import init_ray, job_argparser, load_job_config
+from jobs.common import job_argparser, load_job_config
 
 
 # ---------------------------------------------------------------- driver

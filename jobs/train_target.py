@@ -52,7 +52,9 @@ from eyas.train.target_lm import (ModelConfig, TargetJobConfig, TrainConfig,  # 
                                   causal_lm_loss, distributed_heldout_loss, greedy_samples, llama_config, lr_at,
                                   num_parameters, prepare_tokenizer, sample_windows, scale_residual_init,
                                   sha256_file, target_dir, token_stream)
-from jobs.common import Progress, init_ray, job_argparser, load_job_config
+from eyas.progress import Progress
+from eyas_ray.cluster import init_ray
+from jobs.common import job_argparser, load_job_config
 
 # ModelConfig, TrainConfig, TargetJobConfig and the Ray-free helpers live in eyas.train.target_lm (re-exported:
 # docs and tests name jobs.train_target:TargetJobConfig)

@@ -40,7 +40,7 @@ from eyas.config import to_dict
 from eyas.decoding.requests import SequenceRequest
 from eyas.decoding.sampling import SamplingParams
 from eyas.decoding.stats import SpecStats
-from serving.config import ServeArgs
+from eyas_ray.serve_config import ServeArgs
 from serving.metrics import ServingMetrics
 from serving.protocol import (GREEDY_BELOW, ApiError, ChatBody, CompletionBody, ErrorResponse, Limits, TextStream,
                               chat_prompt_ids, check_lengths, check_model, choice, encode_text, envelope, error_body,

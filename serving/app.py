@@ -18,11 +18,10 @@ from ray import serve
 from ray.serve import Application
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from eyas.config import ConfigError
 from eyas.methods import resolve_checkpoint
 from eyas.models import ModelConfig, load_tokenizer
+from eyas_ray.serve_config import ServeArgs, check_back_pressure
 from serving.api import Frontend, build_api
-from serving.config import ServeArgs
 from serving.metrics import ServingMetrics
 from serving.protocol import Limits
 from serving.scheduler import Scheduler
@@ -101,7 +100,8 @@ def build_app(args: dict[str, Any]) -> Application:
 
 
 def application(args: dict[str, Any] | ServeArgs, deployment_options: dict[str, Any] | None = None) -> Application:
-    """``build_app`` with deployment options applied on top, for Python callers (``run_config``)."""
+    """``build_app`` with deployment options applied on top, for Python callers (``eyas_ray.deploy`` applies a
+    config file's ``deployments:`` the same way)."""
     serve_args = ServeArgs.from_args(args)
     admitted = serve_args.max_batch_size + serve_args.max_waiting_requests
     options: dict[str, Any] = {"ray_actor_options": {"num_cpus": serve_args.replica_cpus},
@@ -112,32 +112,3 @@ def application(args: dict[str, Any] | ServeArgs, deployment_options: dict[str, 
     options.update(deployment_options or {})
     check_back_pressure(serve_args, options)
     return EyasServer.options(**options).bind(serve_args)
-
-
-def check_back_pressure(args: ServeArgs, options: dict[str, Any]) -> None:
-    """A replica answers 429 only to requests Serve hands it: with max_ongoing_requests at or below the requests it
-    admits, the rest would wait in Serve's router queue, unbounded unless max_queued_requests bounds it."""
-    admitted = args.max_batch_size + args.max_waiting_requests
-    ongoing = options["max_ongoing_requests"]
-    if ongoing <= admitted and options.get("max_queued_requests", -1) < 0:
-        raise ConfigError(f"deployments: EyasServer max_ongoing_requests={ongoing} must exceed args.max_batch_size + "
-                          f"args.max_waiting_requests = {admitted}, so requests past those get a 429 instead of "
-                          "waiting in Serve's unbounded queue; raise it (or set max_queued_requests)")
-
-
-def run_config(config: dict[str, Any]) -> list[str]:
-    """Deploy a Serve config (as ``serve run FILE`` would, on the Ray this process is connected to) and return the
-    application names. Only this application's own deployment, EyasServer, takes ``deployments:`` options."""
-    serve.start(http_options=config.get("http_options") or {"host": "127.0.0.1"},
-                proxy_location=config.get("proxy_location", "HeadOnly"))
-    names = []
-    for entry in config["applications"]:
-        options = {}
-        for deployment in entry.get("deployments") or []:
-            deployment = dict(deployment)
-            if deployment.pop("name") == "EyasServer":
-                options = deployment
-        serve.run(application(entry.get("args") or {}, options), name=entry.get("name", "default"),
-                  route_prefix=entry.get("route_prefix", "/"))
-        names.append(entry.get("name", "default"))
-    return names

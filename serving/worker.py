@@ -25,7 +25,7 @@ from eyas.models import load_target
 from eyas.decoding.engine import SpecEngine
 from eyas.decoding.requests import SequenceRequest, StepOutput
 from eyas.decoding.tp import BroadcastChannel, free_port, init_tensor_parallel
-from serving.config import ServeArgs
+from eyas_ray.serve_config import ServeArgs
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

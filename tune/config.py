@@ -36,6 +36,7 @@ import yaml
 
 from eyas.config import (ConfigError, apply_overrides, as_number, eyas_home, from_dict, read_yaml_mapping, require,
                          resolve_path, to_dict)
+from eyas.drafters import registry
 from eyas.methods import METHODS, SpecConfig
 from eyas.train.config import SUITES, TrainConfig, target_path
 
@@ -332,6 +333,11 @@ class SweepConfig:
         return train_config
 
 
+def point_of(config: dict[str, Any], keys: list[str]) -> dict[str, Any]:
+    """A trial's searched values: a grid passes them as one ``point`` dict, optuna as flat keys."""
+    return dict(config["point"]) if "point" in config else {key: config[key] for key in keys}
+
+
 def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
     """``set_dotted(d, "optim.lr", 1e-3)``: d["optim"]["lr"] = 1e-3 (sections created as needed)."""
     *sections, leaf = key.split(".")
@@ -341,8 +347,6 @@ def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
 
 
 def drafter_config_class(drafter_type: str) -> type:
-    from eyas.drafters import registry
-
     try:
         return registry.family(drafter_type).config_cls
     except ValueError as err:

@@ -21,7 +21,7 @@ import yaml
 
 from eyas import track
 from eyas.config import flatten, to_dict
-from tune.config import SweepConfig
+from tune.config import SweepConfig, point_of
 from tune.preflight import absolute_spec
 
 # Tune's own result entries: not our metrics
@@ -50,8 +50,6 @@ def point_label(point: dict[str, Any]) -> str:
 def make_tracker(sweep: SweepConfig, parent_run_id: str, keys: list[str]):
     """A Tune callback logging each trial into its own MLflow child run of ``parent_run_id``."""
     from ray import tune
-
-    from tune.trials import point_of
 
     class TrialTracker(tune.Callback):
         def __init__(self) -> None:
@@ -111,8 +109,6 @@ def make_tracker(sweep: SweepConfig, parent_run_id: str, keys: list[str]):
 
 def collect_rows(sweep: SweepConfig, results, keys: list[str]) -> list[dict[str, Any]]:
     """One row per trial: its point, last metrics, epochs run, whether ASHA stopped it, error, checkpoint."""
-    from tune.trials import point_of
-
     rows = []
     for result in results:
         trial_id = result.metrics.get("trial_id") or Path(result.path).name

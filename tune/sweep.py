@@ -35,10 +35,16 @@ import sys
 import time
 from typing import Any
 
+from eyas import track
 from eyas.config import ConfigError, flatten, resolve_path, to_dict
-from eyas.models import CheckpointError
+from eyas.models import CheckpointError, ModelConfig, load_tokenizer
+from eyas.train.config import data_path
+from eyas_ray.cluster import init_ray
 from tune.config import Param, SweepConfig, load_sweep
+from tune.measure import heldout_prompt_ids
 from tune.preflight import absolute_spec, preflight
+from tune.report import (best_row, collect_rows, curve_table, log_parent, make_tracker, panel_metrics, write_outputs,
+                         x_key)
 
 
 # Tune needs a non-empty bundle per trial: a ray-train trial's driver (it only waits on its TorchTrainer) holds this
@@ -47,10 +53,6 @@ DRIVER_CPUS = 0.01
 
 def build_context(sweep: SweepConfig) -> dict[str, Any]:
     """The fixed part of every trial (prompts tokenized once here, so every trial times the same ones)."""
-    from eyas.models import ModelConfig, load_tokenizer
-    from eyas.train.config import data_path
-    from tune.measure import heldout_prompt_ids
-
     target_dir = sweep.target_dir.resolve()
     context: dict[str, Any] = {
         "keys": list(sweep.search.space), "threads": sweep.resources.threads,
@@ -107,7 +109,7 @@ def param_space(sweep: SweepConfig, points: list[dict[str, Any]]) -> dict[str, A
 def trainable(sweep: SweepConfig, context: dict[str, Any]):
     from ray import tune
 
-    from tune import trials
+    from tune import trials  # imports Ray Train and Tune: the dry run and the config checks run without Ray
 
     if sweep.kind == "inference":
         function = trials.inference_trial
@@ -181,13 +183,8 @@ def run_sweep(sweep: SweepConfig, command: str, points: list[dict[str, Any]]) ->
     """Start Ray, run every trial, write and log the results. Returns 0, or 1 when some trial failed."""
     import ray
 
-    from eyas import track
-    from eyas_ray.cluster import init_ray
-
     # a trial checkpoints every epoch; Tune's warning about frequent experiment snapshots is noise here
     os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "0")
-    from tune.report import best_row, collect_rows, log_parent, make_tracker, write_outputs
-
     context = build_context(sweep)
     init_ray()
     max_concurrent = concurrency(sweep, ray.cluster_resources())
@@ -216,8 +213,6 @@ def run_sweep(sweep: SweepConfig, command: str, points: list[dict[str, Any]]) ->
 
 def print_summary(sweep: SweepConfig, rows: list[dict[str, Any]], best: dict[str, Any] | None, files: dict,
                   seconds: float) -> None:
-    from tune.report import curve_table, panel_metrics, x_key
-
     metrics = panel_metrics(sweep, rows)
     x = x_key(sweep)
     print(f"\n[sweep] {sweep.name}: {len(rows)} trials in {seconds:.0f}s; {x} curve (mean per point):")

@@ -25,16 +25,11 @@ from eyas.methods import SpecConfig, build_drafter
 from eyas.models import load_target
 from eyas.train.config import TrainConfig
 from eyas_ray.train_worker import train_loop_per_worker
-from tune.config import set_dotted
+from tune.config import point_of, set_dotted
 from tune.measure import TrialTrainer, heldout_prompt_ids, measure_speed
 
 # the target stays loaded in a reused trial actor (Tune reuses actors between function trials)
 _TARGETS: dict[tuple[str, str], Any] = {}
-
-
-def point_of(config: dict[str, Any], keys: list[str]) -> dict[str, Any]:
-    """The searched values: a grid passes them as one ``point`` dict, optuna as flat keys."""
-    return dict(config["point"]) if "point" in config else {key: config[key] for key in keys}
 
 
 def setup_torch(context: dict[str, Any]) -> str:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
+from eyas import corpus
 from eyas.config import require
 
 BOS, EOS, PAD, MASK = "<|bos|>", "<|eos|>", "<|pad|>", "<|mask|>"
@@ -85,8 +86,6 @@ def build_tokenizer(config: TokenizerConfig, out_dir: str | Path, documents: lis
     """Train on ``documents`` (default: the corpus train split of ``config.corpus``), save to ``out_dir``,
     return the ``transformers`` tokenizer."""
     from transformers import PreTrainedTokenizerFast
-
-    from eyas import corpus
 
     docs = corpus.slice_documents(
         documents if documents is not None else corpus.train_documents(config.corpus), config.max_chars

@@ -31,6 +31,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
+from eyas.config import flatten
+
 MAX_PARAM_CHARS = 6000  # MLflow's param value limit; longer values are truncated
 # per HTTP call: 2 retries about 1 s and 2 s apart (the factor is an integer), 10 s to connect and answer: a dead
 # server costs seconds per call, not minutes
@@ -239,8 +241,6 @@ def _tolerant(kind: str, names: list[str], call: Callable[[], Any], step: int | 
 
 def log_params_flat(params: Mapping[str, Any] | Any, prefix: str = "") -> None:
     """Log a nested mapping / dataclass as dotted params (``train.lr``); values become strings."""
-    from eyas.config import flatten
-
     flat = flatten(params, prefix) if not isinstance(params, Mapping) else flatten(dict(params), prefix)
     texts = {key: _param_text(value) for key, value in flat.items()}
     _tolerant("params", list(texts), lambda: _mlflow().log_params(texts))

@@ -78,7 +78,7 @@ def micro_config(target: Path, name: str, route: str, **args) -> dict:
 
 
 def deploy(config: dict, single_replica: bool = True) -> None:
-    from serving.app import run_config
+    from eyas_ray.deploy import run_config
 
     config = copy.deepcopy(config)
     if single_replica:

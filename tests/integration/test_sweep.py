@@ -139,7 +139,7 @@ def test_inference_sweep_finishes_tracks_and_writes_the_best_config(inference_sw
 
 def test_best_config_is_accepted_by_generate_bench_and_serving(workspace, inference_sweep, capsys, tmp_path):
     from jobs import bench, generate
-    from serving.config import ServeArgs
+    from eyas_ray.serve_config import ServeArgs
 
     best = inference_sweep[0] / "best.yaml"
     prompt = ",".join(map(str, workspace["tokenizer"]("def parse(text):").input_ids))

@@ -1,4 +1,6 @@
-"""The library boundary (DESIGN.md): platform/eyas never imports ray; only track.py imports mlflow.
+"""The boundaries (DESIGN.md): platform/eyas never imports ray; only track.py imports mlflow; jobs/, tune/ and
+serving/ never import each other (nor does platform/eyas_ray import them); first-party imports sit at module top
+unless a comment says why; no module is past ~400 lines.
 
 Checked statically with ``ast`` so the rule holds for every module, imported by a test or not, including
 imports inside functions and ``importlib.import_module("ray...")`` / ``__import__`` with a literal name.
@@ -65,30 +67,72 @@ def test_the_scan_sees_every_import_form(tmp_path):
 # ---------------------------------------------------------------- the apps and the library's layers
 
 APPS = ("jobs", "tune", "serving")
-# jobs.load deploys the Serve app and sizes its reservation with serving.config.ServeArgs; it goes once the Serve
-# config (ServeArgs) lives in the library or eyas_ray (serving/ is being reworked by its owner). Nothing may join it.
-PENDING_APP_IMPORTS = {("jobs/load.py", "serving")}
+FIRST_PARTY = {"eyas", "eyas_ray", *APPS}
+MAX_MODULE_LINES = 400
 
 
 def app_imports() -> set[tuple[str, str]]:
-    """(file, other app) for every import of one app by another (jobs, tune, serving; eyas_ray is shared)."""
+    """(file, app) for every import of an app by another app or by the shared glue (platform/eyas_ray)."""
     found = set()
-    for app in APPS:
-        for path in sorted((REPO / app).rglob("*.py")):
+    for folder, own in [(REPO / app, app) for app in APPS] + [(PLATFORM / "eyas_ray", None)]:
+        for path in sorted(folder.rglob("*.py")):
             for _, name in imported_modules(path):
-                if name in APPS and name != app:
+                if name in APPS and name != own:
                     found.add((str(path.relative_to(REPO)), name))
     return found
 
 
 def test_apps_never_import_each_other():
-    assert app_imports() - PENDING_APP_IMPORTS == set(), \
+    assert app_imports() == set(), \
         "jobs/, tune/ and serving/ import only the library and eyas_ray (shared Ray glue), never each other"
 
 
-def test_pending_app_imports_are_still_there():
-    # a pending entry that was fixed must leave the list, so the list never hides a new import of the same kind
-    assert PENDING_APP_IMPORTS <= app_imports()
+def first_party_files() -> list[Path]:
+    return sorted(p for folder in [LIBRARY, PLATFORM / "eyas_ray", *(REPO / app for app in APPS)]
+                  for p in folder.rglob("*.py"))
+
+
+def local_imports(path: Path, root: Path = REPO) -> list[str]:
+    """``file:line`` of each first-party import inside a function body with no ``# why`` comment on its lines or on
+    the line above."""
+    source = path.read_text()
+    lines = source.splitlines()
+    found = set()
+    for function in ast.walk(ast.parse(source, filename=str(path))):
+        if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for node in ast.walk(function):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = ["eyas" if node.level else node.module or ""]
+            else:
+                continue
+            above = lines[node.lineno - 2].strip() if node.lineno > 1 else ""
+            commented = above.startswith("#") or any("#" in line for line in lines[node.lineno - 1:node.end_lineno])
+            if not commented and any(name.split(".")[0] in FIRST_PARTY for name in names):
+                found.add(f"{path.relative_to(root)}:{node.lineno}")
+    return sorted(found)
+
+
+def test_first_party_imports_sit_at_module_top_unless_a_comment_says_why():
+    missing = [entry for path in first_party_files() for entry in local_imports(path)]
+    assert missing == [], ("move these imports to the top of their module, or say on the line why one must stay "
+                           "local (an import cycle, Ray only where a command runs without it)")
+
+
+def test_the_local_import_scan_sees_uncommented_ones(tmp_path):
+    sample = tmp_path / "sample.py"
+    sample.write_text("import eyas\ndef f():\n    import os\n    from eyas import corpus\n"
+                      "    from . import x\n    from jobs import load  # cycle\n    from tune.config import (\n"
+                      "        SweepConfig)\n    # Ray only here\n    from jobs import train\n")
+    assert local_imports(sample, tmp_path) == ["sample.py:4", "sample.py:5", "sample.py:7"]
+
+
+def test_no_module_is_past_the_size_where_it_asks_to_be_split():
+    long = [f"{path.relative_to(REPO)}: {n} lines" for path in first_party_files()
+            if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES]
+    assert long == [], f"split these by responsibility (STYLE.md: a module past ~{MAX_MODULE_LINES} lines)"
 
 
 def package_imports(package: str) -> list[str]:

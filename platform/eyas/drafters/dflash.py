@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eyas.config import require
+from eyas.drafters.dflash_train import block_loss
 from eyas.drafters.trees import BLOCK_MODES, TreeSpec
 from eyas.models.cache import KVCache
 from eyas.models.config import ModelConfig
@@ -236,8 +237,6 @@ class DFlashModel(nn.Module):
         """Training: ``(loss, metrics)`` of one batch (dflash_train.block_loss). Anchors are redrawn on every call
         from ``generator`` (default: torch's global RNG); in eval mode without a generator they come from a fixed
         seed, so held-out metrics are comparable across evaluations."""
-        from eyas.drafters.dflash_train import block_loss
-
         if generator is None and not self.training:
             generator = torch.Generator(device=self.inv_freq.device).manual_seed(0)
         return block_loss(self, batch, features, generator)

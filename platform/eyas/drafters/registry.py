@@ -122,7 +122,7 @@ def read_meta(path: str | Path) -> tuple[Path, dict[str, Any]]:
         meta = json.loads(config_path.read_text())
     except json.JSONDecodeError as err:
         raise CheckpointError(f"{config_path}: not valid JSON ({err})") from None
-    from eyas import interop  # an engine's format: detected here, converted in load_model
+    from eyas import interop  # cycle: interop builds models through this registry
     foreign = interop.detect(meta)
     if foreign is not None:
         return directory, interop.foreign_meta(meta, foreign, config_path)
@@ -149,7 +149,7 @@ def load_model(path: str | Path, target: Decoder, target_dir: str | Path | None 
     directory, meta = read_meta(path)
     state = None
     if "format" in meta:  # SGLang / vLLM / speculators: converted to eyas's meta and tensor names
-        from eyas import interop
+        from eyas import interop  # cycle: interop builds models through this registry
         meta, state = interop.import_checkpoint(directory, meta, target)
     entry = family(meta["drafter_type"])
     _check_target(meta, target, directory)

@@ -102,7 +102,7 @@ def import_checkpoint(directory: Path, meta: dict[str, Any], target: Decoder
     else:
         family_config = dflash.import_config(config, target, str(where), block.get("config"))
         state, draft_vocab = dflash.import_weights(state, str(where)), None
-    from eyas.drafters import registry
+    from eyas.drafters import registry  # cycle: the registry imports interop to read engines' formats
     model_taps = registry.build_model(meta["drafter_type"], family_config, target, draft_vocab).target_taps
     shape = {"hidden_size": config.get("target_hidden_size") or config.get("hidden_size"),
              "vocab_size": config.get("vocab_size"), "num_layers": config.get("num_target_layers")}

@@ -25,8 +25,9 @@ from typing import Any
 
 import torch
 
+from eyas.config import from_dict
 from eyas.drafters.eagle import DraftLayerConfig
-from eyas.drafters.eagle3 import Eagle3Config, Eagle3Model
+from eyas.drafters.eagle3 import Eagle3Config, Eagle3Model, eagle3_taps
 from eyas.interop import layer_ids
 from eyas.models.config import CheckpointError
 from eyas.models.decoder import Decoder
@@ -191,9 +192,7 @@ def import_config(config: dict[str, Any], target: Decoder, where: str, eyas_bloc
                            draft_vocab_size=None if vocab == target.config.vocab_size else vocab)
     if eyas_block is None:
         return derived
-    from eyas.config import from_dict
     saved = from_dict(Eagle3Config, eyas_block, prefix="eyas.config.")
-    from eyas.drafters.eagle3 import eagle3_taps
     same = (tuple(saved.taps or eagle3_taps(target.config.num_layers)) == taps
             and saved.layer.model_config(target.config) == derived.layer.model_config(target.config)
             and (saved.draft_vocab_size or target.config.vocab_size) == vocab)

@@ -20,6 +20,7 @@ from typing import Callable, Sequence
 import torch
 
 from eyas.models.decoder import Decoder
+from eyas.models.loading import load_target, load_tokenizer
 
 LOGIT_PROMPTS = (
     "The capital of France is",
@@ -143,8 +144,6 @@ def check_checkpoint(directory: str | Path, logit_prompts: Sequence[str] = LOGIT
                      atol: float = ATOL, log: Callable[[str], None] = lambda line: None) -> ParityReport:
     """Load ``directory`` with eyas and with transformers (float32) and compare them on text prompts."""
     from transformers import AutoModelForCausalLM
-
-    from eyas.models.loading import load_target, load_tokenizer
 
     directory = Path(directory).expanduser()
     target = load_target(directory)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from eyas.config import eyas_home, require, resolve_path
+from eyas.datasets import SHAREGPT
 
 SUITES = ("all", "code", "prose")
 
@@ -77,8 +78,6 @@ class DataConfig:
                "chunk_tokens": self.chunk_tokens, "temperature": self.temperature, "top_p": self.top_p,
                "seed": self.seed, "shard_size": self.shard_size}
         if self.source == "sharegpt":  # only here, so the stamps of existing corpus data sets stay valid
-            from eyas.datasets import SHAREGPT
-
             key["dataset"] = SHAREGPT.requirement
         return key
 

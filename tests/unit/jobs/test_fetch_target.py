@@ -133,13 +133,11 @@ def test_a_users_gguf_file(eyas_home, tiny_gguf, tmp_path, capsys, monkeypatch):
 
 
 def test_a_failed_check_exits_1_and_is_not_cached(eyas_home, tiny_gguf, capsys, monkeypatch):
-    import eyas.models.parity
-
     def failing_check(directory, log):
         return ParityReport(max_logit_diff=3e-3, num_logit_prompts=3, num_logit_positions=30, num_greedy_prompts=3,
                             num_new_tokens=128, first_mismatch=(None, 17, None), atol=1e-4, seconds=1.0)
 
-    monkeypatch.setattr(eyas.models.parity, "check_checkpoint", failing_check)
+    monkeypatch.setattr(fetch_target, "check_checkpoint", failing_check)
     assert fetch_target.main(["--gguf", str(tiny_gguf), "--name", "bad"]) == 1
     err = capsys.readouterr().err
     assert "parity check failed" in err and "3.00e-03" in err and "prompt 1 token 17" in err

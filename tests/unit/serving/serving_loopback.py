@@ -14,7 +14,7 @@ from eyas.decoding.tp import free_port
 from eyas.methods import SpecConfig, build_drafter
 from eyas.models import load_target, load_tokenizer
 from serving.api import Frontend, build_api
-from serving.config import ServeArgs
+from eyas_ray.serve_config import ServeArgs
 from serving.metrics import ServingMetrics
 from serving.protocol import Limits
 from serving.scheduler import Scheduler

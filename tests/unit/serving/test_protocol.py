@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eyas.config import ConfigError
-from serving.config import ServeArgs
+from eyas_ray.serve_config import ServeArgs
 from serving.protocol import (MAX_STOP_STRINGS, ApiError, ChatBody, CompletionBody, Limits, TextStream, chat_prompt_ids,
                               check_lengths, check_model, parse_body, stop_strings)
 
@@ -240,7 +240,7 @@ def test_shipped_serve_configs_are_valid(name):
 
 
 def test_back_pressure_needs_serve_to_hand_the_replica_more_than_it_admits():
-    from serving.app import check_back_pressure
+    from eyas_ray.serve_config import check_back_pressure
 
     args = ServeArgs(target="/x", max_batch_size=4, max_waiting_requests=4)
     check_back_pressure(args, {"max_ongoing_requests": 9})

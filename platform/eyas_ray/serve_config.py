@@ -1,5 +1,8 @@
 """The serving application's arguments: the ``args:`` of an application in a Serve config file.
 
+Shared glue: serving/ builds its deployment from them and jobs.load sizes a local Ray by them, so they live here,
+beside the Ray helpers both apps use (the apps never import each other).
+
     applications:
       - name: eyas
         import_path: serving.app:build_app
@@ -11,8 +14,10 @@
 
 ``spec`` is the ``spec:`` section that jobs.generate, jobs.bench and tune.sweep's best-config YAML share
 (eyas.methods.SpecConfig), taken as is; ``spec_file`` names such a YAML instead (best.yaml: its ``target:`` serves
-when the args name none, ``sweep:`` is ignored), and ``spec`` keys, when both are given, override the file's. The placement group of a replica (bundle 0: the replica,
-then one bundle per tensor-parallel rank) is derived from these arguments by ``serving.app.build_app``.
+when the args name none, ``sweep:`` is ignored), and ``spec`` keys, when both are given, override the file's. The
+placement group of a replica (bundle 0: the replica, then one bundle per tensor-parallel rank) is derived from these
+arguments by ``serving.app.build_app``;
+``check_back_pressure`` checks them against the deployment's options (``eyas_ray.deploy`` applies a config file's).
 """
 from __future__ import annotations
 
@@ -142,3 +147,14 @@ def read_spec_file(path: str) -> dict[str, Any]:
     if not isinstance(data, dict) or not isinstance(data.get("spec"), dict):
         raise ConfigError(f"args.spec_file={path!r}: expected a YAML mapping with a `spec:` section")
     return {"spec": dict(data["spec"]), "target": data.get("target")}
+
+
+def check_back_pressure(args: ServeArgs, options: dict[str, Any]) -> None:
+    """A replica answers 429 only to requests Serve hands it: with max_ongoing_requests at or below the requests it
+    admits, the rest would wait in Serve's router queue, unbounded unless max_queued_requests bounds it."""
+    admitted = args.max_batch_size + args.max_waiting_requests
+    ongoing = options["max_ongoing_requests"]
+    if ongoing <= admitted and options.get("max_queued_requests", -1) < 0:
+        raise ConfigError(f"deployments: EyasServer max_ongoing_requests={ongoing} must exceed args.max_batch_size + "
+                          f"args.max_waiting_requests = {admitted}, so requests past those get a 429 instead of "
+                          "waiting in Serve's unbounded queue; raise it (or set max_queued_requests)")
