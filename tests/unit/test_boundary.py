@@ -117,8 +117,9 @@ def local_imports(path: Path, root: Path = REPO) -> list[str]:
 
 def test_first_party_imports_sit_at_module_top_unless_a_comment_says_why():
     missing = [entry for path in first_party_files() for entry in local_imports(path)]
-    assert missing == [], ("move these imports to the top of their module, or say on the line why one must stay "
-                           "local (an import cycle, Ray only where a command runs without it)")
+    assert missing == [], (f"{', '.join(missing)}: move these imports to the top of their module, or say on the "
+                           "line (or the line above) why one must stay local (an import cycle, Ray only where a "
+                           "command runs without it)")
 
 
 def test_the_local_import_scan_sees_uncommented_ones(tmp_path):
@@ -132,7 +133,7 @@ def test_the_local_import_scan_sees_uncommented_ones(tmp_path):
 def test_no_module_is_past_the_size_where_it_asks_to_be_split():
     long = [f"{path.relative_to(REPO)}: {n} lines" for path in first_party_files()
             if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES]
-    assert long == [], f"split these by responsibility (STYLE.md: a module past ~{MAX_MODULE_LINES} lines)"
+    assert long == [], f"{', '.join(long)}: split by responsibility (STYLE.md: past ~{MAX_MODULE_LINES} lines)"
 
 
 def package_imports(package: str) -> list[str]:
