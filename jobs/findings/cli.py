@@ -14,10 +14,11 @@ from pathlib import Path
 
 from eyas.config import ConfigError, flatten
 from eyas.models import CheckpointError
-from jobs.findings import hardware_nstar
+from jobs.findings import calibration, data_scaling, dflash_eagle3, hardware_nstar, position_context, tree_chain
 from jobs.findings.common import Finding, run_finding
 
-FINDINGS: dict[str, Finding] = {f.name: f for f in (hardware_nstar.FINDING,)}
+FINDINGS: dict[str, Finding] = {m.FINDING.name: m.FINDING for m in (
+    calibration, position_context, data_scaling, tree_chain, hardware_nstar, dflash_eagle3)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,7 +21,7 @@ from eyas.config import ConfigError, from_dict, resolve_path
 from eyas.decoding.generate import Generation, generate
 from eyas.decoding.stats import SpecStats
 from eyas.decoding.tree import MAX_TREE_NODES, chain, pack_trees
-from eyas.methods import METHODS, SpecConfig, drafter_factory
+from eyas.methods import METHODS, SpecConfig, checkpoint_factory, drafter_factory, tree_over
 from eyas.models import load_target, load_tokenizer
 from eyas.train.config import target_path
 from jobs.findings.common import Common
@@ -90,19 +90,22 @@ def drafter_dir(settings: Common, family: str, target_dir: Path) -> Path:
 def method_factory(bench: Workbench, method: str, drafter: str | Path | None = None,
                    **tree: Any) -> DrafterFactory | None:
     """Drafters of ``method`` (its family's drafter from ``drafters_dir`` unless ``drafter`` names one), with tree
-    settings (tree=, depth=, top_k=, num_nodes=) over the method's defaults; None for vanilla."""
-    entry = METHODS[method] if method in METHODS else None
-    if entry is None:
+    settings (TreeSpec fields: mode, depth, top_k, num_nodes, shape) over the method's default tree; None for
+    vanilla. Methods without a trained drafter (ngram, draft-lm) take no tree settings."""
+    if method not in METHODS:
         raise ConfigError(f"method={method!r}: must be one of {sorted(METHODS)}")
-    data: dict[str, Any] = {"method": method, **{k: v for k, v in tree.items() if v is not None}}
-    if entry.trained:
-        path = Path(drafter) if drafter is not None else drafter_dir(bench.settings, entry.family, bench.target_dir)
-        if not path.is_dir():
-            raise ConfigError(f"{method}: no {entry.family} drafter at {path}; train one with python -m "
-                              f"jobs.train_drafter --config jobs/configs/{entry.family}-<target>.yaml, or set "
-                              "drafters_dir=DIR")
-        data["drafter"] = str(path)
-    return drafter_factory(bench.target, from_dict(SpecConfig, data, prefix="spec."))
+    entry = METHODS[method]
+    if not entry.trained:
+        return drafter_factory(bench.target, from_dict(SpecConfig, {"method": method, **tree}, prefix="spec."))
+    path = Path(drafter) if drafter is not None else drafter_dir(bench.settings, entry.family, bench.target_dir)
+    if not path.is_dir():
+        raise ConfigError(f"{method}: no {entry.family} drafter at {path}; train one with python -m "
+                          f"jobs.train_drafter --config jobs/configs/{entry.family}-<target>.yaml, or set "
+                          "drafters_dir=DIR")
+    spec = tree_over(entry.tree, {k: v for k, v in tree.items() if v is not None})
+    factory = checkpoint_factory(path, bench.target, method, spec)
+    factory()  # one now: a tree the drafter cannot draw fails here, before any generation
+    return factory
 
 
 def has_drafter(bench: Workbench, method: str) -> bool:
@@ -222,8 +225,8 @@ def budget_tree(method: str, num_nodes: int, depth: int, top_k: int) -> dict[str
     tree = METHODS[method].tree
     mode = tree.mode if tree is not None else None
     if mode in ("dynamic", "best-first"):
-        return {"num_nodes": num_nodes, "top_k": min(top_k, num_nodes), "depth": min(depth, num_nodes)}
+        return {"mode": mode, "num_nodes": num_nodes, "top_k": min(top_k, num_nodes), "depth": min(depth, num_nodes)}
     if mode == "ddtree":
-        return {"num_nodes": num_nodes, "top_k": min(top_k, num_nodes)}
+        return {"mode": mode, "num_nodes": num_nodes, "top_k": min(top_k, num_nodes)}
     raise ConfigError(f"method={method!r}: its {mode} tree has no node budget; use eagle2, eagle3, medusa with "
                       "tree=dynamic, or dflash-ddtree")

@@ -29,7 +29,7 @@ from eyas import track
 from eyas.config import apply_overrides, from_dict, read_yaml_mapping, to_dict
 from eyas.train.config import TrainConfig, data_path, target_path
 from eyas.train.trainer import Trainer, load_inputs
-from jobs.common import init_ray
+from eyas_ray.cluster import init_ray
 
 RUNNERS = ("local", "ray-train")
 CURVE_FILE = "curve.json"
