@@ -183,6 +183,8 @@ class ResourcesConfig:
     gpus_per_trial: float = 0.0   # > 0: the trial runs on CUDA (0.5: two trials share a GPU)
     max_concurrent_trials: int | None = None  # a cap below what the cluster fits (null: no cap)
     torch_threads: int | None = None          # per trial; default: its whole CPUs (at least 1)
+    # a trial whose process dies (killed, out of memory, its node lost); past the retries it is reported failed
+    max_failures: int = 1                     # retries of a dead trial from its last checkpoint (-1: forever)
 
     def __post_init__(self) -> None:
         require(self.cpus_per_trial >= 0, "resources.cpus_per_trial", self.cpus_per_trial, "must be >= 0")
@@ -193,6 +195,7 @@ class ResourcesConfig:
                 "resources.max_concurrent_trials", self.max_concurrent_trials, "must be >= 1 or null")
         require(self.torch_threads is None or self.torch_threads >= 1, "resources.torch_threads",
                 self.torch_threads, "must be >= 1 or null")
+        require(self.max_failures >= -1, "resources.max_failures", self.max_failures, "must be >= -1 (-1 = forever)")
 
     @property
     def threads(self) -> int:

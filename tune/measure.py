@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -106,13 +106,16 @@ class TrialTrainer(Trainer):
                          target_dir=target_dir, strategy="ddp",
                          feature_cache="memory" if cfg.train.feature_cache != "none" else "none")
 
-    def run_epoch(self, epoch: int) -> dict[str, float]:
-        """Train one epoch (or up to the step budget); returns the epoch's mean training metrics."""
+    def run_epoch(self, epoch: int, before_step: Callable[[int], None] | None = None) -> dict[str, float]:
+        """Train one epoch (or up to the step budget); returns the epoch's mean training metrics. ``before_step``
+        is called with the step count before every step (the trial's fault-injection hook)."""
         sums: dict[str, float] = {}
         count = 0
         for indices, batch in self.batches(epoch):
             if self.done:
                 break
+            if before_step is not None:
+                before_step(self.step)
             for key, value in self.train_step(indices, batch).items():
                 sums[key] = sums.get(key, 0.0) + value
             count += 1

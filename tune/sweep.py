@@ -20,6 +20,11 @@ running cluster (jobs.common.init_ray); on a multi-node cluster put ``output.sto
 loop inside the trial (tune/trials.py); its trials reserve no CPU themselves, so concurrency is capped to the
 workers the cluster fits.
 
+Faults: a trial whose process dies (killed, out of memory, its node lost) is retried from its last checkpoint, up
+to ``resources.max_failures`` times (default 1); a training trial resumes there with its weights, optimizer, schedule
+and step (tune/trials.py). A trial past its retries is reported failed with its error in results.json and the
+summary, the other trials go on, the best configuration is chosen among those that finished, and the exit code is 1.
+
 Output in ``output.dir`` (default ``$EYAS_HOME/sweeps/<name>``): ``best.yaml`` (``target:`` + ``spec:``, read as is by
 ``jobs.generate --config``, ``jobs.bench --spec`` and serving's ``spec_file``), for training sweeps also
 ``best-train.yaml`` (``jobs.train_drafter --config``) and ``best-drafter/``, ``results.json`` and ``curve.png``
@@ -173,7 +178,9 @@ def make_tuner(sweep: SweepConfig, context: dict[str, Any], points: list[dict[st
         run_config=tune.RunConfig(name=f"sweep-{sweep.name}-{time.strftime('%Y%m%d-%H%M%S')}",
                                   storage_path=context["storage_path"], callbacks=callbacks,
                                   checkpoint_config=tune.CheckpointConfig(num_to_keep=1),
-                                  failure_config=tune.FailureConfig(max_failures=0), verbose=1))
+                                  # a dead trial is retried from its last checkpoint (tune/trials.py resumes)
+                                  failure_config=tune.FailureConfig(max_failures=sweep.resources.max_failures),
+                                  verbose=1))
 
 
 # ---------------------------------------------------------------- the run

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
@@ -222,3 +223,37 @@ def test_ray_train_runner_launches_a_torch_trainer_per_trial(workspace, local_ra
     assert max(t["epochs"] for t in trials) == 2
     best = yaml.safe_load((out / "best.yaml").read_text())
     assert (Path(best["spec"]["drafter"]) / "model.safetensors").is_file()
+
+
+def test_a_killed_trial_is_retried_from_its_checkpoint_and_the_sweep_finishes(workspace, local_ray):
+    """resources.max_failures (default 1): the first trial to reach step 10 (inside its second epoch of 8 steps)
+    is SIGKILLed (training.train.fail_at_step); Tune retries it from its epoch-1 checkpoint. Every trial is reported
+    once per epoch, none failed, and the retried trial ends with the very weights an uninterrupted run has."""
+    from safetensors.torch import load_file
+
+    from tune.config import load_sweep
+    from tune.measure import TrialTrainer
+    from tune.sweep import main
+
+    out, storage = workspace["root"] / "killed-trial-out", workspace["root"] / "killed-trial-storage"
+    overrides = [f"output.dir={out}", f"output.storage_path={storage}", "scheduler.asha=false",
+                 "search.space={drafter.config.block_size: [6, 4]}", "training.train.fail_at_step=10"]
+    assert main(["--config", str(TRAINING), *overrides]) == 0
+    killed_id = next(storage.glob("*/fail_at_step.done")).read_text().split()[0]  # the kill did happen
+
+    trials = {t["trial_id"]: t for t in json.loads((out / "results.json").read_text())["trials"]}
+    assert len(trials) == 2 and killed_id in trials
+    for trial in trials.values():
+        assert trial["error"] is None and trial["epochs"] == 2
+        assert [h["step"] for h in trial["history"]] == [8.0, 16.0]  # no epoch reported twice, none lost
+    # resumed at step 8 with weights, optimizer and schedule: the same weights as training without the kill
+    killed = trials[killed_id]
+    cfg = load_sweep(TRAINING, overrides).trial_section(killed["point"])
+    reference = TrialTrainer(cfg, workspace["target_dir"], workspace["home"] / "data" / "data-micro")
+    for epoch in range(2):
+        reference.run_epoch(epoch)
+    resumed = load_file(str(Path(killed["checkpoint"]) / "drafter" / "model.safetensors"))
+    expected = {k: v for k, v in reference.drafter.state_dict().items() if k in resumed}
+    assert expected.keys() == resumed.keys()
+    for key, value in resumed.items():
+        assert torch.equal(value, expected[key]), key
