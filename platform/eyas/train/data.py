@@ -259,14 +259,34 @@ class SequenceDataset:
 # ---------------------------------------------------------------- target features, optionally cached
 
 
-def feature_cache_key(target_dir: Path, taps: Sequence[int], max_len: int) -> str:
-    """Names a cache of features: same target weights, taps and cut length -> same key."""
-    target_dir = Path(target_dir)
-    stamp = [str(target_dir.resolve()), sorted(taps), max_len]
-    for file in sorted(target_dir.glob("*.safetensors")) + [target_dir / "config.json"]:
-        if file.is_file():
-            stat = file.stat()
-            stamp.append([file.name, stat.st_size, stat.st_mtime_ns])
+def target_fingerprint(target: Decoder) -> str:
+    """The loaded target's weights, named by content (not by a path or a file time, which change when a job's
+    working dir is a copy): every tensor's name, shape, dtype and float64 sum, plus a strided sample of ~1024 of
+    its values. Cheap for a large target (one pass per tensor) and different for any retrained one."""
+    digest = hashlib.sha256()
+    with torch.no_grad():
+        for name, tensor in sorted(target.state_dict().items()):
+            flat = tensor.detach().flatten()
+            sample = flat[:: max(1, flat.numel() // 1024)].float().cpu().numpy().tobytes()
+            digest.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}|{flat.double().sum().item():.10e}|".encode())
+            digest.update(sample)
+    return digest.hexdigest()
+
+
+def rows_fingerprint(rows: Sequence[dict[str, list[int]]], max_len: int) -> str:
+    """The token ids the target sees for ``rows`` (prompt + response cut at ``max_len``), in order: features are
+    stored per row index, so the same index must mean the same sequence."""
+    digest = hashlib.sha256()
+    for row in rows:
+        digest.update(json.dumps((row["prompt_ids"] + row["response_ids"])[:max_len]).encode())
+    return digest.hexdigest()
+
+
+def feature_cache_key(target: Decoder, taps: Sequence[int], max_len: int,
+                      rows: Sequence[dict[str, list[int]]]) -> str:
+    """Names a cache of features by content: same target weights, taps, cut length and sequences -> same key,
+    wherever the target and data directories lie (a ``ray job submit`` copy of the working dir included)."""
+    stamp = [target_fingerprint(target), sorted(taps), max_len, rows_fingerprint(rows, max_len)]
     return hashlib.sha256(json.dumps(stamp).encode()).hexdigest()[:16]
 
 

@@ -103,16 +103,25 @@ class Trainer:
         self.strategy = make_strategy(strategy or cfg.scaling.strategy, self.drafter, cfg.optim, train.batch_size,
                                       self.total_steps, world_size, self.device)
         mode = feature_cache or train.feature_cache
-        if mode == "disk" and feature_dir is not None:
-            feature_dir = Path(feature_dir) / feature_cache_key(Path(self.target_dir), self.taps, train.max_len)
-        self.features = FeatureCache(target, self.taps, mode, feature_dir if mode == "disk" else None)
+        self.feature_dir = Path(feature_dir) if mode == "disk" and feature_dir is not None else None
+        self.features = self._feature_cache(data, mode)
         self.heldout = self._heldout_batches(heldout) if heldout is not None else []
         self.step = 0
         self.vanilla: list[list[int]] | None = None  # plain greedy continuations of the prompts, made once
 
+    def _feature_cache(self, data: SequenceDataset, mode: str) -> FeatureCache:
+        """Disk: ``feature_dir/<key>/``, the key naming the target's weights, the taps, the cut length and the
+        split's sequences by content, so every run, worker, drafter with these taps and sweep trial on the same
+        target and data reads what the first one computed (and a copied working dir changes nothing)."""
+        if mode != "disk" or self.feature_dir is None:
+            return FeatureCache(self.target, self.taps, mode)
+        key = feature_cache_key(self.target, self.taps, self.cfg.train.max_len, data.rows)
+        return FeatureCache(self.target, self.taps, "disk", self.feature_dir / key)
+
     def _heldout_batches(self, heldout: SequenceDataset) -> list:
-        """(batch, features) pairs of the held-out split, features computed once."""
-        cache, size = FeatureCache(self.target, self.taps, "memory"), self.cfg.train.batch_size
+        """(batch, features) pairs of the held-out split, features computed once (read from disk when cached)."""
+        cache = self._feature_cache(heldout, "disk" if self.feature_dir is not None else "memory")
+        size = self.cfg.train.batch_size
         out = []
         for start in range(0, len(heldout), size):
             indices = list(range(start, min(start + size, len(heldout))))

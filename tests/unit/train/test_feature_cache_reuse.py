@@ -1,0 +1,75 @@
+"""The disk feature cache is shared by content: a second drafter training on the same target, data and taps runs
+no target forward at all (train and held-out features both come from disk), also when it runs from a copy of the
+job's working dir (as under ``ray job submit``: the target copied, with new file times); other data or other taps
+compute their own features."""
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from eyas.config import from_dict
+from eyas.models import load_target
+from eyas.train.config import TrainConfig
+from eyas.train.data import SequenceDataset, response_row, shard_path, write_shard
+from eyas.train.trainer import Trainer
+
+
+def write_data(directory: Path, vocab_size: int, seed: int) -> Path:
+    rng = random.Random(seed)
+    for split, count in (("train", 8), ("heldout", 2)):
+        rows = [response_row([rng.randrange(4, vocab_size) for _ in range(3)],
+                             [rng.randrange(4, vocab_size) for _ in range(rng.randrange(6, 14))])
+                for _ in range(count)]
+        write_shard(shard_path(directory, split, 0), rows)
+    return directory
+
+
+def config(drafter: dict) -> TrainConfig:
+    return from_dict(TrainConfig, {
+        "name": "cache-reuse", "target": "unused", "data": "unused", "drafter": drafter,
+        "train": {"num_epochs": 1, "batch_size": 4, "max_len": 32, "feature_cache": "disk", "eval_sequences": 2},
+        "optim": {"lr": 3e-3, "warmup_steps": 1}, "scaling": {"num_workers": 1},
+        "measure": {"num_prompts": 0}, "tracking": {"enabled": False}})
+
+
+def train_once(cfg: TrainConfig, target_dir: str, data_dir: Path) -> tuple[list[float], int]:
+    """(per-step losses, target forwards) of one training epoch run the way a jobs.train_drafter worker does."""
+    torch.manual_seed(0)
+    target = load_target(target_dir)
+    forwards = []
+    target.register_forward_hook(lambda *_: forwards.append(1))
+    trainer = Trainer(cfg, target, SequenceDataset(data_dir, "train", cfg.train.max_len),
+                      SequenceDataset(data_dir, "heldout", cfg.train.max_len, limit=cfg.train.eval_sequences),
+                      target_dir=target_dir, feature_dir=data_dir / "features")
+    losses = [trainer.train_step(indices, batch)["loss"] for indices, batch in trainer.batches(0)]
+    losses.append(trainer.evaluate_heldout()["heldout_loss"])
+    return losses, len(forwards)
+
+
+def test_second_training_from_a_copied_working_dir_runs_no_target_forward(random_checkpoint, tmp_path,
+                                                                          monkeypatch):
+    home = tmp_path / "eyas-home"
+    data_dir = write_data(home / "data" / "chat", 320, seed=0)
+    first_dir, copy_dir = tmp_path / "workdir", tmp_path / "workdir-copy"
+    shutil.copytree(random_checkpoint, first_dir / "target")
+    eagle3 = config({"type": "eagle3", "config": {"ttt_steps": 2, "draft_vocab_size": 64}})
+
+    monkeypatch.chdir(first_dir)  # the target by a path relative to the working dir
+    first_losses, first_forwards = train_once(eagle3, "target", data_dir)
+    assert first_forwards == 2 + 1  # two train batches of 4, one held-out batch of 2
+
+    shutil.copytree(first_dir, copy_dir, copy_function=shutil.copyfile)  # new file times, another path
+    monkeypatch.chdir(copy_dir)
+    second_losses, second_forwards = train_once(eagle3, "target", data_dir)
+    assert second_forwards == 0
+    assert second_losses == pytest.approx(first_losses, abs=1e-6)  # the cached features are the computed ones
+
+    other_data = write_data(home / "data" / "chat-regenerated", 320, seed=1)
+    shutil.copytree(data_dir / "features", other_data / "features")  # stale features by row index must not match
+    assert train_once(eagle3, "target", other_data)[1] == 3
+    eagle1 = config({"type": "eagle1", "config": {}})  # taps (final layer) differ from eagle3's (low, mid, high)
+    assert train_once(eagle1, "target", data_dir)[1] == 3
