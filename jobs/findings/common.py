@@ -121,6 +121,7 @@ class Finding:
     settings: type                  # a frozen dataclass over Common
     scales: Mapping[str, Mapping[str, Any]]  # scale name -> settings over the dataclass defaults
     run: Callable[[Any], Outcome]   # settings -> Outcome
+    variants: Callable[[Any], list] | None = None  # settings -> the drafter variants it trains (training.Variant)
 
     def make_settings(self, scale: str, overrides: Sequence[str] = ()) -> Any:
         if scale not in self.scales:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from eyas.config import ConfigError, load_config, require
-from eyas.train.config import DataConfig, data_path
+from eyas.train.config import DataConfig, data_path, target_path
 from eyas.train.data import read_rows, shard_path, write_shard
 from jobs import generate_data
 from jobs.findings.common import Check, Common, Finding, Outcome, Verdict, figure
@@ -103,20 +103,23 @@ def subset(base: Path, size: int) -> str:
     return name
 
 
-def run(settings: Settings) -> Outcome:
-    bench = open_workbench(settings)
-    base = base_data(settings)
-    target = str(bench.target_dir)
-    variants = []
+def variants(settings: Settings) -> list[Variant]:
+    """One variant per family and size, each on its data subset (written here when missing)."""
+    base, target_dir = base_data(settings), target_path(settings.target).resolve()
+    out = []
     for size in settings.sizes:
-        data = subset(base, size)
+        data = str(data_path(subset(base, size)))
         for family in FAMILIES:
-            config = settings.train_config.format(family=family)
             overrides = [f"train.num_epochs={settings.epochs}", "train.max_steps=null", *settings.train_overrides]
-            variants.append(Variant(f"{family}-{size}", variant_config(
-                config, f"findings-data-scaling-{family}-{size}-{bench.target_dir.name}", target,
-                str(data_path(data)), overrides)))
-    trained = train_variants(variants, settings.runner)
+            name = f"findings-data-scaling-{family}-{size}-{target_dir.name}"
+            out.append(Variant(f"{family}-{size}", variant_config(settings.train_config.format(family=family), name,
+                                                                  str(target_dir), data, overrides)))
+    return out
+
+
+def run(settings: Settings) -> Outcome:
+    trained = train_variants(variants(settings), settings.runner)  # first: training loads a target of its own
+    bench = open_workbench(settings)
     factories = {label: method_factory(bench, METHOD[label.split("-")[0]], drafter=t.path)
                  for label, t in trained.items()}
     runs = run_methods(bench, factories, timed=False)
@@ -165,4 +168,4 @@ def plot(rows: list[dict[str, Any]], settings: Settings):
 
 
 FINDING = Finding("data-scaling", "EAGLE-3 (arXiv 2503.01840), Figure 1 / section 'scaling'", CLAIM, Settings,
-                  SCALES, run)
+                  SCALES, run, variants)

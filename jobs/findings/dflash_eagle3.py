@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from eyas.config import require
-from eyas.train.config import data_path
+from eyas.train.config import data_path, target_path
 from jobs.findings.common import Check, Common, Finding, Outcome, Verdict, figure
 from jobs.findings.measure import method_factory, open_workbench, run_methods, speed_row
 from jobs.findings.training import RUNNERS, Trained, Variant, train_variants, variant_config
@@ -66,7 +66,8 @@ SCALES = {
 }
 
 
-def variants(settings: Settings, target: str, target_name: str) -> list[Variant]:
+def variants(settings: Settings) -> list[Variant]:
+    target_dir = target_path(settings.target).resolve()
     common = [f"train.max_steps={settings.num_steps}", "train.num_epochs=1000",  # the step budget decides
               f"train.batch_size={settings.batch_size}", f"train.eval_every={settings.eval_every}",
               *settings.train_overrides]
@@ -77,13 +78,13 @@ def variants(settings: Settings, target: str, target_name: str) -> list[Variant]
                                                           f"drafter.config.loss_decay={settings.gamma_off}"]),
             f"dflash-{few}taps": (settings.dflash_config, [f"drafter.config.num_taps={few}"])}
     data = str(data_path(settings.data))
-    return [Variant(label, variant_config(config, f"findings-dflash-vs-eagle3-{label}-{target_name}", target, data,
-                                          common + extra)) for label, (config, extra) in plan.items()]
+    return [Variant(label, variant_config(config, f"findings-dflash-vs-eagle3-{label}-{target_dir.name}",
+                                          str(target_dir), data, common + extra)) for label, (config, extra) in plan.items()]
 
 
 def run(settings: Settings) -> Outcome:
+    trained = train_variants(variants(settings), settings.runner)  # first: training loads a target of its own
     bench = open_workbench(settings)
-    trained = train_variants(variants(settings, str(bench.target_dir), bench.target_dir.name), settings.runner)
     factories = {label: method_factory(bench, "eagle3" if label == "eagle3" else "dflash", drafter=t.path)
                  for label, t in trained.items()}
     runs = run_methods(bench, factories)
@@ -152,4 +153,4 @@ def curves_figure(trained: dict[str, Trained]):
 
 
 FINDING = Finding("dflash-vs-eagle3", "DFlash (arXiv 2602.06036), main table and ablations", CLAIM, Settings, SCALES,
-                  run)
+                  run, variants)
