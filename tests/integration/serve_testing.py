@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import os
-import time
 from pathlib import Path
 
 import httpx
@@ -18,16 +17,6 @@ API_KEY_ENV, API_KEY = "EYAS_TEST_API_KEY", "test-key-123"
 PROMPTS = ["def add(a, b):\n    return", "import os\nimport sys\n", "The quick brown fox", "class A:\n    def"]
 NUM_NEW = 24
 MODEL = "eyas-micro"
-
-
-def wait_until(condition, timeout_s: float, every_s: float = 0.5, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(every_s)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
 @pytest.fixture(scope="module")

@@ -22,19 +22,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from integration_testing import wait_until, write_regenerated_data
+
 REPO = Path(__file__).resolve().parents[2]
 NUM_TRAIN, NUM_HELDOUT = 48, 8
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
-
-
-def wait_until(condition, timeout_s: float, every_s: float = 0.25, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(every_s)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +73,7 @@ def mlflow_server(tmp_path_factory):
 
     # the test waits for it (wait()) once its own setup is done: the server starts meanwhile
     yield {"url": url, "db": db, "process": server,
-           "wait": lambda: wait_until(healthy, 120, what=f"mlflow server on {url}")}
+           "wait": lambda: wait_until(healthy, 120, every_s=0.25, what=f"mlflow server on {url}")}
     if server.poll() is None:
         os.killpg(server.pid, signal.SIGKILL)
         server.wait(30)
@@ -89,19 +81,8 @@ def mlflow_server(tmp_path_factory):
 
 
 def regenerated_data(home: Path, num_train: int) -> Path:
-    from eyas import corpus
-    from eyas.models import load_target, load_tokenizer
-    from eyas.train.data import regenerate, response_row, shard_path, write_shard
-
-    target_dir = home / "targets" / "target-rand"
-    target, tokenizer = load_target(target_dir), load_tokenizer(target_dir)
-    tokenizer.model_max_length = 10**9
     data_dir = home / "data" / "data-rand"
-    splits = {"train": corpus.train_prompts(num_train), "heldout": corpus.heldout_prompts("all", NUM_HELDOUT)}
-    for split, prompts in splits.items():
-        ids = [tokenizer(p).input_ids[:16] for p in prompts]
-        rows = [response_row(p, r) for p, r in zip(ids, regenerate(target, ids, 24, [tokenizer.eos_token_id]))]
-        write_shard(shard_path(data_dir, split, 0), rows)
+    write_regenerated_data(home / "targets" / "target-rand", data_dir, num_train, NUM_HELDOUT)
     return data_dir
 
 
@@ -144,7 +125,8 @@ def test_mlflow_server_killed_mid_training_training_finishes_and_reports_the_gap
     thread = threading.Thread(target=run)
     thread.start()
     # kill the server (SIGKILL, no goodbye) once rank 0 logged its first loss: training is under way
-    wait_until(lambda: logged_losses(mlflow_server["db"]) or "end" in outcome, 240, what="the first logged loss")
+    wait_until(lambda: logged_losses(mlflow_server["db"]) or "end" in outcome, 240, every_s=0.25,
+               what="the first logged loss")
     os.killpg(mlflow_server["process"].pid, signal.SIGKILL)
     mlflow_server["process"].wait(30)
     killed = time.monotonic()
@@ -204,7 +186,8 @@ def test_a_killed_regenerator_actor_is_replaced_and_every_shard_is_there_once(ho
     thread = threading.Thread(target=run)
     thread.start()
     # once the first shard is written, both actors are up and working: kill one's process (SIGKILL)
-    wait_until(lambda: list(out.glob("*/shard-*.parquet")) or not thread.is_alive(), 180, what="the first shard")
+    wait_until(lambda: list(out.glob("*/shard-*.parquet")) or not thread.is_alive(), 180, every_s=0.25,
+               what="the first shard")
     pids = regenerator_pids()
     assert thread.is_alive() and pids, "the job ended before an actor could be killed; make it longer"
     done_before = len(list(out.glob("*/shard-*.parquet")))

@@ -1,15 +1,14 @@
 """The Serve app fuzzed from its own OpenAPI schema (schemathesis), on loopback: every generated request, valid by
 the schema or breaking it, gets a 2xx or a 4xx in OpenAI's error shape, never a 5xx; afterwards the replica is the
 same one and answers a greedy request with the same text as before. A bounded run: EXAMPLES_PER_MODE cases per
-operation and mode (positive, negative), derandomized so CI replays the same cases."""
+operation and mode (positive, negative), derandomized so CI replays the same cases (tests/api_checks.fuzz, shared
+with the loopback run in tests/unit/serving/test_api_fuzz.py)."""
 from __future__ import annotations
 
 import pytest
-import schemathesis
-from hypothesis import HealthCheck, given, settings
 from ray import serve
-from schemathesis import GenerationMode
 
+from api_checks import by_status, fuzz
 from serve_testing import (API_KEY, API_KEY_ENV, PROMPTS, client, complete, deploy, micro_config,  # noqa: F401
                            ray_session, reference, serve_port, worker_names)
 
@@ -26,40 +25,16 @@ def fuzz_app(serve_port, random_checkpoint):
     serve.delete("fuzz")
 
 
-def fuzz(base_url: str, headers: dict[str, str]) -> dict[int, int]:
-    """Hypothesis over schemathesis's case strategies, operation by operation; returns the count per status.
-    (schemathesis's pytest loader, from_fixture, does not run under pytest 9.)"""
-    seen: dict[int, int] = {}
-    schema = schemathesis.openapi.from_url(f"{base_url}/openapi.json")
-    for result in schema.get_all_operations():
-        operation = result.ok()
-        for mode in GenerationMode:
-            if mode is GenerationMode.NEGATIVE and not len(operation.body):  # nothing to break in a bare GET
-                continue
-
-            @settings(max_examples=EXAMPLES_PER_MODE, deadline=None, derandomize=True, database=None,
-                      suppress_health_check=list(HealthCheck))
-            @given(case=operation.as_strategy(mode))
-            def run(case) -> None:
-                response = case.call(base_url=base_url, headers=headers, timeout=60)
-                sent = f"{case.method} {case.path} {case.body!r:.500}"
-                assert response.status_code < 500, (sent, response.status_code, response.text[:500])
-                if response.status_code >= 400:
-                    error = response.json()["error"]
-                    assert set(error) == {"message", "type", "param", "code"}, (sent, response.text[:500])
-                seen[response.status_code] = seen.get(response.status_code, 0) + 1
-
-            run()
-    return seen
-
-
 def test_fuzzed_api_never_answers_5xx_and_serves_the_same_greedy_text(serve_port, fuzz_app, reference):
     http = client(serve_port, fuzz_app)
     before = complete(http, PROMPTS[0], max_tokens=16)["choices"][0]
     workers = worker_names("fuzz")
-    seen = fuzz(f"http://127.0.0.1:{serve_port}{fuzz_app}", {"Authorization": f"Bearer {API_KEY}"})
-    print("responses by status:", seen)
-    assert sum(seen.values()) >= 4 * EXAMPLES_PER_MODE and seen.get(200, 0) >= EXAMPLES_PER_MODE, seen
+    base_url = f"http://127.0.0.1:{serve_port}{fuzz_app}"
+    seen = fuzz(f"{base_url}/openapi.json", EXAMPLES_PER_MODE, {"Authorization": f"Bearer {API_KEY}"}, base_url)
+    print("responses by operation and status:", dict(seen))
+    statuses = by_status(seen)
+    assert sum(statuses.values()) >= 4 * EXAMPLES_PER_MODE, statuses
+    assert statuses[200] >= EXAMPLES_PER_MODE, statuses
     after = complete(http, PROMPTS[0], max_tokens=16)["choices"][0]
     assert after["token_ids"] == before["token_ids"] == reference[PROMPTS[0]][:16]
     assert after["text"] == before["text"] and worker_names("fuzz") == workers  # the same replica, still healthy

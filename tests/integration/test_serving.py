@@ -23,8 +23,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from ray import serve
 
+from api_checks import drop_a_stream_then_ask
+from integration_testing import wait_until
 from serve_testing import (API_KEY, API_KEY_ENV, MODEL, NUM_NEW, PROMPTS, REPO_ROOT, client, complete, deploy,
-                           micro_config, ray_session, reference, running_replicas, serve_port, wait_until,  # noqa: F401
+                           micro_config, ray_session, reference, running_replicas, serve_port,  # noqa: F401
                            worker_names)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -267,20 +269,8 @@ def test_requests_past_the_row_get_429_with_retry_after(serve_port, one_row):
 def test_a_disconnected_stream_frees_its_only_row_at_once(serve_port, one_row):
     http = client(serve_port, one_row, key=None)
     cancelled = http.get("/health").json()["cancelled"]
-    body = {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 400, "temperature": 0, "stream": True}
-    with http.stream("POST", "/v1/completions", json=body) as response:
-        assert response.status_code == 200
-        events = 0
-        for line in response.iter_lines():
-            events += line.startswith("data:")
-            if events >= 2:
-                break
-    closed = time.monotonic()
-    short = {"model": MODEL, "prompt": PROMPTS[3], "max_tokens": 4, "temperature": 0}
-    response = http.post("/v1/completions", json=short)
-    while response.status_code == 429 and time.monotonic() - closed < 10:  # the disconnect reaching the replica
-        time.sleep(0.1)
-        response = http.post("/v1/completions", json=short)
+    # retried for 10 s while the disconnect reaches the replica through Serve's proxy
+    response, _ = drop_a_stream_then_ask(http, MODEL, PROMPTS[2], PROMPTS[3], retry_s=10, every_s=0.1)
     # admitted on the only row while the 400-token stream would still be running: its leave freed the row
     assert response.status_code == 200, response.text
     assert http.get("/health").json()["cancelled"] == cancelled + 1

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from eyas_ray.local_head import LocalRayHead
+from integration_testing import write_regenerated_data
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "jobs" / "configs" / "eagle3-micro.yaml"
@@ -29,22 +30,12 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory, random_checkpoint):
     """EYAS_HOME with the random target and a regenerated data set; MLflow in a tmp sqlite store."""
-    from eyas import corpus
-    from eyas.models import load_target, load_tokenizer
-    from eyas.train.data import regenerate, response_row, shard_path, write_shard
-
     root = tmp_path_factory.mktemp("train-drafter")
     home = root / "eyas-home"
     target_dir = home / "targets" / "target-rand"
     shutil.copytree(random_checkpoint, target_dir)
-    target, tokenizer = load_target(target_dir), load_tokenizer(target_dir)
-    tokenizer.model_max_length = 10**9  # prompts are cut below; silences the long-input warning
     data_dir = home / "data" / "data-rand"
-    splits = {"train": corpus.train_prompts(NUM_TRAIN), "heldout": corpus.heldout_prompts("all", NUM_HELDOUT)}
-    for split, prompts in splits.items():
-        ids = [tokenizer(p).input_ids[:16] for p in prompts]
-        rows = [response_row(p, r) for p, r in zip(ids, regenerate(target, ids, 24, [tokenizer.eos_token_id]))]
-        write_shard(shard_path(data_dir, split, 0), rows)
+    target, tokenizer = write_regenerated_data(target_dir, data_dir, NUM_TRAIN, NUM_HELDOUT)
     env = {"EYAS_HOME": str(home), "MLFLOW_TRACKING_URI": f"sqlite:///{root / 'mlruns.db'}",
            "EYAS_MLFLOW_ARTIFACTS": str(root / "mlartifacts")}
     saved = {k: os.environ.get(k) for k in env}

@@ -9,6 +9,7 @@ import time
 import httpx
 import pytest
 
+from api_checks import drop_a_stream_then_ask
 from serving_loopback import MODEL, serve_locally
 
 PROMPT = "def add(a, b):\n    return"
@@ -107,23 +108,11 @@ def test_requests_beyond_capacity_get_429_with_retry_after(random_checkpoint):
 def test_a_disconnected_stream_frees_its_row_at_once(random_checkpoint):
     # one row, no waiting place: the next request is admitted only once the disconnected stream's row is free
     with serve_locally(random_checkpoint, capacity=1, max_waiting=0, pause_s=0.02) as server:
-        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 400, "temperature": 0, "stream": True}
         with httpx.Client(base_url=server.url, timeout=30) as http:
-            with http.stream("POST", "/v1/completions", json=body) as response:
-                assert response.status_code == 200
-                events = 0
-                for line in response.iter_lines():
-                    events += line.startswith("data:")
-                    if events >= 2:
-                        break
-            closed = time.monotonic()
-            short = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
-            response = http.post("/v1/completions", json=short)
-            while response.status_code == 429 and time.monotonic() - closed < 2:  # the disconnect is in flight
-                time.sleep(0.05)
-                response = http.post("/v1/completions", json=short)
+            # retried for 2 s while the disconnect is in flight
+            response, seconds = drop_a_stream_then_ask(http, MODEL, PROMPT, PROMPT, retry_s=2, every_s=0.05)
             # 400 tokens at 20 ms a round would hold the row for seconds: it was freed at the disconnect
             assert response.status_code == 200, response.text
-            assert time.monotonic() - closed < 3
+            assert seconds < 3
             assert http.get("/health").json()["cancelled"] == 1
         assert server.worker.engine.rows == [] and server.frontend.scheduler.num_admitted == 0

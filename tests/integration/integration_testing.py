@@ -1,0 +1,36 @@
+"""Helpers shared by the integration tests: a polling wait, and a small regenerated data set written without Ray
+(the target's own greedy answers to corpus prompts, as jobs.generate_data writes them)."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from eyas import corpus
+from eyas.models import load_target, load_tokenizer
+from eyas.train.data import regenerate, response_row, shard_path, write_shard
+
+PROMPT_TOKENS, RESPONSE_TOKENS = 16, 24
+
+
+def wait_until(condition, timeout_s: float, every_s: float = 0.5, what: str = "condition"):
+    """``condition()``'s first truthy value, polled every ``every_s``; fails the test after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(every_s)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def write_regenerated_data(target_dir: Path, data_dir: Path, num_train: int, num_heldout: int):
+    """One train and one heldout shard under ``data_dir``: corpus prompts cut to 16 tokens, answered greedily by
+    the target at ``target_dir`` (24 new tokens). Returns the loaded (target, tokenizer)."""
+    target, tokenizer = load_target(target_dir), load_tokenizer(target_dir)
+    tokenizer.model_max_length = 10**9  # prompts are cut below; silences the long-input warning
+    splits = {"train": corpus.train_prompts(num_train), "heldout": corpus.heldout_prompts("all", num_heldout)}
+    for split, prompts in splits.items():
+        ids = [tokenizer(p).input_ids[:PROMPT_TOKENS] for p in prompts]
+        answers = regenerate(target, ids, RESPONSE_TOKENS, [tokenizer.eos_token_id])
+        write_shard(shard_path(data_dir, split, 0), [response_row(p, r) for p, r in zip(ids, answers)])
+    return target, tokenizer
