@@ -112,10 +112,12 @@ def judge(rows: list[dict[str, Any]]) -> Verdict:
 
 def plot(rows: list[dict[str, Any]], settings: Settings):
     fig, (ax_tau, ax_speed) = figure(11, 4, ncols=2)
-    for shape in SHAPES:
+    styles = {"chain": ("o", "-"), "static": ("s", "--"), "dynamic": ("^", "-"), "best-first": ("x", ":")}
+    for shape in SHAPES:  # distinct markers and lines: equal values overlap
         mine = [r for r in rows if r["shape"] == shape]
-        ax_tau.plot([r["N"] for r in mine], [r["tau"] for r in mine], marker="o", label=shape)
-        ax_speed.plot([r["N"] for r in mine], [r["speedup"] for r in mine], marker="o", label=shape)
+        marker, line = styles[shape]
+        for ax, key in ((ax_tau, "tau"), (ax_speed, "speedup")):
+            ax.plot([r["N"] for r in mine], [r[key] for r in mine], marker=marker, ls=line, label=shape)
     for ax, title in ((ax_tau, "tau (accepted + 1 per cycle)"), (ax_speed, "speedup over vanilla")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("verify budget N (drafted tokens)")
