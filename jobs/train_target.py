@@ -1,4 +1,4 @@
-"""Build a target (or a small draft LM): BPE tokenizer + Llama causal LM trained on the corpus with Ray Train.
+"""Build a target (or a small draft LM): tokenizer + Llama causal LM trained with Ray Train on the corpus or chat data.
 
     python -m jobs.train_target --config jobs/configs/target-tiny.yaml [--force] [section.key=value ...]
     ray job submit --working-dir . -- python -m jobs.train_target --config jobs/configs/target-micro.yaml
@@ -12,12 +12,16 @@ and ``meta.json`` (held-out loss, config, timings, greedy samples). ``meta.json`
 complete build: a second call reuses the directory unless ``--force``.
 
 Tokenizer: trained once into ``$EYAS_HOME/tokenizers/<name>/`` and reused while its config is unchanged
-(``--force`` retrains the model, not the tokenizer). A draft LM sets ``tokenizer_from: <target name>`` and reuses
-that target's tokenizer, so target and draft share one vocabulary; ``meta.json`` records the tokenizer's SHA-256.
+(``--force`` retrains the model, not the tokenizer). A draft LM sets ``tokenizer_from: <target name or dir>`` and
+reuses that target's tokenizer and its special ids, so target and draft share one vocabulary; ``meta.json`` records
+the tokenizer's SHA-256.
+
+Data (``eyas.train.target_lm_data``): the embedded corpus (``train.corpus``), or a data set jobs.generate_data wrote
+(``train.data: data-smollm2``: the target's chat prompts and its own answers; ``train.loss_on`` response or all).
 
 Training: ``TorchTrainer`` with ``num_workers`` CPU workers (gloo DDP via ``prepare_model``). Each step every worker
 samples ``batch_size`` random windows of ``seq_len + 1`` tokens from the packed train stream (documents joined as
-``<|bos|> doc <|eos|>``); AdamW, GPT-2 residual init scaling, linear warmup then cosine decay over
+``<bos> doc <eos>``, or data rows one after another); AdamW, GPT-2 residual init scaling, linear warmup then cosine decay over
 ``num_steps`` or over the wall-time budget ``max_minutes``, whichever ends first (a loaded machine trains on fewer
 tokens instead of taking longer; meta.json says how many steps ran). Rank 0 reports the loss every ``log_every`` steps
 and saves the checkpoint; the held-out loss is computed by all ranks on disjoint windows and all-reduced. The driver
@@ -45,13 +49,14 @@ from ray.train import RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 from transformers import LlamaForCausalLM
 
-from eyas import corpus, track
+from eyas import track
 from eyas.config import eyas_home, flatten, from_dict, resolve_path, to_dict
 from eyas.tokenizer import load_tokenizer, save_tokenizer
-from eyas.train.target_lm import (ModelConfig, TargetJobConfig, TrainConfig,  # noqa: F401
+from eyas.train.target_lm import (ModelConfig, TargetJobConfig, TrainConfig, Vocab,  # noqa: F401
                                   causal_lm_loss, distributed_heldout_loss, greedy_samples, llama_config, lr_at,
-                                  num_parameters, prepare_tokenizer, sample_windows, scale_residual_init,
-                                  sha256_file, target_dir, token_stream)
+                                  num_parameters, sample_windows, scale_residual_init, target_dir)
+from eyas.train.target_lm_data import (heldout_streams, prepare_tokenizer, sample_prompts, sha256_file,
+                                       tokenizer_vocab, train_stream)
 from eyas.progress import Progress
 from eyas_ray.cluster import init_ray
 from jobs.common import job_argparser, load_job_config
@@ -71,10 +76,10 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     rank, world_size = context.get_world_rank(), context.get_world_size()
     torch.set_num_threads(train.cpus_per_worker)
     torch.manual_seed(train.seed)  # identical init on every rank (DDP also broadcasts rank 0's weights)
-    train_stream_N = ray.get(loop_config["train_ids"])
-    heldout_streams = {kind: ray.get(ref) for kind, ref in loop_config["heldout_ids"].items()}
+    train_data = ray.get(loop_config["train_stream"])
+    heldout_data = {kind: ray.get(ref) for kind, ref in loop_config["heldout_streams"].items()}
 
-    model = LlamaForCausalLM(llama_config(cfg, loop_config["vocab_size"]))
+    model = LlamaForCausalLM(llama_config(cfg, loop_config["vocab"]))
     scale_residual_init(model, cfg.model.num_layers)
     model = ray.train.torch.prepare_model(model)
     decay = [p for p in model.parameters() if p.ndim >= 2]  # matrices; norms (1-d) get no weight decay
@@ -110,7 +115,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         lr = lr_at(step, train, time_fraction_1.item())
         for group in optimizer.param_groups:
             group["lr"] = lr
-        inputs_BT, labels_BT = sample_windows(train_stream_N, rng, train.batch_size, train.seq_len)
+        inputs_BT, labels_BT = sample_windows(train_data, rng, train.batch_size, train.seq_len)
         loss = causal_lm_loss(model, inputs_BT, labels_BT)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -130,7 +135,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     train_seconds = time.monotonic() - start
 
     base_model = model.module if hasattr(model, "module") else model
-    heldout = distributed_heldout_loss(base_model, heldout_streams, train, rank, world_size)
+    heldout = distributed_heldout_loss(base_model, heldout_data, train, rank, world_size)
     final = {"step": step, "train_seconds": train_seconds,
              "stopped_early": float(stopped_early), **heldout}
     if rank == 0:
@@ -145,7 +150,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
 # ---------------------------------------------------------------- driver
 
 
-def run_trainer(cfg: TargetJobConfig, tokenizer_dir: Path, vocab_size: int) -> Path:
+def run_trainer(cfg: TargetJobConfig, tokenizer_dir: Path, vocab: Vocab) -> Path:
     """Tokenize, train with TorchTrainer, copy the final checkpoint into a staging dir; returns that dir."""
     train = cfg.train
     needed = train.num_workers * train.cpus_per_worker
@@ -156,16 +161,10 @@ def run_trainer(cfg: TargetJobConfig, tokenizer_dir: Path, vocab_size: int) -> P
             f"CPUs but the Ray cluster has {available:g}; lower them with overrides, e.g. train.num_workers=1"
         )
     start = time.monotonic()
-    train_ids = token_stream(tokenizer_dir, "train", train.corpus, train.max_train_chars)
-    if len(train_ids) < train.seq_len + 2:
-        raise ValueError(f"train.max_train_chars={train.max_train_chars}: only {len(train_ids)} tokens, fewer than "
-                         f"one window of train.seq_len={train.seq_len}")
-    heldout_kinds = ("code", "prose") if train.corpus == "all" else (train.corpus,)
-    # a held-out slice big enough for eval_tokens (about 3.5 characters per token), not the whole split
-    heldout_chars = train.eval_tokens * 8
-    heldout_ids = {kind: token_stream(tokenizer_dir, "heldout", kind, heldout_chars) for kind in heldout_kinds}
-    print(f"[data] {len(train_ids):,} train tokens, held-out "
-          f"{ {k: len(v) for k, v in heldout_ids.items()} } in {time.monotonic() - start:.1f}s", flush=True)
+    train_data = train_stream(cfg, tokenizer_dir, vocab)
+    heldout_data = heldout_streams(cfg, tokenizer_dir, vocab)
+    print(f"[data] {len(train_data):,} train tokens ({train_data.num_targets:,} learned), held-out "
+          f"{ {k: v.num_targets for k, v in heldout_data.items()} } in {time.monotonic() - start:.1f}s", flush=True)
 
     storage = resolve_path(train.storage_path) if train.storage_path else eyas_home() / "ray_results"
     run_name = f"train_target-{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -173,9 +172,9 @@ def run_trainer(cfg: TargetJobConfig, tokenizer_dir: Path, vocab_size: int) -> P
         train_loop_per_worker,
         train_loop_config={
             "config": to_dict(cfg),
-            "vocab_size": vocab_size,
-            "train_ids": ray.put(train_ids),
-            "heldout_ids": {kind: ray.put(ids) for kind, ids in heldout_ids.items()},
+            "vocab": vocab,
+            "train_stream": ray.put(train_data),
+            "heldout_streams": {kind: ray.put(stream) for kind, stream in heldout_data.items()},
         },
         scaling_config=ScalingConfig(num_workers=train.num_workers, use_gpu=False,
                                      resources_per_worker={"CPU": train.cpus_per_worker}),
@@ -207,12 +206,12 @@ def build(cfg: TargetJobConfig, force: bool = False) -> Path:
     build_start = time.monotonic()
     tokenizer_dir = prepare_tokenizer(cfg)
     tokenizer = load_tokenizer(tokenizer_dir)
-    vocab_size = len(tokenizer)
+    vocab = tokenizer_vocab(tokenizer_dir)
     init_ray()
     with track.start_run(cfg.experiment, run_name=cfg.name, params=flatten(cfg),
                          tags={"eyas.kind": "draft" if cfg.tokenizer_from else "target"}) as run:
-        track.log_params_flat({"vocab_size": vocab_size, "tokenizer_dir": str(tokenizer_dir)})
-        staging = run_trainer(cfg, tokenizer_dir, vocab_size)
+        track.log_params_flat({"vocab_size": vocab.size, "tokenizer_dir": str(tokenizer_dir)})
+        staging = run_trainer(cfg, tokenizer_dir, vocab)
         record = json.loads((staging / HISTORY_FILE).read_text())
         for row in record["history"]:
             track.log_metrics({k: v for k, v in row.items() if k != "step"}, step=int(row["step"]))
@@ -220,7 +219,7 @@ def build(cfg: TargetJobConfig, force: bool = False) -> Path:
         track.log_metrics(final, step=int(final["step"]))
 
         save_tokenizer(tokenizer, staging)  # also keeps the chat template in tokenizer_config.json
-        samples = greedy_samples(staging, corpus.heldout_prompts("code", cfg.num_samples), cfg.sample_tokens) \
+        samples = greedy_samples(staging, sample_prompts(cfg, tokenizer_dir), cfg.sample_tokens) \
             if cfg.num_samples else []
         for sample in samples:
             print(f"----- prompt\n{sample['prompt']}----- greedy continuation\n{sample['continuation']}\n", flush=True)
@@ -228,7 +227,7 @@ def build(cfg: TargetJobConfig, force: bool = False) -> Path:
             "name": cfg.name,
             "kind": "draft" if cfg.tokenizer_from else "target",
             "config": to_dict(cfg),
-            "vocab_size": vocab_size,
+            "vocab_size": vocab.size,
             "num_parameters": num_parameters(staging),
             "tokenizer_from": cfg.tokenizer_from,
             "tokenizer_sha256": sha256_file(staging / "tokenizer.json"),

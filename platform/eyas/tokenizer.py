@@ -102,13 +102,13 @@ def build_tokenizer(config: TokenizerConfig, out_dir: str | Path, documents: lis
 
 def save_tokenizer(tokenizer, out_dir: str | Path) -> None:
     """``save_pretrained`` plus the chat template inside tokenizer_config.json (older transformers read it there;
-    transformers 5 reads chat_template.jinja)."""
+    transformers 5 reads chat_template.jinja): the tokenizer's own (a target's, for a draft LM), else eyas's."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(str(out))
     config_file = out / "tokenizer_config.json"
     data = json.loads(config_file.read_text())
-    data.setdefault("chat_template", CHAT_TEMPLATE)
+    data.setdefault("chat_template", tokenizer.chat_template or CHAT_TEMPLATE)
     config_file.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 

@@ -61,7 +61,7 @@ def test_micro_target_builds_through_ray_train(job_env):
     from mlflow import MlflowClient
 
     from eyas.config import load_config
-    from jobs.train_target import TargetJobConfig, build, llama_config, prepare_tokenizer
+    from jobs.train_target import TargetJobConfig, build, llama_config, prepare_tokenizer, tokenizer_vocab
 
     home, uri = job_env
     try:
@@ -87,7 +87,7 @@ def test_micro_target_builds_through_ray_train(job_env):
         # a draft LM reuses the built target's tokenizer (its own fit is the same code path as above)
         draft_cfg = load_config(TargetJobConfig, DRAFT_MICRO)
         assert prepare_tokenizer(draft_cfg) == out
-        assert llama_config(draft_cfg, 512).num_hidden_layers == 1
+        assert llama_config(draft_cfg, tokenizer_vocab(out)).num_hidden_layers == 1
     finally:
         ray.shutdown()
 

@@ -1,6 +1,11 @@
-"""Train a small Llama target (or draft LM) on the embedded corpus, without Ray: the configs of jobs.train_target
-(``TargetJobConfig``: the target-*.yaml / draft-*.yaml files), its tokenizer, packed token streams, model init,
-learning-rate schedule, loss and held-out evaluation. jobs.train_target runs these in Ray Train workers.
+"""Train a small Llama target (or draft LM), without Ray: the configs of jobs.train_target (``TargetJobConfig``: the
+target-*.yaml / draft-*.yaml files), model init, learning-rate schedule, loss and held-out evaluation. Its tokenizer
+and token streams come from eyas.train.target_lm_data; jobs.train_target runs both in Ray Train workers.
+
+Data: the embedded corpus (``train.corpus``; documents framed by the tokenizer's BOS and EOS), or a data set that
+jobs.generate_data wrote (``train.data``: the target's chat-templated prompts and its own answers, read with the
+drafter trainer's reader). A draft LM sets ``tokenizer_from`` to its target, so both share one vocabulary and the
+special ids come from that tokenizer, never from eyas's own (0/1/2 are other tokens in SmolLM2's vocabulary).
 
 The library's other configs are not reused here on purpose: ``eyas.models.config.ModelConfig`` describes a loaded
 decoder (vocab, head dim, model type) where this ``ModelConfig`` is what to build (the vocabulary comes from the
@@ -11,11 +16,7 @@ Shape legend: B batch (sequences), T tokens per sequence, V vocab, N tokens of a
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import math
-import shutil
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,12 +25,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from safetensors import safe_open
-from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
-from eyas import corpus
-from eyas.config import eyas_home, require, to_dict
-from eyas.tokenizer import BOS_ID, EOS_ID, PAD_ID, TokenizerConfig, build_tokenizer, is_tokenizer_dir
+from eyas.config import eyas_home, require
+from eyas.tokenizer import TokenizerConfig
+
+# F.cross_entropy's default ignore_index: a stream position whose token the loss does not learn (a chat prompt)
+IGNORE_INDEX = -100
 
 # ---------------------------------------------------------------- config
 
@@ -72,8 +74,14 @@ class TrainConfig:
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     seed: int = 0
-    corpus: str = "all"  # train documents: 'all', 'code' or 'prose'
+    corpus: str = "all"  # train documents: 'all', 'code' or 'prose' (when data is null)
     max_train_chars: int | None = None  # a slice of the corpus (tests)
+    # a jobs.generate_data data set instead of the corpus: a name under $EYAS_HOME/data or a path; its train split
+    # trains, its heldout split gives the held-out loss (needs tokenizer_from: the data holds the target's ids)
+    data: str | None = None
+    # with data: learn the target's answers only ('response': the data's loss_mask, as the drafters learn) or
+    # every token, the chat prompts too ('all')
+    loss_on: str = "response"
     eval_tokens: int = 32768  # held-out tokens per kind (code, prose) for the final held-out loss
     log_every: int = 10
     # wall-time budget for the training loop: the schedule runs on max(step fraction, time fraction), so a slow or
@@ -96,6 +104,8 @@ class TrainConfig:
         require(self.corpus in ("all", "code", "prose"), "train.corpus", self.corpus, "must be all, code or prose")
         require(self.max_train_chars is None or self.max_train_chars > 0, "train.max_train_chars",
                 self.max_train_chars, "must be positive or null")
+        require(self.data is None or bool(self.data), "train.data", self.data, "must name a data set or be null")
+        require(self.loss_on in ("response", "all"), "train.loss_on", self.loss_on, "must be response or all")
         require(self.max_minutes is None or self.max_minutes > 0, "train.max_minutes", self.max_minutes,
                 "must be positive or null")
 
@@ -105,7 +115,8 @@ class TargetJobConfig:
     """One YAML file in jobs/configs/: target-*.yaml builds a target, draft-*.yaml a draft LM."""
 
     name: str
-    tokenizer_from: str | None = None  # reuse $EYAS_HOME/targets/<this>/ tokenizer (draft LMs)
+    # reuse a target's tokenizer and special ids (draft LMs): a name under $EYAS_HOME/targets or a directory
+    tokenizer_from: str | None = None
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -117,6 +128,8 @@ class TargetJobConfig:
         require(bool(self.name) and "/" not in self.name, "name", self.name, "must be a non-empty directory name")
         require(self.tokenizer_from != self.name, "tokenizer_from", self.tokenizer_from,
                 "must name another, already built target")
+        require(self.train.data is None or self.tokenizer_from is not None, "train.data", self.train.data,
+                "holds a target's token ids: set tokenizer_from to that target")
         require(self.train.seq_len <= self.model.max_position_embeddings, "train.seq_len", self.train.seq_len,
                 f"must be <= model.max_position_embeddings={self.model.max_position_embeddings}")
         require(self.num_samples >= 0, "num_samples", self.num_samples, "must be >= 0")
@@ -127,64 +140,43 @@ def target_dir(name: str) -> Path:
     return eyas_home() / "targets" / name
 
 
-# ---------------------------------------------------------------- tokenizer and data (Ray-free)
+# ---------------------------------------------------------------- vocabulary and streams (target_lm_data)
 
 
-def sha256_file(path: Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+@dataclass(frozen=True)
+class Vocab:
+    """What the model needs from its tokenizer: the vocabulary size and the special ids it frames text with."""
+
+    size: int
+    bos_id: int | None  # prepended to every corpus document (None: nothing prepended)
+    eos_id: int  # ends every corpus document; generation stops on it
+    pad_id: int
 
 
-def prepare_tokenizer(cfg: TargetJobConfig) -> Path:
-    """The tokenizer directory: ``tokenizer_from``'s target dir, or our own (trained now unless cached)."""
-    if cfg.tokenizer_from is not None:
-        source = target_dir(cfg.tokenizer_from)
-        if not is_tokenizer_dir(source):
-            raise FileNotFoundError(
-                f"tokenizer_from={cfg.tokenizer_from!r}: {source} holds no tokenizer; build that target first, "
-                f"e.g. `python -m jobs.train_target --config jobs/configs/target-{cfg.tokenizer_from}.yaml`"
-            )
-        return source
-    out = eyas_home() / "tokenizers" / cfg.name
-    stamp = out / "eyas_tokenizer.json"
-    wanted = to_dict(cfg.tokenizer)
-    if is_tokenizer_dir(out) and stamp.is_file() and json.loads(stamp.read_text()) == wanted:
-        print(f"[tokenizer] reusing {out}", flush=True)
-        return out
-    start = time.monotonic()
-    shutil.rmtree(out, ignore_errors=True)
-    build_tokenizer(cfg.tokenizer, out)
-    stamp.write_text(json.dumps(wanted, indent=2, sort_keys=True))
-    print(f"[tokenizer] trained vocab={cfg.tokenizer.vocab_size} in {time.monotonic() - start:.1f}s -> {out}",
-          flush=True)
-    return out
+@dataclass(frozen=True)
+class TokenStream:
+    """A packed stream of token ids and, where the loss learns only some of them, ``targets_N``: the id where the
+    token is learned, IGNORE_INDEX where not (None: every token is learned)."""
+
+    ids_N: np.ndarray
+    targets_N: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return len(self.ids_N)
+
+    @property
+    def labels_N(self) -> np.ndarray:
+        return self.ids_N if self.targets_N is None else self.targets_N
+
+    @property
+    def num_targets(self) -> int:
+        return len(self) if self.targets_N is None else int((self.targets_N != IGNORE_INDEX).sum())
 
 
-def pack_documents(tokenizer_dir: Path, documents: list[str]) -> np.ndarray:
-    """One int32 stream ``<|bos|> doc <|eos|> <|bos|> doc <|eos|> ...`` (documents in the given order)."""
-    tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
-    encodings = tokenizer.encode_batch(documents, add_special_tokens=False)
-    pieces = [np.asarray([BOS_ID, *enc.ids, EOS_ID], dtype=np.int32) for enc in encodings]
-    return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int32)
-
-
-def token_stream(tokenizer_dir: Path, split: str, kind: str, max_chars: int | None) -> np.ndarray:
-    """The packed stream of one corpus split, cached in ``$EYAS_HOME/data/tokens/`` by tokenizer hash."""
-    key = f"{sha256_file(tokenizer_dir / 'tokenizer.json')[:16]}-{split}-{kind}-{max_chars}"
-    cache = eyas_home() / "data" / "tokens" / f"{key}.npy"
-    if cache.is_file():
-        return np.load(cache)
-    ids = pack_documents(tokenizer_dir, corpus.slice_documents(corpus.documents(split, kind), max_chars))
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_suffix(f".{time.time_ns()}.tmp.npy")
-    np.save(tmp, ids)
-    tmp.replace(cache)
-    return ids
-
-
-def llama_config(cfg: TargetJobConfig, vocab_size: int):
+def llama_config(cfg: TargetJobConfig, vocab: Vocab):
     m = cfg.model
     return LlamaConfig(
-        vocab_size=vocab_size,
+        vocab_size=vocab.size,
         hidden_size=m.hidden_size,
         intermediate_size=m.intermediate_size,
         num_hidden_layers=m.num_layers,
@@ -194,9 +186,9 @@ def llama_config(cfg: TargetJobConfig, vocab_size: int):
         rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta},
         rms_norm_eps=m.rms_norm_eps,
         tie_word_embeddings=m.tie_word_embeddings,
-        bos_token_id=BOS_ID,
-        eos_token_id=EOS_ID,
-        pad_token_id=PAD_ID,
+        bos_token_id=vocab.bos_id,
+        eos_token_id=vocab.eos_id,
+        pad_token_id=vocab.pad_id,
         dtype="float32",
     )
 
@@ -223,17 +215,22 @@ def lr_at(step: int, train: TrainConfig, time_fraction: float = 0.0) -> float:
     return train.lr * (train.min_lr_ratio + (1 - train.min_lr_ratio) * cosine)
 
 
-def sample_windows(stream_N: np.ndarray, rng: np.random.Generator, batch_size: int, seq_len: int):
-    """``batch_size`` random windows -> (inputs_BT, labels_BT) as int64 tensors (labels = inputs shifted by one)."""
-    starts_B = rng.integers(0, len(stream_N) - seq_len - 1, size=batch_size)
-    windows_BT1 = np.stack([stream_N[s : s + seq_len + 1] for s in starts_B]).astype(np.int64)
-    windows_BT1 = torch.from_numpy(windows_BT1)
-    return windows_BT1[:, :-1], windows_BT1[:, 1:]
+def sample_windows(stream: TokenStream, rng: np.random.Generator, batch_size: int, seq_len: int):
+    """``batch_size`` random windows -> (inputs_BT, labels_BT) as int64 tensors: labels are the inputs shifted by
+    one, IGNORE_INDEX where the stream does not learn that token."""
+    starts_B = rng.integers(0, len(stream) - seq_len - 1, size=batch_size)
+    inputs_BT = np.stack([stream.ids_N[s : s + seq_len] for s in starts_B]).astype(np.int64)
+    labels_BT = np.stack([stream.labels_N[s + 1 : s + seq_len + 1] for s in starts_B]).astype(np.int64)
+    return torch.from_numpy(inputs_BT), torch.from_numpy(labels_BT)
 
 
 def causal_lm_loss(model, inputs_BT, labels_BT):
+    """Mean cross-entropy over the learned labels; zero (with a gradient of zeros, so DDP's all-reduce still
+    runs) for a window that holds none, e.g. one inside a long chat prompt."""
     logits_BTV = model(input_ids=inputs_BT).logits
-    return F.cross_entropy(logits_BTV.flatten(0, 1).float(), labels_BT.flatten())
+    if not (labels_BT != IGNORE_INDEX).any():
+        return logits_BTV.sum() * 0.0
+    return F.cross_entropy(logits_BTV.flatten(0, 1).float(), labels_BT.flatten(), ignore_index=IGNORE_INDEX)
 
 
 def eval_windows(stream_N: np.ndarray, seq_len: int, max_tokens: int) -> np.ndarray:
@@ -243,29 +240,32 @@ def eval_windows(stream_N: np.ndarray, seq_len: int, max_tokens: int) -> np.ndar
         np.zeros((0, seq_len + 1), dtype=np.int32)
 
 
-def summed_loss(model, windows_WT1: np.ndarray, batch_size: int) -> tuple[float, int]:
-    """(sum of token cross-entropies, number of tokens) over ``windows_WT1``, in batches."""
+def summed_loss(model, inputs_WT1: np.ndarray, labels_WT1: np.ndarray, batch_size: int) -> tuple[float, int]:
+    """(sum of token cross-entropies, number of learned tokens) over the windows, in batches: window w reads
+    ``inputs_WT1[w, :-1]`` and predicts ``labels_WT1[w, 1:]`` (IGNORE_INDEX: not counted)."""
     total, count = 0.0, 0
     with torch.no_grad():
-        for i in range(0, len(windows_WT1), batch_size):
-            batch_BT1 = torch.from_numpy(windows_WT1[i : i + batch_size].astype(np.int64))
-            logits_BTV = model(input_ids=batch_BT1[:, :-1]).logits
-            total += F.cross_entropy(logits_BTV.flatten(0, 1).float(), batch_BT1[:, 1:].flatten(),
-                                     reduction="sum").item()
-            count += batch_BT1[:, 1:].numel()
+        for i in range(0, len(inputs_WT1), batch_size):
+            inputs_BT = torch.from_numpy(inputs_WT1[i : i + batch_size, :-1].astype(np.int64))
+            labels_BT = torch.from_numpy(labels_WT1[i : i + batch_size, 1:].astype(np.int64))
+            logits_BTV = model(input_ids=inputs_BT).logits
+            total += F.cross_entropy(logits_BTV.flatten(0, 1).float(), labels_BT.flatten(), reduction="sum",
+                                     ignore_index=IGNORE_INDEX).item()
+            count += int((labels_BT != IGNORE_INDEX).sum())
     return total, count
 
 
-def distributed_heldout_loss(model, heldout_streams: dict[str, np.ndarray], train: TrainConfig, rank: int,
+def distributed_heldout_loss(model, heldout_streams: dict[str, TokenStream], train: TrainConfig, rank: int,
                              world_size: int) -> dict[str, float]:
     """Mean held-out cross-entropy per kind and overall: rank r takes windows r, r + world_size, ...; the
     (loss sum, token count) pairs are all-reduced, so every rank returns the same numbers."""
     model.eval()
     heldout: dict[str, float] = {}
     total_loss, total_count = 0.0, 0
-    for kind, stream_N in sorted(heldout_streams.items()):
-        windows_WT1 = eval_windows(stream_N, train.seq_len, train.eval_tokens)[rank::world_size]
-        sums_2 = torch.tensor(summed_loss(model, windows_WT1, train.batch_size), dtype=torch.float64)
+    for kind, stream in sorted(heldout_streams.items()):
+        inputs_WT1 = eval_windows(stream.ids_N, train.seq_len, train.eval_tokens)[rank::world_size]
+        labels_WT1 = eval_windows(stream.labels_N, train.seq_len, train.eval_tokens)[rank::world_size]
+        sums_2 = torch.tensor(summed_loss(model, inputs_WT1, labels_WT1, train.batch_size), dtype=torch.float64)
         dist.all_reduce(sums_2)
         if sums_2[1] > 0:
             heldout[f"heldout_loss_{kind}"] = (sums_2[0] / sums_2[1]).item()
@@ -274,18 +274,21 @@ def distributed_heldout_loss(model, heldout_streams: dict[str, np.ndarray], trai
     return heldout
 
 
-def greedy_samples(model_dir: Path, prompts: list[str], max_new_tokens: int) -> list[dict[str, str]]:
-    """Greedy continuations of ``prompts`` with transformers ``generate`` (a smoke test of the saved checkpoint)."""
+def greedy_samples(model_dir: Path, prompts: list[tuple[str, list[int]]], max_new_tokens: int
+                   ) -> list[dict[str, str]]:
+    """Greedy continuations of the (text, ids) ``prompts`` with transformers ``generate`` (a smoke test of the
+    saved checkpoint; it stops at the checkpoint's EOS)."""
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     model = AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
     out = []
-    for prompt in prompts:
-        inputs = tokenizer(prompt, return_tensors="pt")
+    for text, ids in prompts:
+        input_ids_BT = torch.tensor([ids])
         with torch.no_grad():
-            ids_BT = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
-                                    pad_token_id=PAD_ID, eos_token_id=EOS_ID)
-        continuation = tokenizer.decode(ids_BT[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
-        out.append({"prompt": prompt, "continuation": continuation})
+            ids_BT = model.generate(input_ids=input_ids_BT, attention_mask=torch.ones_like(input_ids_BT),
+                                    max_new_tokens=max_new_tokens, do_sample=False,
+                                    pad_token_id=model.config.pad_token_id, eos_token_id=model.config.eos_token_id)
+        continuation = tokenizer.decode(ids_BT[0, input_ids_BT.shape[1]:], skip_special_tokens=True)
+        out.append({"prompt": text, "continuation": continuation})
     return out
 
 
