@@ -9,8 +9,8 @@ Measured with a chain of ``depth`` tokens (greedy) so that position j is judged 
 accepted: per query (prompt), acceptance at P_j = accepted / judged drafts at depth j over its cycles; a query
 counts at P_j when it had at least ``min_judged`` judgments there.
 
-Checks: (1) the mean falls with depth: P_last < P_1 and at least ``min_falling`` of the steps P_j -> P_j+1 do not
-rise; (2) queries spread: at some position the queries' acceptance spans at least ``min_span`` (max - min; the
+Checks: (1) the mean falls with depth: over the positions judged at least ``min_position_judged`` times (at least 3
+of them), P_last < P_1 and at least ``min_falling`` of the steps P_j -> P_j+1 do not rise; (2) queries spread: at some position the queries' acceptance spans at least ``min_span`` (max - min; the
 paper: ~0.9).
 
     python -m jobs.findings --finding position-vs-context [--scale micro|default|large] [key=value ...]
@@ -34,6 +34,7 @@ class Settings(Common):
     method: str = "eagle2"       # whose drafter drafts the chain (eagle2 / eagle1: EAGLE-1's drafter)
     depth: int = 6               # positions P1..P<depth>
     min_judged: int = 3          # judgments a query needs at a position to count there
+    min_position_judged: int = 20  # judgments (all queries) a position needs to enter the mean-falls check
     min_span: float = 0.6
     min_falling: float = 0.8     # fraction of position steps that must not rise
 
@@ -45,7 +46,7 @@ class Settings(Common):
 
 SCALES = {
     "micro": {"target": "micro", "suite": "code", "num_prompts": 3, "max_new_tokens": 12, "max_prompt_tokens": 24,
-              "depth": 3, "min_judged": 1},
+              "depth": 3, "min_judged": 1, "min_position_judged": 1},
     "default": {"num_prompts": 16, "max_new_tokens": 64},
     "large": {"num_prompts": 80, "max_new_tokens": 256, "suite": "chat"},
 }
@@ -88,15 +89,16 @@ def position_rows(per_query: list[list[tuple[int, int]]], min_judged: int) -> li
 
 def judge(rows: list[dict[str, Any]], settings: Settings) -> Verdict:
     """The checks of the module docstring, from the position rows (mean, span)."""
-    means = [r["mean"] for r in rows if r["mean"] is not None]
+    means = [r["mean"] for r in rows if r["judged"] >= settings.min_position_judged]
     steps = list(zip(means, means[1:]))
     falling = sum(b <= a for a, b in steps) / len(steps) if steps else 0.0
     spans = [r["span"] for r in rows if r["span"] is not None]
     widest = max(spans, default=0.0)
     at = next((r["position"] for r in rows if r["span"] == widest), None)
     return Verdict(CLAIM, (
-        Check("mean falls with depth", f"P_last < P_1 and >= {settings.min_falling:.0%} of steps do not rise",
-              len(means) >= 2 and means[-1] < means[0] and falling >= settings.min_falling,
+        Check("mean falls with depth", f"over >= 3 positions judged >= {settings.min_position_judged} times: "
+              f"P_last < P_1 and >= {settings.min_falling:.0%} of steps do not rise",
+              len(means) >= 3 and means[-1] < means[0] and falling >= settings.min_falling,
               {"means": means, "non_rising_steps": falling}),
         Check("queries spread at one position", f"max over positions of (max - min across queries) >= "
               f"{settings.min_span}", widest >= settings.min_span, {"widest_span": widest, "at_position": at}),

@@ -51,7 +51,7 @@ def position_table(per_query, min_judged=1):
 
 
 def test_position_vs_context():
-    settings = position_context.Settings(depth=3, min_judged=1)
+    settings = position_context.Settings(depth=3, min_judged=1, min_position_judged=4)
     # query 0 accepts P1 and P2 and is rejected at P3; query 1 is rejected at P2: means 1, 0.5, 0; span 1 at P2
     rows = position_table([[(4, 4), (4, 4), (0, 4)], [(4, 4), (0, 4), (0, 0)]])
     assert [r["mean"] for r in rows] == [1.0, 0.5, 0.0] and rows[1]["span"] == 1.0
@@ -60,6 +60,9 @@ def test_position_vs_context():
     assert position_context.judge(flat, settings).outcome == "refuted"
     rising = position_table([[(1, 4), (4, 4), (4, 4)], [(4, 4), (1, 1), (1, 1)]])
     assert [c.passed for c in position_context.judge(rising, settings).checks] == [False, True]
+    # an untrained drafter: P3 is never judged and P2 too rarely, so a fall over two positions is no evidence
+    shallow = position_table([[(2, 40), (0, 3), (0, 0)], [(8, 40), (0, 1), (0, 0)]])
+    assert [c.passed for c in position_context.judge(shallow, settings).checks] == [False, False]
 
 
 def bins(pairs, count=50):
