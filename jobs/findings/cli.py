@@ -62,5 +62,6 @@ def train_only(finding: Finding, settings, labels: str) -> int:
     if unknown:
         raise ConfigError(f"--train-only: unknown variant(s) {unknown}; {finding.name} trains {known}")
     for label, trained in train_variants([v for v in variants if v.label in wanted], settings.runner).items():
-        print(f"[findings] {label}: {trained.path} ({trained.steps} steps, {'reused' if trained.reused else 'trained'})")
+        how = "reused" if trained.reused else "trained"
+        print(f"[findings] {label}: {trained.path} ({trained.steps} steps, {how})")
     return 0

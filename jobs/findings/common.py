@@ -35,7 +35,7 @@ class Common:
     max_prompt_tokens: int = 256     # longer chat prompts are skipped, others cut
     drafters_dir: str = "$EYAS_HOME/drafters"  # trained drafters at <dir>/<family>-<target dir name> (jobs.bench)
     device: str = "auto"             # auto: cuda when there is one, else cpu
-    threads: int | None = None       # torch threads (null: torch's default)
+    threads: int | None = None       # torch threads (null: eyas.threads' policy)
     repeats: int = 1                 # timed passes over the prompts (speed findings)
     experiment: str = EXPERIMENT     # MLflow experiment
 

@@ -79,7 +79,8 @@ def variants(settings: Settings) -> list[Variant]:
             f"dflash-{few}taps": (settings.dflash_config, [f"drafter.config.num_taps={few}"])}
     data = str(data_path(settings.data))
     return [Variant(label, variant_config(config, f"findings-dflash-vs-eagle3-{label}-{target_dir.name}",
-                                          str(target_dir), data, common + extra)) for label, (config, extra) in plan.items()]
+                                          str(target_dir), data, common + extra))
+            for label, (config, extra) in plan.items()]
 
 
 def run(settings: Settings) -> Outcome:

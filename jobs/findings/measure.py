@@ -23,6 +23,7 @@ from eyas.decoding.stats import SpecStats
 from eyas.decoding.tree import MAX_TREE_NODES, chain, pack_trees
 from eyas.methods import METHODS, SpecConfig, checkpoint_factory, drafter_factory, tree_over
 from eyas.models import load_target, load_tokenizer
+from eyas.threads import configure_threads
 from eyas.train.config import target_path
 from jobs.findings.common import Common
 
@@ -47,8 +48,7 @@ def device_of(settings: Common) -> torch.device:
 
 
 def open_workbench(settings: Common) -> Workbench:
-    if settings.threads:
-        torch.set_num_threads(settings.threads)
+    configure_threads(settings.threads or None)  # eyas.threads' policy unless the finding names a count
     target_dir = target_path(settings.target)
     if not (target_dir / "config.json").is_file():
         raise ConfigError(f"target={settings.target!r}: {target_dir} holds no checkpoint (python -m "

@@ -10,8 +10,8 @@ accepted: per query (prompt), acceptance at P_j = accepted / judged drafts at de
 counts at P_j when it had at least ``min_judged`` judgments there.
 
 Checks: (1) the mean falls with depth: over the positions judged at least ``min_position_judged`` times (at least 3
-of them), P_last < P_1 and at least ``min_falling`` of the steps P_j -> P_j+1 do not rise; (2) queries spread: at some position the queries' acceptance spans at least ``min_span`` (max - min; the
-paper: ~0.9).
+of them), P_last < P_1 and at least ``min_falling`` of the steps P_j -> P_j+1 do not rise; (2) queries spread: at
+some position the queries' acceptance spans at least ``min_span`` (max - min; the paper: ~0.9).
 
     python -m jobs.findings --finding position-vs-context [--scale micro|default|large] [key=value ...]
 """
