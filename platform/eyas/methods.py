@@ -212,7 +212,7 @@ def resolve_checkpoint(location: str | Path, field: str) -> Path:
     (``models:/NAME@ALIAS``, ``runs:/RUN_ID/PATH``, downloaded once). ``field`` names the setting in errors."""
     text = str(location)
     if text.startswith(("models:/", "runs:/")):
-        return Path(track.resolve_model(text))
+        return track.download_model(text)
     path = resolve_path(text)
     if not path.exists():
         raise ConfigError(f"{field}={text}: no checkpoint there (a drafter is trained with python -m "

@@ -354,17 +354,6 @@ def download_model(uri: str, dst_dir: str | Path | None = None) -> Path:
     return Path(local)
 
 
-def resolve_model(path_or_uri: str | Path, dst_dir: str | Path | None = None) -> Path:
-    """A local path as is; an MLflow URI (``models:/...``, ``runs:/...``) downloaded first."""
-    text = str(path_or_uri)
-    if text.startswith(("models:/", "runs:/")):
-        return download_model(text, dst_dir)
-    path = Path(text).expanduser()
-    if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist (expected a directory or a models:/NAME@ALIAS URI)")
-    return path
-
-
 class Tracker:
     """Rank 0's logging into the driver's run (a distributed trainer's worker re-attaches to it by id, also after a
     restart); a no-op on other ranks or with tracking disabled. ``loop`` carries the driver's ``tracking_uri``,

@@ -92,7 +92,7 @@ def test_resolve_checkpoint(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"spec.drafter=\$EYAS_HOME/drafters/y: no checkpoint there"):
         resolve_checkpoint("$EYAS_HOME/drafters/y", "spec.drafter")
     seen = []
-    monkeypatch.setattr("eyas.track.resolve_model", lambda uri: seen.append(uri) or tmp_path)
+    monkeypatch.setattr("eyas.track.download_model", lambda uri: seen.append(uri) or tmp_path)
     assert resolve_checkpoint("models:/eagle3@champion", "spec.drafter") == tmp_path
     assert resolve_checkpoint("runs:/abc/drafter", "target") == tmp_path
     assert seen == ["models:/eagle3@champion", "runs:/abc/drafter"]
