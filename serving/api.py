@@ -58,6 +58,10 @@ class JsonResponse(JSONResponse):
         return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
 
 
+class RequestFailed(RuntimeError):
+    """The engine failed this request alone (StepOutput.error); the replica and its other requests go on."""
+
+
 class RequestRun:
     """One request's generation as text pieces, with stop strings applied and its speculative metrics kept."""
 
@@ -83,6 +87,8 @@ class RequestRun:
                 for num_accepted, judged_depth, num_drafted in out.cycles:
                     self.num_cycles += 1
                     self.stats.record_cycle(num_accepted, judged_depth, [], num_drafted)
+                if out.error is not None:
+                    raise RequestFailed(out.error)
                 before = len(self.text.ids)
                 delta = self.text.push(out.new_token_ids)
                 new_ids = self.text.ids[before:self.text.num_tokens] if self.text.stopped else out.new_token_ids
@@ -104,6 +110,7 @@ class RequestRun:
 
     def spec_metrics(self, method: str) -> dict[str, Any]:
         speculative = method != "vanilla"
+        self.stats.emitted(max(len(self.token_ids) - 1, 0))  # tau: what was sent (after the prefill's token)
         return {"method": method, "cycles": self.num_cycles,
                 "tau": self.stats.tau if speculative else None,
                 "accepted_per_position": list(self.stats.depth_accepted),
@@ -157,6 +164,9 @@ class Frontend:
         except ReplicaBroken:
             self.metrics.request(route, 503)
             raise
+        except RequestFailed as err:
+            self.metrics.request(route, 500)
+            raise request_failed(err) from None
         except asyncio.CancelledError:  # the client went away; aclosing already freed the row
             self.metrics.request(route, 499)
             raise
@@ -222,6 +232,9 @@ class Frontend:
         except ReplicaBroken:
             self.metrics.request(route, 503)
             raise
+        except RequestFailed as err:
+            self.metrics.request(route, 500)
+            raise request_failed(err) from None
         except asyncio.CancelledError:
             self.metrics.request(route, 499)
             raise
@@ -259,11 +272,20 @@ class Frontend:
             self.metrics.request(route, 503)
             yield event(error_body(str(err), "server_error", code="replica_unavailable"))
             return
+        except RequestFailed as err:
+            self.metrics.request(route, 500)
+            yield event(request_failed(err).body())
+            return
         except (asyncio.CancelledError, GeneratorExit):  # client disconnected mid-stream: its row is freed
             self.metrics.request(route, 499)
             raise
         run.record(self.method)
         self.metrics.request(route, 200)
+
+
+def request_failed(err: RequestFailed) -> ApiError:
+    return ApiError(500, f"this request failed in the engine ({err}); this is a bug in eyas, other requests are "
+                         "unaffected", type="server_error", code="request_failed")
 
 
 # ---------------------------------------------------------------- the app

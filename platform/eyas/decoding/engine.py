@@ -16,9 +16,13 @@ run this engine. Each row keeps its own accepted length and its own KV length: r
   cache.keep(accepted nodes per row)          per-row rollback: rejected branches leave nothing behind
   drafter_b.commit(root + accepted, taps on the path); emit accepted + bonus; finished rows leave
 
-Requests join at cycle boundaries (each prefilled into the next free cache row) and leave when finished or
-cancelled. Live rows always occupy cache rows [0, B): a leaving row's slot is filled by moving the last row into
+Requests join at cycle boundaries (each prefilled into the next free cache row) and leave when finished, cancelled
+or failed. Live rows always occupy cache rows [0, B): a leaving row's slot is filled by moving the last row into
 it (``KVCache.move_row``), so a cycle's forward runs on exactly B rows, never on idle capacity.
+
+A failure that belongs to one request (its checks, its sampling, its drafter: anything but the batch's target
+forward) ends that request alone, with ``finish_reason="error"`` and the error in its StepOutput; the other rows'
+cycle goes on untouched. The leader decides it and shares it like any verdict (a None first token or commit).
 
 Tensor parallelism (SPMD): every rank runs this same engine on its shard of the target, with the same commands in
 the same order, so their collectives line up. Only the leader (rank 0) holds drafters and sampling generators: it
@@ -36,9 +40,11 @@ same tree at the same time.
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -48,6 +54,8 @@ from eyas.decoding.stats import SpecStats, judged_nodes
 from eyas.decoding.tree import MAX_TREE_NODES, DraftTree, chain, check_tree_size, pack_trees, prune
 from eyas.decoding.verify import Accepted, process_logits, verify_greedy, verify_sampling
 from eyas.models.decoder import Decoder
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -61,6 +69,7 @@ class _Row:
     stats: SpecStats = field(default_factory=SpecStats)
     cycles: list[tuple[int, int, int]] = field(default_factory=list)  # not yet reported
     finish_reason: str | None = None
+    error: str | None = None  # why the leader failed this request (finish_reason "error")
 
 
 class SpecEngine:
@@ -132,9 +141,16 @@ class SpecEngine:
     def step(self, joins: Sequence[SequenceRequest] = (), leaves: Iterable[str] = ()) -> list[StepOutput]:
         leaving = set(leaves)
         staying = [r.request.request_id for r in self.rows if r.request.request_id not in leaving]
-        for request in joins:  # every check before any change, so a refused step leaves the engine as it was
-            self.check_request(request)
-        ids = staying + [r.request_id for r in joins]
+        outputs: list[StepOutput] = []
+        admitted = []
+        for request in joins:  # a request that fails its checks is refused alone; the others join
+            try:
+                self.check_request(request)
+                admitted.append(request)
+            except ValueError as err:
+                outputs.append(StepOutput(request.request_id, [], True, "error", error=str(err)))
+        joins = admitted
+        ids = staying + [r.request_id for r in joins]  # the scheduler's mistakes refuse the whole step, unchanged
         if len(set(ids)) != len(ids):
             raise ValueError(f"duplicate request ids among {ids}")
         if len(ids) > self.capacity:
@@ -143,7 +159,6 @@ class SpecEngine:
         for i in reversed(range(len(self.rows))):
             if self.rows[i].request.request_id in leaving:
                 self._release(i)
-        outputs: list[StepOutput] = []
         if joins:
             self._admit(joins)
             outputs += self._collect_finished()
@@ -172,14 +187,20 @@ class SpecEngine:
                                              logits_slice=slice(-1, None))
             row.length = view.lengths[0]
             if self.leader:
-                row.generator = make_generator(request.sampling, device)
-                firsts.append(pick_token(logits_1TV[0, -1], request.sampling, row.generator))
-                if self.speculative:
-                    row.drafter = self.free_drafters.pop()
-                    row.drafter.begin(list(request.prompt_ids), {l: h[0] for l, h in hidden.items()})
+                token = None  # None: the leader failed this request, and every rank drops its row
+                with self._isolated(row, "the first token"):
+                    row.generator = make_generator(request.sampling, device)
+                    token = pick_token(logits_1TV[0, -1], request.sampling, row.generator)
+                    if self.speculative:
+                        row.drafter = self.free_drafters.pop()
+                        row.drafter.begin(list(request.prompt_ids), {l: h[0] for l, h in hidden.items()})
+                firsts.append(token)
         firsts = self.channel.share(firsts if self.leader else None)
         for row, token in zip(new_rows, firsts):
-            self._emit(row, [token])
+            if token is None:
+                self._fail(row)
+            else:
+                self._emit(row, [token])
 
     def _cycle(self) -> None:
         """One draft -> verify -> keep -> commit cycle over every live row.
@@ -197,7 +218,9 @@ class SpecEngine:
         if self.leader:
             limit = self.schedule.max_draft_nodes(len(rows)) if self.speculative else 0
             for row in rows:
-                tree, seconds = self._draft(row, limit)
+                tree, seconds = chain(row.out[-1], []), 0.0  # a row whose drafter failed drafts nothing
+                with self._isolated(row, "drafting"):
+                    tree, seconds = self._draft(row, limit)
                 trees.append(tree)
                 draft_s += seconds
             plan = [(tree.tokens_list, tree.parents_list) for tree in trees]
@@ -213,14 +236,21 @@ class SpecEngine:
         if self.leader:
             verdicts = []
             for b, (row, tree) in enumerate(zip(rows, trees)):
-                accepted = self._verify(row, tree, logits_BTV[b, :tree.num_nodes])
-                verdicts.append((accepted.nodes, accepted.committed))
-                draft_s += self._commit(row, tree, accepted, {l: h[b] for l, h in hidden.items()})
+                verdict = ([0], None)  # a failed row keeps nothing in the cache and leaves
+                if row.error is None:
+                    with self._isolated(row, "verification"):
+                        accepted = self._verify(row, tree, logits_BTV[b, :tree.num_nodes])
+                        draft_s += self._commit(row, tree, accepted, {l: h[b] for l, h in hidden.items()})
+                        verdict = (accepted.nodes, accepted.committed)
+                verdicts.append(verdict)
         verdicts = self.channel.share(verdicts)
         view.keep([nodes for nodes, _ in verdicts])
         for row, (_, committed), length in zip(rows, verdicts, view.lengths):
             row.length = length
-            self._emit(row, committed)
+            if committed is None:
+                self._fail(row)
+            else:
+                self._emit(row, committed)
         if self.leader:
             other_s = time.perf_counter() - start - draft_s - verify_s
             for row in rows:
@@ -267,6 +297,20 @@ class SpecEngine:
 
     # -- bookkeeping -----------------------------------------------------
 
+    @contextlib.contextmanager
+    def _isolated(self, row: _Row, what: str) -> Iterator[None]:
+        """Leader-side work for one row: an exception (a drafter bug, sampling settings that slipped past the
+        request checks) fails that request alone, reported in its StepOutput and logged, and the batch goes on."""
+        try:
+            yield
+        except Exception as err:  # noqa: BLE001 (not swallowed: the request gets the error, the log the traceback)
+            row.error = f"{what} failed ({type(err).__name__}: {err})"
+            logger.warning("eyas engine: request %s: %s", row.request.request_id, row.error, exc_info=True)
+
+    def _fail(self, row: _Row) -> None:
+        row.finish_reason = "error"
+        row.error = row.error or "failed on the leader rank"  # only the leader knows why; its output is reported
+
     def _emit(self, row: _Row, tokens: list[int]) -> None:
         budget = row.request.max_new_tokens
         out, stopped = truncate_at_stop(row.out + tokens, self.eos, budget)
@@ -286,7 +330,7 @@ class SpecEngine:
             stats.new_tokens = len(row.out)
             stats.emitted(len(row.out) - 1)  # the first token came from the prefill; tau counts what was emitted
         return StepOutput(row.request.request_id, new, row.finish_reason is not None, row.finish_reason, stats,
-                          cycles)
+                          cycles, row.error)
 
     def _collect_finished(self) -> list[StepOutput]:
         outputs = [self._output(row) for row in self.rows if row.finish_reason]
@@ -312,13 +356,15 @@ class SpecEngine:
 
     def run(self, requests: Sequence[SequenceRequest]) -> dict[str, tuple[list[int], StepOutput]]:
         """Serve ``requests`` to completion, joining as rows free up: {request_id: (tokens, final output)}.
-        A convenience for tests, the bench and offline use (single rank)."""
+        A convenience for tests, the bench and offline use (single rank); a failed request raises."""
         pending = list(requests)
         tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
         done: dict[str, tuple[list[int], StepOutput]] = {}
         while pending or self.rows:
             joins, pending = pending[:self.num_free], pending[self.num_free:]
             for out in self.step(joins):
+                if out.error is not None:
+                    raise RuntimeError(f"request {out.request_id}: {out.error}")
                 tokens[out.request_id] += out.new_token_ids
                 if out.finished:
                     done[out.request_id] = (tokens[out.request_id], out)

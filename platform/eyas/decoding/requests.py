@@ -62,11 +62,12 @@ class StepOutput:
     request_id: str
     new_token_ids: list[int]
     finished: bool = False
-    finish_reason: str | None = None  # "stop" (EOS) or "length" (max_new_tokens), when finished
+    finish_reason: str | None = None  # "stop" (EOS), "length" (max_new_tokens) or "error", when finished
     stats: SpecStats | None = None  # the whole request's, when finished (leader only)
     # this step's cycles as (accepted drafted tokens, deepest judged depth, drafted nodes), so a caller that stops
     # early (a stop string, a disconnect) still knows what the sequence's cycles did; leader only
     cycles: list[tuple[int, int, int]] = field(default_factory=list)
+    error: str | None = None  # why this request failed (finish_reason "error"); the rest of the batch went on
 
 
 class Channel(Protocol):

@@ -4,6 +4,7 @@ Shape legend (docs/SHAPES.md): V vocab.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -19,8 +20,8 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature}: must be >= 0 (0 means greedy)")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):  # NaN passes a plain "< 0" check
+            raise ValueError(f"temperature={self.temperature}: must be a finite number >= 0 (0 means greedy)")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={self.top_p}: must be in (0, 1]")
         if self.top_k < 0:

@@ -189,15 +189,74 @@ def test_first_token_can_finish_and_bad_requests_are_refused(setup):
     vocab = target.config.vocab_size
     for request, match in ((SequenceRequest("b", [], 4), "empty"), (SequenceRequest("c", [vocab], 4), "token ids"),
                            (SequenceRequest("d", [1] * 60, 8), "context"), (SequenceRequest("e", [1], 0), "> 0")):
-        with pytest.raises(ValueError, match=match):
-            engine.step([request])
+        [out] = engine.step([request, SequenceRequest("ok", prompts[1], 1)])[:1]  # refused alone: "ok" ran
+        assert out.request_id == request.request_id and out.finished and out.finish_reason == "error"
+        assert match in out.error and out.new_token_ids == []
     assert engine.rows == []
+    with pytest.raises(RuntimeError, match="request c: prompt token ids"):  # run() raises what step() reports
+        engine.run([SequenceRequest("c", [vocab], 4)])
     engine.step([SequenceRequest("f", prompts[1], 8)])
-    with pytest.raises(ValueError, match="cannot join"):  # refused whole: the running row is untouched
+    with pytest.raises(ValueError, match="cannot join"):  # the scheduler's mistakes refuse the whole step
         engine.step([SequenceRequest("g", prompts[2], 4), SequenceRequest("h", prompts[3], 4)], leaves=["zzz"])
     with pytest.raises(ValueError, match="duplicate"):
         engine.step([SequenceRequest("f", prompts[2], 4)])
     assert engine.active_request_ids() == ["f"]
+
+
+class PoisonedNgram:
+    """An n-gram drafter that raises on its 4th proposal for one prompt: a drafter bug that hits one request."""
+
+    def __init__(self, target, poisoned: list[int]) -> None:
+        self.inner, self.poisoned = build_drafter(target, SpecConfig(method="ngram")), poisoned
+        self.name, self.max_draft_nodes, self.target_taps = "poisoned", self.inner.max_draft_nodes, ()
+
+    def begin(self, prompt_ids, taps) -> None:
+        self.prompt, self.calls = list(prompt_ids), 0
+        self.inner.begin(prompt_ids, taps)
+
+    def propose(self, root, context_ids, temperature, generator):
+        self.calls += 1
+        if self.prompt == self.poisoned and self.calls == 4:
+            raise RuntimeError("drafter bug")
+        return self.inner.propose(root, context_ids, temperature, generator)
+
+    def commit(self, tokens, taps) -> None:
+        self.inner.commit(tokens, taps)
+
+
+def test_a_failing_request_fails_alone_and_the_batch_goes_on(setup):
+    """Three requests in one batch: one whose sampling settings slipped past validation (NaN temperature: fails at its
+    first token), one whose drafter raises mid-run; the third comes out exactly as alone, and the engine serves on."""
+    target, prompts, eos = setup
+    spec = SpecConfig(method="ngram")
+    alone = generate(target, prompts[0], NUM_NEW, drafter=build_drafter(target, spec), eos_token_ids=eos).token_ids
+    greedy_1 = generate(target, prompts[1], NUM_NEW, eos_token_ids=eos).token_ids
+    engine = SpecEngine(target, capacity=3, max_len=256, drafter_factory=lambda: PoisonedNgram(target, prompts[1]),
+                        eos_token_ids=eos)
+    nan_sampling = SamplingParams(temperature=0.8, seed=1)
+    object.__setattr__(nan_sampling, "temperature", float("nan"))  # what SamplingParams itself now refuses
+    requests = [SequenceRequest("good", prompts[0], NUM_NEW), SequenceRequest("drafter-bug", prompts[1], NUM_NEW),
+                SequenceRequest("nan", prompts[2], NUM_NEW, nan_sampling)]
+    got: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    final = {}
+    joins = requests
+    while joins or engine.rows:
+        for out in engine.step(joins):
+            got[out.request_id] += out.new_token_ids
+            if out.finished:
+                final[out.request_id] = out
+        joins = []
+    assert got["good"] == alone and final["good"].error is None
+    assert final["nan"].finish_reason == "error" and got["nan"] == []
+    assert "the first token failed (ValueError" in final["nan"].error and "temperature" in final["nan"].error
+    assert final["drafter-bug"].finish_reason == "error"
+    assert final["drafter-bug"].error == "drafting failed (RuntimeError: drafter bug)"
+    assert 0 < len(got["drafter-bug"]) < NUM_NEW and greedy_1[:len(got["drafter-bug"])] == got["drafter-bug"]
+    assert engine.rows == [] and len(engine.free_drafters) == 3
+    tokens, _ = engine.run([SequenceRequest("after", prompts[0], NUM_NEW)])["after"]
+    assert tokens == alone
+    with pytest.raises(ValueError, match="finite"):
+        SamplingParams(temperature=float("nan"))
 
 
 # ---------------------------------------------------------------- tensor parallel

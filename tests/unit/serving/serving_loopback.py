@@ -7,7 +7,7 @@ import contextlib
 import threading
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 from eyas.decoding.engine import SpecEngine
 from eyas.decoding.tp import free_port
@@ -67,11 +67,13 @@ class LoopbackServer:
 
 @contextlib.contextmanager
 def serve_locally(checkpoint: Path, capacity: int = 2, max_waiting: int = 2, pause_s: float = 0.002,
-                  api_key: str | None = None, max_tokens_limit: int | None = None) -> Iterator[LoopbackServer]:
+                  api_key: str | None = None, max_tokens_limit: int | None = None,
+                  make_drafter: Callable[[Any], Any] | None = None) -> Iterator[LoopbackServer]:
+    """``make_drafter(target)``: one drafter per row instead of the n-gram drafter (a test's stand-in)."""
     target = load_target(checkpoint)
     tokenizer = load_tokenizer(checkpoint)
     spec = SpecConfig(method="ngram")
-    engine = SpecEngine(target, capacity, 512, lambda: build_drafter(target, spec),
+    engine = SpecEngine(target, capacity, 512, lambda: (make_drafter or (lambda t: build_drafter(t, spec)))(target),
                         eos_token_ids=set(target.config.eos_token_ids))
     args = ServeArgs(target=str(checkpoint), model_name=MODEL, spec=spec, max_batch_size=capacity,
                      max_waiting_requests=max_waiting)

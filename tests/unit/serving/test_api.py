@@ -116,3 +116,56 @@ def test_a_disconnected_stream_frees_its_row_at_once(random_checkpoint):
             assert seconds < 3
             assert http.get("/health").json()["cancelled"] == 1
         assert server.worker.engine.rows == [] and server.frontend.scheduler.num_admitted == 0
+
+
+POISON = [7, 7, 7, 7, 7]  # a prompt (token ids) whose drafter raises on its 4th proposal
+
+
+class DrafterBugOnPoison:
+    """The n-gram drafter, except that it raises mid-run for the POISON prompt: a bug that hits one request."""
+
+    def __init__(self, target) -> None:
+        from eyas.methods import SpecConfig, build_drafter
+
+        self.inner = build_drafter(target, SpecConfig(method="ngram"))
+        self.name, self.max_draft_nodes, self.target_taps = "poisoned", self.inner.max_draft_nodes, ()
+
+    def begin(self, prompt_ids, taps) -> None:
+        self.poisoned, self.calls = list(prompt_ids) == POISON, 0
+        self.inner.begin(prompt_ids, taps)
+
+    def propose(self, root, context_ids, temperature, generator):
+        self.calls += 1
+        if self.poisoned and self.calls == 4:
+            raise RuntimeError("drafter bug")
+        return self.inner.propose(root, context_ids, temperature, generator)
+
+    def commit(self, tokens, taps) -> None:
+        self.inner.commit(tokens, taps)
+
+
+def test_a_request_the_engine_fails_gets_a_500_and_the_others_are_served(random_checkpoint):
+    """One request whose drafter raises: that request alone answers 500 in OpenAI's shape (mid-stream: an error
+    event), the request batched beside it gets exactly its text from alone, and the replica stays healthy."""
+    good = {"model": MODEL, "prompt": PROMPT, "max_tokens": 24, "temperature": 0}
+    bad = {"model": MODEL, "prompt": POISON, "max_tokens": 64, "temperature": 0}
+    with serve_locally(random_checkpoint, capacity=2, max_waiting=2, pause_s=0.02,
+                       make_drafter=DrafterBugOnPoison) as server:
+        with httpx.Client(base_url=server.url, timeout=60) as http:
+            alone = http.post("/v1/completions", json=good).json()["choices"][0]["text"]
+            with concurrent.futures.ThreadPoolExecutor(2) as pool:
+                failing = pool.submit(http.post, "/v1/completions", json=bad)
+                beside = pool.submit(http.post, "/v1/completions", json=good)
+                failed, served = failing.result(), beside.result()
+            assert failed.status_code == 500 and failed.json()["error"]["code"] == "request_failed"
+            assert "drafting failed (RuntimeError: drafter bug)" in failed.json()["error"]["message"]
+            assert served.status_code == 200 and served.json()["choices"][0]["text"] == alone
+            assert served.json()["spec"]["batch_size_max"] == 2  # it shared rounds with the failing request
+            with http.stream("POST", "/v1/completions", json={**bad, "stream": True}) as stream:
+                assert stream.status_code == 200  # the first tokens went out before the failure
+                events = [line for line in stream.iter_lines() if line.startswith("data: ")]
+            assert '"code": "request_failed"' in events[-1] and "data: [DONE]" not in events
+            health = http.get("/health")
+            assert health.status_code == 200 and server.frontend.scheduler.broken is None
+            assert http.post("/v1/completions", json=good).json()["choices"][0]["text"] == alone
+        assert server.worker.engine.rows == [] and server.frontend.scheduler.num_admitted == 0
