@@ -33,6 +33,7 @@ from eyas.methods import METHODS, SpecConfig, build_drafter
 from eyas.models import CheckpointError, load_target, load_tokenizer
 from eyas.decoding.generate import generate
 from eyas.decoding.stats import SpecStats
+from eyas.threads import configure_threads, current_settings
 
 # transformers' own generate() as a baseline: method -> the extra generate() arguments it runs with
 HF_METHODS = {
@@ -62,6 +63,7 @@ def git_commit() -> str:
 
 def machine() -> dict:
     return {"host": host.node(), "cpu": host.processor() or host.machine(), "torch_threads": torch.get_num_threads(),
+            "threads": current_settings().to_dict(),  # eyas.threads: policy, count and its source, OpenMP env
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 
 
@@ -150,11 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spec", action="append", default=[], metavar="YAML",
                         help="a YAML with a `spec:` section (e.g. tune.sweep's best config) for its method")
     parser.add_argument("--out", default="bench.json")
-    parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    parser.add_argument("--threads", type=int, help="torch threads (default: eyas.threads' policy)")
     parser.add_argument("--strict", action="store_true", help="fail instead of skipping unavailable methods")
     args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    configure_threads(args.threads)
     try:
         report = run_bench(args)
     except (ConfigError, CheckpointError, ValueError) as err:
