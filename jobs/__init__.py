@@ -3,3 +3,7 @@
 The same command runs under ``ray job submit --working-dir . -- python -m jobs.NAME ...``. Jobs stay thin: the
 algorithms live in ``platform/eyas`` (which never imports Ray); a job wires them to Ray Train / Data / actors.
 """
+from eyas.threads import set_openmp_env
+
+# OpenMP reads its wait policy once, when torch loads it: set it before any module of this package imports torch
+set_openmp_env()

@@ -6,3 +6,7 @@
   report.py    MLflow parent / child runs, the curve figure, results table and the best-config YAML
   sweep.py     the CLI: validate, start Ray, build the Tuner, run it, report
 """
+from eyas.threads import set_openmp_env
+
+# OpenMP reads its wait policy once, when torch loads it: set it before any module of this package imports torch
+set_openmp_env()

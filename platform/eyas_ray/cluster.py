@@ -5,6 +5,7 @@ import os
 from typing import Any
 
 from eyas_ray import auth
+from eyas_ray.threads import with_openmp_env
 
 
 def init_ray(**kwargs: Any) -> None:
@@ -22,6 +23,10 @@ def init_ray(**kwargs: Any) -> None:
     if ray.is_initialized():
         return
     kwargs.setdefault("log_to_driver", True)
+    # every worker starts with eyas's OpenMP wait policy (torch reads it on import; eyas.threads)
+    runtime_env = with_openmp_env(kwargs.get("runtime_env"))
+    if runtime_env:
+        kwargs["runtime_env"] = runtime_env
     address = os.environ.get("RAY_ADDRESS")
     if address:
         if os.environ.get(auth.AUTH_MODE, "token") == "token" and auth.token_source() is None:

@@ -2,7 +2,8 @@
 from eyas.models.cache import KVCache
 from eyas.models.config import CheckpointError, ModelConfig
 from eyas.models.decoder import Decoder, TensorParallel
+from eyas.models.dtypes import DTYPES, torch_dtype
 from eyas.models.loading import load_target, load_tokenizer
 
-__all__ = ["CheckpointError", "Decoder", "KVCache", "ModelConfig", "TensorParallel", "load_target",
-           "load_tokenizer"]
+__all__ = ["CheckpointError", "DTYPES", "Decoder", "KVCache", "ModelConfig", "TensorParallel", "load_target",
+           "load_tokenizer", "torch_dtype"]

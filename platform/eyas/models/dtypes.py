@@ -1,0 +1,20 @@
+"""The dtypes a target (and with it its drafter, which follows the target's dtype) loads in, by the names that
+configs and command-line flags use.
+
+float32 is the reference: greedy speculative output equals greedy vanilla output token for token. bfloat16 runs on
+CPUs with native bfloat16 matrix units (AVX512-BF16, AMX) and on GPUs; float16 is for GPUs (CPUs have no fast float16
+matrix product). In reduced precision a verify forward over N tokens and a decode step use differently shaped
+kernels, so near-ties in the target's argmax can flip: the README ("Threads and dtype") has the measured rate.
+"""
+from __future__ import annotations
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str, field: str = "dtype") -> torch.dtype:
+    """The torch dtype of a config or flag value; ``field`` names it in the error."""
+    if name not in DTYPES:
+        raise ValueError(f"{field}={name!r}: must be one of {list(DTYPES)}")
+    return DTYPES[name]
