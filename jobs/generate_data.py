@@ -4,7 +4,8 @@
     ray job submit --working-dir . -- python -m jobs.generate_data --config jobs/configs/data-micro.yaml
 
 Output: ``$EYAS_HOME/data/<name>/{train,heldout}/shard-NNNNN.parquet`` (prompt_ids, response_ids, loss_mask; see
-eyas/train/data.py) and ``data.json`` (what produced them, counts, timings), written last.
+eyas/train/data.py) and ``data.json`` (what produced them, counts, timings): written first with ``"complete": false``
+(readers refuse the data set until the build ends), then again at the end.
 
 source=regenerate: train prompts from ``eyas.corpus`` (held-out prompts for the held-out split) are tokenized on the
 driver (cut to ``max_prompt_tokens``) and continued by the target, ``batch_size`` prompts per batched forward, on
@@ -16,9 +17,9 @@ prompt). source=corpus: fixed chunks of the packed train / held-out documents (E
 on the driver; no target forward is needed.
 
 Shards are the unit of work and of restart: shard i of a split holds sequences [i * shard_size, (i+1) * shard_size)
-and is written atomically, so a rerun skips the shards already on disk. ``data.json`` pins what decides a shard's
-content (target, source, sampling, lengths, seed, shard size); a rerun with a different one stops with an error
-unless ``--force`` (which starts over).
+and is written atomically, so a rerun skips the shards already on disk and builds missing or unreadable ones.
+``data.json`` pins what decides a shard's content (target, source, sampling, lengths, seed, shard size); a rerun with
+a different one stops with an error unless ``--force`` (which starts over).
 """
 from __future__ import annotations
 
@@ -35,8 +36,10 @@ from eyas.config import ConfigError, to_dict
 from eyas.models import load_target, load_tokenizer
 from eyas.models.config import ModelConfig
 from eyas.progress import Progress
+from eyas.threads import configure_threads
 from eyas.train.config import DataConfig, data_path, target_path
-from eyas.train.data import corpus_chunks, num_shards, regenerate, response_row, shard_path, write_shard
+from eyas.train.data import (corpus_chunks, num_shards, regenerate, response_row, shard_is_complete, shard_path,
+                             write_shard)
 from eyas_ray.cluster import init_ray
 from jobs.common import job_argparser, load_job_config
 
@@ -64,7 +67,10 @@ def check_stamp(cfg: DataConfig, out: Path, force: bool) -> None:
         shutil.rmtree(out)
     if not stamp.is_file():
         return
-    old = json.loads(stamp.read_text()).get("content_key")
+    try:
+        old = json.loads(stamp.read_text()).get("content_key")
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{stamp}: not valid JSON ({err}); rerun with --force to build the data set again") from None
     if old != cfg.content_key():
         changed = sorted(k for k in cfg.content_key() if (old or {}).get(k) != cfg.content_key()[k])
         raise ConfigError(f"{out} was generated with different settings ({changed}); rerun with --force to "
@@ -76,11 +82,16 @@ def split_plan(cfg: DataConfig) -> dict[str, int]:
 
 
 def pending_shards(cfg: DataConfig, out: Path) -> list[tuple[str, int]]:
+    """The shards a run must build: missing ones, and ones a crash or a bad copy left unreadable (truncated)."""
     todo = []
     for split, count in split_plan(cfg).items():
         for index in range(num_shards(count, cfg.shard_size)):
-            if not shard_path(out, split, index).is_file():
-                todo.append((split, index))
+            path = shard_path(out, split, index)
+            if path.is_file() and shard_is_complete(path):
+                continue
+            if path.is_file():
+                print(f"[data] {path}: unreadable (truncated or corrupt); building it again", flush=True)
+            todo.append((split, index))
     return todo
 
 
@@ -115,7 +126,7 @@ class Regenerator:
     """Holds the target; answers one shard of prompts per call (created as a Ray actor by ``regenerate_shards``)."""
 
     def __init__(self, cfg_dict: dict[str, Any], target_dir: str, use_gpu: bool) -> None:
-        torch.set_num_threads(1)
+        configure_threads(cpu_budget=1)  # the actor's num_cpus=1 (regenerate_shards)
         self.cfg = DataConfig(**cfg_dict) if not isinstance(cfg_dict, DataConfig) else cfg_dict
         device = "cuda" if use_gpu else "cpu"
         self.target = load_target(target_dir, device=device)
@@ -221,6 +232,8 @@ def build(cfg: DataConfig, force: bool = False) -> Path:
     target_dir = check_target(cfg)
     check_stamp(cfg, out, force)
     out.mkdir(parents=True, exist_ok=True)
+    # pinned before any shard is written: a rerun after a kill checks its settings, and readers refuse the data set
+    write_meta(out, {"name": cfg.name, "config": to_dict(cfg), "content_key": cfg.content_key(), "complete": False})
     todo = pending_shards(cfg, out)
     start = time.monotonic()
     if not todo:
@@ -236,11 +249,19 @@ def build(cfg: DataConfig, force: bool = False) -> Path:
         stale.unlink()
     counts = count_rows(out)
     meta = {"name": cfg.name, "config": to_dict(cfg), "content_key": cfg.content_key(), "rows": counts,
-            "last_run": {**totals, "seconds": seconds}, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    (out / DATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+            "complete": True, "last_run": {**totals, "seconds": seconds},
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    write_meta(out, meta)
     print(f"[data] {out}: {counts['train']} train + {counts['heldout']} held-out sequences "
           f"({seconds:.1f}s this run)", flush=True)
     return out
+
+
+def write_meta(out: Path, meta: dict[str, Any]) -> None:
+    """data.json, atomically (temp file + rename): a reader never sees half of it."""
+    partial = out / f".{DATA_FILE}.tmp"
+    partial.write_text(json.dumps(meta, indent=2) + "\n")
+    partial.replace(out / DATA_FILE)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,12 +16,13 @@ Adding a family: one ``FAMILIES`` entry (and ``eyas.methods.METHODS`` entries fo
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from eyas.config import ConfigError, from_dict, resolve_path, to_dict
 from eyas.drafters.dflash import DFlashConfig, DFlashModel, make_dflash_drafter
@@ -33,8 +34,10 @@ from eyas.drafters.trees import BLOCK_MODES, EXPAND_MODES, TreeSpec
 from eyas.interop.fingerprint import check_fingerprint, target_fingerprint
 from eyas.models.config import CheckpointError
 from eyas.models.decoder import Decoder
+from eyas.models.loading import load_safetensors
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
+RETRAIN = "train the drafter again (python -m jobs.train_drafter), or copy the whole checkpoint directory again"
 
 
 @dataclass(frozen=True)
@@ -85,7 +88,11 @@ def build_model(drafter_type: str, config: Any, target: Decoder, draft_vocab: li
 
 
 def save_drafter(model: torch.nn.Module, directory: str | Path, target_ref: str | Path) -> Path:
-    """Write ``model`` as a checkpoint directory; ``target_ref`` names the target it drafts for (path or name)."""
+    """Write ``model`` as a checkpoint directory; ``target_ref`` names the target it drafts for (path or name).
+
+    Each file is written under a temp name and renamed; config.json goes first out and last in, so a save that dies
+    midway leaves a directory without config.json (which no loader takes for a checkpoint), never new weights under
+    an old config or a half-written file."""
     directory = resolve_path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     target_config = model.target_config
@@ -96,8 +103,12 @@ def save_drafter(model: torch.nn.Module, directory: str | Path, target_ref: str 
             "target_fingerprint": target_fingerprint(target_config, _target_dir(target_ref)),
             "config": to_dict(model.config)}
     state = {name: tensor.detach().contiguous().cpu() for name, tensor in model.state_dict().items()}
-    save_file(state, str(directory / WEIGHTS_FILE))
-    (directory / CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    partial = {name: directory / f".{name}.{os.getpid()}.tmp" for name in (WEIGHTS_FILE, CONFIG_FILE)}
+    save_file(state, str(partial[WEIGHTS_FILE]))
+    partial[CONFIG_FILE].write_text(json.dumps(meta, indent=2) + "\n")
+    (directory / CONFIG_FILE).unlink(missing_ok=True)
+    os.replace(partial[WEIGHTS_FILE], directory / WEIGHTS_FILE)
+    os.replace(partial[CONFIG_FILE], directory / CONFIG_FILE)
     return directory
 
 
@@ -128,7 +139,8 @@ def read_meta(path: str | Path) -> tuple[Path, dict[str, Any]]:
         return directory, interop.foreign_meta(meta, foreign, config_path)
     missing = [k for k in ("drafter_type", "target", "target_taps", "config") if k not in meta]
     if missing:
-        raise CheckpointError(f"{config_path}: missing field(s) {missing}")
+        raise CheckpointError(f"{config_path}: missing field(s) {missing}, so this is not a complete eyas drafter "
+                              f"checkpoint (registry.save_drafter writes them); {RETRAIN}")
     return directory, meta
 
 
@@ -140,7 +152,8 @@ def _check_target(meta: dict[str, Any], target: Decoder, where: Path) -> None:
     if wrong:
         details = ", ".join(f"{k}: checkpoint {a}, target {b}" for k, (a, b) in wrong.items())
         raise CheckpointError(f"{where}: drafter was trained for target {meta['target']!r} and does not fit this "
-                              f"target ({details})")
+                              f"target ({details}); serve it with the target it was trained for, or train one for "
+                              "this target (python -m jobs.train_drafter, target=...)")
 
 
 def load_model(path: str | Path, target: Decoder, target_dir: str | Path | None = None) -> torch.nn.Module:
@@ -167,13 +180,14 @@ def load_model(path: str | Path, target: Decoder, target_dir: str | Path | None 
     weights = directory / WEIGHTS_FILE
     if state is None:
         if not weights.is_file():
-            raise CheckpointError(f"{weights}: missing file")
-        state = load_file(str(weights), device=str(target.device))
+            raise CheckpointError(f"{weights}: missing file; {RETRAIN}")
+        state = load_safetensors(weights, target.device, RETRAIN)
     expected = model.state_dict()
     missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
     if missing or unexpected:
         raise CheckpointError(f"{weights}: tensors do not match a {meta['drafter_type']} model with this config "
-                              f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
+                              f"(missing {missing[:5]}, unexpected {unexpected[:5]}); the weights belong to another "
+                              f"config or were cut: {RETRAIN}")
     for name, tensor in state.items():
         if tuple(tensor.shape) != tuple(expected[name].shape):
             raise CheckpointError(f"{weights}: shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, "

@@ -16,13 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 
 from eyas.config import to_dict
 from eyas.interop import dflash, eagle3, speculators
 from eyas.interop.fingerprint import target_fingerprint
 from eyas.models.config import CheckpointError
 from eyas.models.decoder import Decoder
+from eyas.models.loading import load_safetensors
 
 FORMATS = ("sglang", "vllm", "speculators")
 WEIGHTS_FILE = "model.safetensors"
@@ -92,7 +92,7 @@ def import_checkpoint(directory: Path, meta: dict[str, Any], target: Decoder
     weights = directory / WEIGHTS_FILE
     if not weights.is_file():
         raise CheckpointError(f"{weights}: missing file (multi-file checkpoints are not read; merge the shards)")
-    state = load_file(str(weights))
+    state = load_safetensors(weights, fix="export or download the drafter again, or copy the whole directory again")
     if meta["format"] == "speculators":
         config, state = speculators.to_engine(config, state, target, where)
     if meta["drafter_type"] == "eagle3":

@@ -57,7 +57,8 @@ class ModelConfig:
             archs = raw.get("architectures")
             raise CheckpointError(
                 f"{source}: unsupported architecture model_type={model_type!r} (architectures={archs}); "
-                f"eyas loads {list(SUPPORTED_MODEL_TYPES)}"
+                f"eyas loads {list(SUPPORTED_MODEL_TYPES)}: point the target at a checkpoint of one of those "
+                "families (a dense decoder of another family needs its flags in eyas.models.config first)"
             )
         missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                                "num_attention_heads") if k not in raw]

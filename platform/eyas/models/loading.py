@@ -11,7 +11,8 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file
 
 from eyas.models.config import CheckpointError, ModelConfig
 from eyas.models.decoder import Decoder, TensorParallel, rope_inv_freq
@@ -22,6 +23,30 @@ FLOAT_DTYPES = {torch.float32, torch.float16, torch.bfloat16, torch.float64}
 # Megatron sharding: which dimension of each weight is split across tensor-parallel ranks.
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # split outputs (dim 0, and bias)
 ROW_PARALLEL = ("o_proj", "down_proj")  # split inputs (dim 1); bias kept whole on rank 0 only
+
+
+# What a damaged weights file most likely is, for the errors below (a size check cannot tell a cut file from any
+# other bad one; safetensors itself checks that the header's tensors cover the file exactly).
+DAMAGED = "truncated or corrupt (an interrupted download, copy or save?)"
+REFETCH_TARGET = ("fetch, convert or train the target again (python -m jobs.fetch_target NAME, or "
+                  "python -m jobs.train_target) or copy the whole directory again")
+
+
+def open_safetensors(file: Path, fix: str = REFETCH_TARGET):
+    """safe_open on ``file``, or a CheckpointError naming it, the damage and ``fix`` (what to do about it)."""
+    try:
+        return safe_open(str(file), framework="pt")
+    except (SafetensorError, OSError) as err:
+        raise CheckpointError(f"{file}: cannot read safetensors ({err}): the file is {DAMAGED}; {fix}") from None
+
+
+def load_safetensors(file: Path, device: str | torch.device = "cpu", fix: str = REFETCH_TARGET
+                     ) -> dict[str, torch.Tensor]:
+    """Every tensor of ``file`` (no pickle: safetensors holds tensors only), or open_safetensors' error."""
+    try:
+        return load_file(str(file), device=str(device))
+    except (SafetensorError, OSError) as err:
+        raise CheckpointError(f"{file}: cannot read safetensors ({err}): the file is {DAMAGED}; {fix}") from None
 
 
 def checkpoint_files(directory: Path) -> list[Path]:
@@ -62,11 +87,7 @@ def read_state_dict(directory: Path, config: ModelConfig, tp: TensorParallel,
     """This rank's tensors by native name; ``sources`` (when given) records the file each one came from."""
     state: dict[str, torch.Tensor] = {}
     for file in checkpoint_files(directory):
-        try:
-            handle = safe_open(str(file), framework="pt")
-        except Exception as err:  # safetensors raises its own error types for corrupt headers
-            raise CheckpointError(f"{file}: cannot read safetensors ({err})") from None
-        with handle:
+        with open_safetensors(file) as handle:
             for key in handle.keys():
                 name = key.removeprefix("model.")
                 if name.endswith("rotary_emb.inv_freq"):

@@ -4,7 +4,7 @@ Shape legend: B batch (sequences), P prompt tokens (left-padded), S cache slots,
 
 On disk (written by ``jobs.generate_data``)::
 
-    $EYAS_HOME/data/<name>/data.json                 what produced the shards (content key, counts)
+    $EYAS_HOME/data/<name>/data.json                 what produced the shards (content key, counts, complete)
     $EYAS_HOME/data/<name>/train/shard-00000.parquet  prompt_ids, response_ids, loss_mask (one row per sequence)
     $EYAS_HOME/data/<name>/heldout/shard-00000.parquet
 
@@ -12,6 +12,10 @@ On disk (written by ``jobs.generate_data``)::
 response), 0 on the prompt. Training reads every shard of a split into memory (drafter data sets are small next to
 the target features computed from them) and each worker takes a deterministic slice of a per-epoch permutation, so
 a resumed run can skip exactly the batches it already trained on (``DataPosition``).
+
+Nothing partial is read as if complete: a shard is written under a temp name and renamed, data.json says
+``"complete": false`` while a build runs, and reading checks every shard and the row counts data.json records; a
+truncated or missing shard is a ShardError naming the file, and a rerun of jobs.generate_data builds it again.
 """
 from __future__ import annotations
 
@@ -30,6 +34,13 @@ from eyas.models.features import TargetFeatures, TrainBatch, target_features
 
 SPLITS = ("train", "heldout")
 COLUMNS = ("prompt_ids", "response_ids", "loss_mask")
+META_FILE = "data.json"
+REBUILD = ("rerun python -m jobs.generate_data with the data set's config: a rerun builds missing and unreadable "
+           "shards again (--force starts over)")
+
+
+class ShardError(ValueError):
+    """A data set that cannot be read whole; the message names the file and how to rebuild it."""
 
 
 # ---------------------------------------------------------------- regeneration (the target answers prompts)
@@ -156,16 +167,55 @@ def write_shard(path: Path, rows: list[dict[str, list[int]]]) -> None:
 
 def read_rows(directory: Path, split: str) -> list[dict[str, list[int]]]:
     """Every row of ``split``, shards in order. A missing split is an error that says how to build it."""
-    import pyarrow.parquet as pq
-
     files = sorted((Path(directory) / split).glob("shard-*.parquet"))
     if not files:
         raise FileNotFoundError(f"{Path(directory) / split}: no parquet shards; build the data set first, e.g. "
                                 f"`python -m jobs.generate_data --config jobs/configs/data-tiny.yaml`")
     rows: list[dict[str, list[int]]] = []
     for file in files:
-        rows += pq.read_table(file, columns=list(COLUMNS)).to_pylist()
+        rows += read_shard(file)
+    check_complete(Path(directory), split, len(rows))
     return rows
+
+
+def read_shard(file: Path) -> list[dict[str, list[int]]]:
+    """One shard's rows, or a ShardError naming the file (a truncated file has no parquet footer)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.read_table(file, columns=list(COLUMNS)).to_pylist()
+    except (pa.ArrowException, OSError) as err:
+        raise ShardError(f"{file}: cannot read this parquet shard ({err}); it is truncated, corrupt or not a "
+                         f"shard: {REBUILD}") from None
+
+
+def shard_is_complete(file: Path) -> bool:
+    """Whether ``file`` is a whole, readable shard (a rerun builds the others again)."""
+    try:
+        read_shard(file)
+    except ShardError:
+        return False
+    return True
+
+
+def check_complete(directory: Path, split: str, num_rows: int) -> None:
+    """A data set jobs.generate_data built says in data.json whether the build finished and how many rows each
+    split has; shards written by other means (tests, tools) have no data.json to compare with."""
+    meta_file = directory / META_FILE
+    if not meta_file.is_file():
+        return
+    try:
+        meta = json.loads(meta_file.read_text())
+    except json.JSONDecodeError as err:
+        raise ShardError(f"{meta_file}: not valid JSON ({err}); {REBUILD}") from None
+    if meta.get("complete") is False:
+        raise ShardError(f"{meta_file}: this data set's build has not finished (it is running, or it was killed); "
+                         f"{REBUILD}")
+    recorded = (meta.get("rows") or {}).get(split)
+    if recorded is not None and recorded != num_rows:
+        raise ShardError(f"{directory / split}: its shards hold {num_rows} rows but {meta_file} records {recorded}; "
+                         f"shards are missing or were changed since: {REBUILD}")
 
 
 # ---------------------------------------------------------------- batches

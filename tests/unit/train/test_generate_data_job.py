@@ -8,7 +8,7 @@ import pytest
 
 from eyas.config import ConfigError, load_config
 from eyas.train.config import DataConfig
-from eyas.train.data import SequenceDataset
+from eyas.train.data import SequenceDataset, ShardError
 
 
 @pytest.fixture()
@@ -56,3 +56,27 @@ def test_missing_target_says_how_to_build_it(eyas_home):
 
     with pytest.raises(FileNotFoundError, match="jobs.train_target"):
         build(corpus_config(target="nowhere"))
+
+
+def test_a_truncated_shard_or_an_unfinished_build_is_refused_and_a_rerun_redoes_it(home, capsys):
+    from jobs.generate_data import build
+
+    out = build(corpus_config())
+    rows = SequenceDataset(out, "train").rows
+    shard = out / "train" / "shard-00001.parquet"
+    shard.write_bytes(shard.read_bytes()[:100])  # a bad copy, or a disk that lost the file's end
+    with pytest.raises(ShardError, match=f"{shard}: cannot read this parquet shard .* rerun python -m jobs.generate"):
+        SequenceDataset(out, "train")
+    capsys.readouterr()
+    build(corpus_config())
+    printed = capsys.readouterr().out
+    assert f"{shard}: unreadable (truncated or corrupt); building it again" in printed
+    assert "1 shards to build (3 already done)" in printed and SequenceDataset(out, "train").rows == rows
+
+    meta = json.loads((out / "data.json").read_text())
+    (out / "data.json").write_text(json.dumps({**meta, "complete": False}))  # as a build killed midway leaves it
+    with pytest.raises(ShardError, match="data.json: this data set's build has not finished"):
+        SequenceDataset(out, "train")
+    (out / "data.json").write_text(json.dumps({**meta, "rows": {"train": 11, "heldout": 3}}))
+    with pytest.raises(ShardError, match="its shards hold 10 rows but .*data.json records 11"):
+        SequenceDataset(out, "train")
