@@ -70,21 +70,26 @@ def bins(pairs, count=50):
             enumerate(pairs)]
 
 
+def summary_of(pairs, count=50):
+    table = bins(pairs, count)
+    return {"ece": calibration.ece(table), "slope": calibration.weighted_slope(table, 10), "judged": count * len(pairs)}
+
+
 def test_calibration():
     settings = calibration.Settings()
-    calibrated = bins([(0.15, 0.14), (0.45, 0.47), (0.75, 0.73), (0.95, 0.93)])
-    summary = {"ece": calibration.ece(calibrated), "correlation": calibration.weighted_correlation(calibrated, 10),
-               "judged": 200}
-    assert summary["ece"] == pytest.approx(0.0175) and summary["correlation"] > 0.99
-    assert calibration.judge(summary, settings).outcome == "reproduced"
-    overconfident = bins([(0.55, 0.1), (0.75, 0.3), (0.95, 0.5)])
-    summary = {"ece": calibration.ece(overconfident), "correlation": calibration.weighted_correlation(overconfident,
-               10), "judged": 150}
-    assert calibration.judge(summary, settings).outcome == "partly"  # rises, but far from y = x
-    assert calibration.weighted_correlation(overconfident[:2], 10) is None  # under 3 bins: no correlation
-    anti = bins([(0.15, 0.9), (0.55, 0.5), (0.95, 0.1)])
-    summary = {"ece": calibration.ece(anti), "correlation": calibration.weighted_correlation(anti, 10), "judged": 150}
-    assert calibration.judge(summary, settings).outcome == "refuted"
+    calibrated = summary_of([(0.15, 0.14), (0.45, 0.47), (0.75, 0.73), (0.95, 0.93)])
+    assert calibrated["ece"] == pytest.approx(0.0175) and calibrated["slope"] == pytest.approx(0.975, abs=0.01)
+    assert calibration.judge(calibrated, settings).outcome == "reproduced"
+    shifted = summary_of([(0.55, 0.1), (0.75, 0.3), (0.95, 0.5)])  # the right slope, 0.45 too confident
+    assert [c.passed for c in calibration.judge(shifted, settings).checks] == [False, True]
+    # most nodes at low confidence and right there, overconfident above: a small ECE, a flat slope
+    low_mass = bins([(0.04, 0.02)], 850) + bins([(0.35, 0.05), (0.55, 0.06), (0.75, 0.3)], 20)
+    summary = {"ece": calibration.ece(low_mass), "slope": calibration.weighted_slope(low_mass, 10), "judged": 910}
+    assert summary["ece"] < 0.1 and summary["slope"] < 0.5
+    assert [c.passed for c in calibration.judge(summary, settings).checks] == [True, False]
+    assert calibration.weighted_slope(bins([(0.5, 0.5), (0.9, 0.9)]), 10) is None  # under 3 bins: no line
+    anti = summary_of([(0.15, 0.9), (0.55, 0.5), (0.95, 0.1)])
+    assert calibration.judge(anti, settings).outcome == "refuted"
 
 
 def scaling_rows(e3, e1, sizes=(16, 32, 64, 128)):
