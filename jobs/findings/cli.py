@@ -15,7 +15,7 @@ from pathlib import Path
 from eyas.config import ConfigError, flatten
 from eyas.models import CheckpointError
 from jobs.findings import calibration, data_scaling, dflash_eagle3, hardware_nstar, position_context, tree_chain
-from jobs.findings.common import Finding, run_finding
+from jobs.findings.common import Finding, apply_threads, run_finding
 from jobs.findings.training import train_variants
 
 FINDINGS: dict[str, Finding] = {m.FINDING.name: m.FINDING for m in (
@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
 def train_only(finding: Finding, settings, labels: str) -> int:
     if finding.variants is None:
         raise ConfigError(f"--train-only: {finding.name} trains no drafters")
+    apply_threads(settings)
     variants = finding.variants(settings)
     known = [v.label for v in variants]
     wanted = known if labels == "all" else [label.strip() for label in labels.split(",") if label.strip()]

@@ -133,6 +133,12 @@ class Finding:
         return from_dict(self.settings, data)
 
 
+def apply_threads(settings: Common) -> None:
+    """``threads``: torch's intra-op threads for everything the finding runs in this process (training included)."""
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+
+
 def out_dir(finding: str, scale: str) -> Path:
     return eyas_home() / "findings" / f"{finding}-{scale}"
 
@@ -142,6 +148,7 @@ def run_finding(finding: Finding, settings: Any, scale: str, out: Path | None = 
     """Measure ``finding`` in one MLflow run (params = the settings, tags = finding, scale, commit, verdict) and
     write its figures, table and verdict there and to ``out``; returns (run id, Outcome)."""
     out = out or out_dir(finding.name, scale)
+    apply_threads(settings)
     tags = {"eyas.kind": "finding", "eyas.finding": finding.name, "eyas.scale": scale, "eyas.commit": git_commit()}
     with track.start_run(settings.experiment, run_name=f"{finding.name}-{scale}", params=flatten(settings),
                          tags=tags) as run:
