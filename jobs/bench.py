@@ -11,11 +11,21 @@ self-trained base target never downloads a data set.
 Speedup is tokens/s over eyas ``vanilla`` on the same suite in the same run; methods run in a rotating order per
 prompt so slow drifts of this machine hit all of them alike. Writes bench.json (DESIGN.md schema), a figure next
 to it (speedup and tau per method and suite), and prints the table.
+
+The cost model (eyas.decoding.costs; off with ``--cost-repeats 0``): before the methods run, the bench measures the
+target's t(N) over N new tokens (N = 1 ... 64) after a context as long as the mean prompt plus half the new tokens,
+and the memory read bandwidth. Each method's row then carries its time split per cycle (draft: the drafter's
+propose + commit; verify: the target forward; other: the engine's own overhead), the curve's t(N) at its mean tree
+size and its predicted limit tau * t(1) / (t(N) + t_draft) next to the measured speedup; vanilla is set against
+the bandwidth limit (weight bytes per decode step / read bandwidth) and against transformers ``generate()``. Every
+repeated measurement reports min and median; a wide spread or a high load average adds a warning that the machine
+was busy.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform as host
 import subprocess
 import sys
@@ -28,6 +38,7 @@ import yaml
 
 from eyas import datasets
 from eyas.config import ConfigError, eyas_home, from_dict, resolve_path
+from eyas.decoding import costs
 from eyas.decoding.tree import MAX_TREE_NODES
 from eyas.methods import METHODS, SpecConfig, build_drafter
 from eyas.models import CheckpointError, load_target, load_tokenizer
@@ -50,7 +61,10 @@ class Tally:
     seconds: float = 0.0
     new_tokens: int = 0
     num_prompts: int = 0
+    num_runs: int = 0  # generate() calls, repeats included: each has one prefill, the rest are cycles
     stats: SpecStats = field(default_factory=SpecStats)
+    pass_seconds: list[float] = field(default_factory=list)  # per pass over the prompts (--repeats)
+    pass_tokens: list[int] = field(default_factory=list)
 
 
 def git_commit() -> str:
@@ -94,11 +108,13 @@ def load_prompts(args: argparse.Namespace, tokenizer=None, max_prompt_tokens: in
 class HFRunner:
     """transformers generate() on the same checkpoint: plain, assisted by the draft LM, and prompt lookup."""
 
-    def __init__(self, target_path: str, draft_path: str | None, num_lookup: int) -> None:
+    def __init__(self, target_path: str, draft_path: str | None, num_lookup: int,
+                 dtype: torch.dtype = torch.float32) -> None:
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
-        self.draft = (AutoModelForCausalLM.from_pretrained(draft_path, dtype=torch.float32).eval()
+        # the target's own dtype: eyas and transformers are compared on the same arithmetic
+        self.model = AutoModelForCausalLM.from_pretrained(target_path, dtype=dtype).eval()
+        self.draft = (AutoModelForCausalLM.from_pretrained(draft_path, dtype=dtype).eval()
                       if draft_path else None)
         self.num_lookup = num_lookup
 
@@ -152,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spec", action="append", default=[], metavar="YAML",
                         help="a YAML with a `spec:` section (e.g. tune.sweep's best config) for its method")
     parser.add_argument("--out", default="bench.json")
+    parser.add_argument("--cost-repeats", type=int, default=5,
+                        help="samples per t(N) size and of the read bandwidth (0: no cost model)")
     parser.add_argument("--threads", type=int, help="torch threads (default: eyas.threads' policy)")
     parser.add_argument("--strict", action="store_true", help="fail instead of skipping unavailable methods")
     args = parser.parse_args(argv)
@@ -198,7 +216,8 @@ def run_bench(args: argparse.Namespace) -> dict:
     hf = None
     if any(m in drafters for m in HF_METHODS):
         hf = HFRunner(target_path, args.draft_model if "hf-assisted" in drafters else None,
-                      num_lookup=spec_for("ngram", args, target_name, overrides).setting("num_draft"))
+                      num_lookup=spec_for("ngram", args, target_name, overrides).setting("num_draft"),
+                      dtype=target.dtype)
     # long prompts keep their first tokens: room for the new tokens and a draft tree must stay in the context
     max_prompt_tokens = min(args.max_prompt_tokens or 10**9,
                             target.config.max_position_embeddings - args.max_new_tokens - MAX_TREE_NODES)
@@ -206,56 +225,152 @@ def run_bench(args: argparse.Namespace) -> dict:
         raise ConfigError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the target's "
                           f"context of {target.config.max_position_embeddings} tokens")
     suites = load_prompts(args, tokenizer, max_prompt_tokens)
+    # a chat prompt is already rendered by the chat template, special tokens included
+    encoded = {suite: [tokenizer.encode(p, add_special_tokens=suite != "chat")[:max_prompt_tokens] for p in prompts]
+               for suite, prompts in suites.items()}
+    load_start = costs.load_average()
+    cost = measure_costs(target, encoded, args) if args.cost_repeats > 0 else None
     tallies = {(m, s): Tally() for m in drafters for s in suites}
     order = list(drafters)
     total = sum(len(p) for p in suites.values()) * args.repeats
     done = 0
     for rep in range(args.repeats):
-        for suite, prompts in suites.items():
-            for prompt in prompts:
-                # a chat prompt is already rendered by the chat template, special tokens included
-                prompt_ids = tokenizer.encode(prompt, add_special_tokens=suite != "chat")[:max_prompt_tokens]
+        for tally in tallies.values():
+            tally.pass_seconds.append(0.0)
+            tally.pass_tokens.append(0)
+        for suite, prompts in encoded.items():
+            for prompt_ids in prompts:
                 order = order[1:] + order[:1]  # rotate: no method always runs first
                 for method in order:
                     spec, drafter = drafters[method]
                     tally = tallies[(method, suite)]
                     start = time.perf_counter()
                     if method in HF_METHODS:
-                        tally.new_tokens += hf.run(method, prompt_ids, args.max_new_tokens, eos)
+                        new_tokens = hf.run(method, prompt_ids, args.max_new_tokens, eos)
                     else:
                         result = generate(target, prompt_ids, args.max_new_tokens, drafter=drafter,
                                           eos_token_ids=eos)
-                        tally.new_tokens += len(result.token_ids)
+                        new_tokens = len(result.token_ids)
                         tally.stats = tally.stats.merge(result.stats)
-                    tally.seconds += time.perf_counter() - start
+                    seconds = time.perf_counter() - start
+                    tally.seconds += seconds
+                    tally.new_tokens += new_tokens
+                    tally.pass_seconds[-1] += seconds
+                    tally.pass_tokens[-1] += new_tokens
+                    tally.num_runs += 1
                     tally.num_prompts += rep == 0
                 done += 1
                 print(f"[bench] {done}/{total} prompts", file=sys.stderr, flush=True)
-    results = []
-    for suite in suites:
-        base = tallies[("vanilla", suite)]
-        base_tps = base.new_tokens / base.seconds
-        for method in drafters:
-            t = tallies[(method, suite)]
-            tps = t.new_tokens / t.seconds if t.seconds else 0.0
-            speculates = method in METHODS and METHODS[method].speculates
-            results.append({"method": method, "suite": suite, "num_prompts": t.num_prompts,
-                            "new_tokens": t.new_tokens, "seconds": round(t.seconds, 4),
-                            "tokens_per_s": round(tps, 2), "speedup": round(tps / base_tps, 3),
-                            "tau": round(t.stats.tau, 3) if speculates and t.stats.tau else None,
-                            "per_depth_accept": [round(a, 3) for a in t.stats.per_depth_accept]
-                            if speculates else None})
+    results = [result_row(method, suite, tallies, cost) for suite in suites for method in drafters]
+    cost_model = finish_costs(cost, results, tallies, load_start, args) if cost is not None else None
     report = {"commit": git_commit(), "machine": machine(),
               "config": {"target": target_path, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
                          "num_prompts": args.num_prompts, "suites": list(suites), "skipped": skipped,
                          "specs": {m: (vars(s) if s else None) for m, (s, _) in drafters.items()},
                          "command": " ".join(sys.argv)},
-              "results": results}
+              "results": results, "cost_model": cost_model}
     out = Path(args.out)
     out.write_text(json.dumps(report, indent=2))
     plot(report, out.with_suffix(".png"))
     print(f"[bench] wrote {out} and {out.with_suffix('.png')}", file=sys.stderr)
     return report
+
+
+@dataclass
+class CostMeasurement:
+    """What the bench measures of the target before the methods run (eyas.decoding.costs)."""
+    context_tokens: int
+    curve: dict[int, costs.Timing]  # N -> seconds of one forward over N new tokens
+    weight_bytes: int  # read per decode step
+    read_bytes: int
+    read: costs.Timing  # seconds to read read_bytes once
+    dtype: str
+
+    def curve_s(self) -> dict[int, float]:
+        """t(N) as the medians of the samples (the run's typical conditions, like the methods' own timings)."""
+        return {n: t.median for n, t in self.curve.items()}
+
+    @property
+    def bandwidth_limit(self) -> float:
+        """Decode tokens/s if a step cost only reading its weights at the best measured bandwidth."""
+        return self.read_bytes / self.read.min / self.weight_bytes
+
+
+def measure_costs(target, encoded: dict[str, list[list[int]]], args: argparse.Namespace) -> CostMeasurement:
+    """The target's t(N) curve after a context as long as the mean prompt plus half the new tokens (where a cycle
+    sits on average), and the read bandwidth over twice the weights' bytes (at least 256 MiB, past any cache)."""
+    lengths = [len(ids) for prompts in encoded.values() for ids in prompts]
+    room = target.config.max_position_embeddings - max(costs.CURVE_SIZES)
+    context = max(1, min(round(sum(lengths) / len(lengths) + args.max_new_tokens / 2), room))
+    print(f"[bench] cost model: t(N) for N in {list(costs.CURVE_SIZES)} after {context} tokens, "
+          f"{args.cost_repeats} samples each", file=sys.stderr, flush=True)
+    curve = costs.forward_costs(target, context, repeats=args.cost_repeats)
+    weight_bytes = costs.decode_weight_bytes(target)
+    read_bytes, read = costs.read_seconds(max(2 * weight_bytes, 256 << 20), target.device, target.dtype,
+                                          args.cost_repeats)
+    return CostMeasurement(context, curve, weight_bytes, read_bytes, read, str(target.dtype).replace("torch.", ""))
+
+
+def result_row(method: str, suite: str, tallies: dict, cost: CostMeasurement | None) -> dict:
+    """One method on one suite: speed, acceptance and (for eyas methods) the cycle against the cost model."""
+    t, base = tallies[(method, suite)], tallies[("vanilla", suite)]
+    base_tps = base.new_tokens / base.seconds
+    tps = t.new_tokens / t.seconds if t.seconds else 0.0
+    speculates = method in METHODS and METHODS[method].speculates
+    row = {"method": method, "suite": suite, "num_prompts": t.num_prompts, "new_tokens": t.new_tokens,
+           "seconds": round(t.seconds, 4), "tokens_per_s": round(tps, 2), "speedup": round(tps / base_tps, 3),
+           "tau": round(t.stats.tau, 3) if speculates and t.stats.tau else None,
+           "per_depth_accept": [round(a, 3) for a in t.stats.per_depth_accept] if speculates else None}
+    if len(t.pass_seconds) > 1:
+        passes = [n / s for n, s in zip(t.pass_tokens, t.pass_seconds) if s > 0]
+        row["passes_tokens_per_s"] = {"best": round(max(passes), 2),
+                                      "median": round(costs.Timing(tuple(passes)).median, 2)}
+    if method in HF_METHODS:  # transformers' own loop: no cycle split
+        return row
+    stats = t.stats
+    cycles = stats.cycles if speculates else t.new_tokens - t.num_runs  # vanilla: a forward per token but the first
+    mean_nodes = stats.num_draft_nodes / stats.cycles + 1 if speculates and stats.cycles else 1.0
+    row.update(costs.method_costs(stats.draft_s, stats.verify_s, stats.other_s, cycles, mean_nodes,
+                                  stats.tau if speculates else None, cost.curve_s() if cost else None))
+    predicted = row.get("predicted_speedup")
+    row["of_limit"] = round(row["speedup"] / predicted, 3) if predicted else None
+    return row
+
+
+def finish_costs(cost: CostMeasurement, results: list[dict], tallies: dict, load_start: float,
+                 args: argparse.Namespace) -> dict:
+    """bench.json's cost_model: the curve, the bandwidth limit, vanilla against it and against transformers, and
+    the warnings that say the machine was busy."""
+    load_end = costs.load_average()
+    timings = {f"t({n})": t for n, t in cost.curve.items()}
+    timings["read bandwidth"] = cost.read
+    for (method, suite), tally in tallies.items():
+        if len(tally.pass_seconds) > 1:
+            timings[f"{method}/{suite} passes"] = costs.Timing(
+                tuple(s / max(n, 1) for s, n in zip(tally.pass_seconds, tally.pass_tokens)))
+    threads = torch.get_num_threads()
+    warnings = costs.busy_reasons(timings, load_start, load_end, os.cpu_count() or 1, threads)
+    for warning in warnings:
+        print(f"[bench] WARNING: {warning}", file=sys.stderr)
+    t_1 = cost.curve[1].median
+    rows = {(r["method"], r["suite"]): r for r in results}
+    vanilla = {}
+    for suite in dict.fromkeys(r["suite"] for r in results):
+        tps = rows[("vanilla", suite)]["tokens_per_s"]
+        hf = rows.get(("hf", suite))
+        vanilla[suite] = {"tokens_per_s": tps, "of_bandwidth_limit": round(tps / cost.bandwidth_limit, 3),
+                          "vs_hf": round(tps / hf["tokens_per_s"], 3) if hf and hf["tokens_per_s"] else None}
+    return {"context_tokens": cost.context_tokens, "repeats": args.cost_repeats,
+            "t_forward_ms": {str(n): t.to_dict(1e3) for n, t in cost.curve.items()},
+            "t_ratio": {str(n): round(t.median / t_1, 3) for n, t in cost.curve.items()},
+            "bandwidth": {"dtype": cost.dtype, "weight_bytes_per_token": cost.weight_bytes,
+                          "read_bytes": cost.read_bytes,
+                          "read_GBps": {"best": round(cost.read_bytes / cost.read.min / 1e9, 2),
+                                        "median": round(cost.read_bytes / cost.read.median / 1e9, 2)},
+                          "limit_tokens_per_s": round(cost.bandwidth_limit, 2)},
+            "vanilla": vanilla,
+            "load_average": {"start": round(load_start, 2), "end": round(load_end, 2)},
+            "cpu_count": os.cpu_count(), "torch_threads": threads, "warnings": warnings}
 
 
 def plot(report: dict, path: Path) -> None:
@@ -286,13 +401,36 @@ def plot(report: dict, path: Path) -> None:
 
 
 def print_table(report: dict) -> None:
-    print(f"{'method':<18}{'suite':<10}{'tok/s':>9}{'speedup':>9}{'tau':>7}  per-depth accept")
+    print(f"{'method':<18}{'suite':<10}{'tok/s':>9}{'speedup':>9}{'tau':>7}{'limit':>8}{'of-lim':>8}"
+          f"{'draft':>7}{'verify':>7}{'other':>7}  per-depth accept")
     for r in report["results"]:
         tau = f"{r['tau']:.2f}" if r["tau"] else "-"
+        limit = f"{r['predicted_speedup']:.2f}x" if r.get("predicted_speedup") else "-"
+        of_limit = f"{r['of_limit']:.2f}" if r.get("of_limit") else "-"
+        split = r.get("time_split")
+        shares = "".join(f"{100 * split[k]:>6.0f}%" for k in ("draft", "verify", "other")) if split else \
+            f"{'-':>7}" * 3
         depth = " ".join(f"{a:.2f}" for a in (r["per_depth_accept"] or [])[:6])
-        print(f"{r['method']:<18}{r['suite']:<10}{r['tokens_per_s']:>9.1f}{r['speedup']:>8.2f}x{tau:>7}  {depth}")
+        print(f"{r['method']:<18}{r['suite']:<10}{r['tokens_per_s']:>9.1f}{r['speedup']:>8.2f}x{tau:>7}{limit:>8}"
+              f"{of_limit:>8}{shares}  {depth}")
+    cost = report.get("cost_model")
+    if cost:
+        curve = "  ".join(f"t({n}) {t['median']:.2f}" for n, t in cost["t_forward_ms"].items())
+        ratio = "  ".join(f"{n}:{r:.2f}" for n, r in cost["t_ratio"].items())
+        band = cost["bandwidth"]
+        print(f"target forward after {cost['context_tokens']} tokens, ms (median of {cost['repeats']}): {curve}")
+        print(f"t(N)/t(1): {ratio}")
+        print(f"memory: {band['weight_bytes_per_token'] / 1e6:.0f} MB of {band['dtype']} weights per decode token, "
+              f"read at {band['read_GBps']['best']:.1f} GB/s -> limit {band['limit_tokens_per_s']:.1f} tok/s")
+        for suite, v in cost["vanilla"].items():
+            hf = f", {v['vs_hf']:.2f}x transformers generate()" if v["vs_hf"] else ""
+            print(f"vanilla on {suite}: {v['of_bandwidth_limit']:.0%} of the bandwidth limit{hf}")
+        load = cost["load_average"]
+        print(f"load average {load['start']:.2f} -> {load['end']:.2f} on {cost['cpu_count']} cores, "
+              f"{cost['torch_threads']} torch threads")
+        for warning in cost["warnings"]:
+            print(f"WARNING: {warning}")
     print(f"commit {report['commit']}; {report['config']['command']}")
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -4,7 +4,6 @@ Shape legend (docs/SHAPES.md): the engine's (decoding/engine.py).
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -33,13 +32,10 @@ def generate(target: Decoder, prompt_ids: list[int], max_new_tokens: int, drafte
         raise ValueError("prompt_ids is empty: give at least one token")
     if max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens={max_new_tokens}: must be > 0")
-    t_start = time.perf_counter()
     engine = SpecEngine(target, capacity=1, max_len=max_len,
                         drafter_factory=(lambda: drafter) if drafter is not None else None,
                         eos_token_ids=eos_token_ids)
     request = SequenceRequest("generate", list(prompt_ids), max_new_tokens, sampling)
     engine.check_request(request)
     token_ids, final = engine.run([request])["generate"]
-    stats = final.stats
-    stats.other_s = time.perf_counter() - t_start - stats.draft_s - stats.verify_s
-    return Generation(token_ids, stats, final.finish_reason)
+    return Generation(token_ids, final.stats, final.finish_reason)

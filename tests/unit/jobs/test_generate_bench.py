@@ -42,7 +42,7 @@ def test_bench_writes_schema_and_figure(random_checkpoint, random_draft_checkpoi
                        "--prompts-file", str(prompts), "--max-new-tokens", "16", "--out", str(out)])
     assert code == 0
     report = json.loads(out.read_text())
-    assert set(report) == {"commit", "machine", "config", "results"}
+    assert set(report) == {"commit", "machine", "config", "results", "cost_model"}
     rows = {r["method"]: r for r in report["results"]}
     assert set(rows) == {"vanilla", "hf", "hf-assisted", "hf-prompt-lookup", "ngram", "draft-lm"}
     assert "eagle3" in report["config"]["skipped"]  # no trained drafter in this EYAS_HOME
@@ -54,6 +54,19 @@ def test_bench_writes_schema_and_figure(random_checkpoint, random_draft_checkpoi
     # lossless: every eyas method emits vanilla's tokens, so the same number of them
     assert rows["ngram"]["new_tokens"] == rows["draft-lm"]["new_tokens"] == rows["vanilla"]["new_tokens"]
     assert out.with_suffix(".png").stat().st_size > 0
+    # the cost model: the t(N) curve, the bandwidth limit, and every eyas method's cycle against it
+    cost = report["cost_model"]
+    assert list(cost["t_forward_ms"]) == ["1", "2", "4", "8", "16", "32", "64"] and cost["t_ratio"]["1"] == 1.0
+    assert cost["bandwidth"]["weight_bytes_per_token"] > 0 and cost["vanilla"]["custom"]["vs_hf"] > 0
+    assert isinstance(cost["warnings"], list)
+    for method in ("vanilla", "ngram", "draft-lm"):
+        row = rows[method]
+        assert sum(row["time_split"].values()) == pytest.approx(1.0, abs=1e-3)
+        assert row["t_draft_ms"] + row["t_verify_ms"] + row["t_other_ms"] == pytest.approx(row["t_cycle_ms"],
+                                                                                         abs=1e-3)
+    assert rows["vanilla"]["t_draft_ms"] == 0.0 and rows["vanilla"]["predicted_speedup"] is None
+    assert rows["draft-lm"]["predicted_speedup"] > 0 and rows["draft-lm"]["mean_tree_nodes"] == 5.0
+    assert "time_split" not in rows["hf"]
 
 
 def test_bench_rejects_bad_prompts_file(random_checkpoint, tmp_path):
