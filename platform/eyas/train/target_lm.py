@@ -80,7 +80,7 @@ class TrainConfig:
     # trains, its heldout split gives the held-out loss (needs tokenizer_from: the data holds the target's ids)
     data: str | None = None
     # with data: learn the target's answers only ('response': the data's loss_mask, as the drafters learn) or
-    # every token, the chat prompts too ('all')
+    # every token, the chat prompts too ('all'); the held-out loss scores the answers either way
     loss_on: str = "response"
     eval_tokens: int = 32768  # held-out tokens per kind (code, prose) for the final held-out loss
     log_every: int = 10

@@ -100,9 +100,9 @@ def token_stream(tokenizer_dir: Path, split: str, kind: str, max_chars: int | No
     return ids
 
 
-def data_stream(train: TrainConfig, split: str, vocab: Vocab) -> TokenStream:
+def data_stream(train: TrainConfig, split: str, vocab: Vocab, loss_on: str) -> TokenStream:
     """A generated data set's split packed row after row (prompt + response; the rows already hold the chat
-    template and the target's EOS), learning the responses only or every token (``train.loss_on``)."""
+    template and the target's EOS), learning the responses only or every token (``loss_on``)."""
     directory = data_path(train.data)
     try:
         rows = read_rows(directory, split)
@@ -113,7 +113,7 @@ def data_stream(train: TrainConfig, split: str, vocab: Vocab) -> TokenStream:
     if len(ids_N) and int(ids_N.max()) >= vocab.size:
         raise ConfigError(f"train.data={train.data!r}: token id {int(ids_N.max())} is outside the vocabulary of "
                           f"{vocab.size}; the data set was made with another target's tokenizer", "train.data")
-    if train.loss_on == "all":
+    if loss_on == "all":
         return TokenStream(ids_N)
     mask_N = np.asarray([m for row in rows for m in row["loss_mask"]], dtype=bool)
     return TokenStream(ids_N, np.where(mask_N, ids_N, IGNORE_INDEX).astype(np.int64))
@@ -137,7 +137,7 @@ def train_stream(cfg: TargetJobConfig, tokenizer_dir: Path, vocab: Vocab) -> Tok
     train = cfg.train
     if train.data is not None:
         check_data_tokenizer(train, tokenizer_dir)
-        stream = data_stream(train, "train", vocab)
+        stream = data_stream(train, "train", vocab, train.loss_on)
     else:
         stream = TokenStream(token_stream(tokenizer_dir, "train", train.corpus, train.max_train_chars, vocab))
     if len(stream) < train.seq_len + 2:
@@ -148,10 +148,12 @@ def train_stream(cfg: TargetJobConfig, tokenizer_dir: Path, vocab: Vocab) -> Tok
 
 
 def heldout_streams(cfg: TargetJobConfig, tokenizer_dir: Path, vocab: Vocab) -> dict[str, TokenStream]:
-    """The held-out loss's streams by kind: the data set's heldout split, or the corpus's code and prose."""
+    """The held-out loss's streams by kind: the corpus's code and prose, or the data set's heldout split scored on
+    the target's answers alone (what a draft LM proposes), whatever ``train.loss_on`` trains on, so that runs with
+    either setting compare on one number."""
     train = cfg.train
     if train.data is not None:
-        return {data_path(train.data).name: data_stream(train, "heldout", vocab)}
+        return {data_path(train.data).name: data_stream(train, "heldout", vocab, "response")}
     kinds = ("code", "prose") if train.corpus == "all" else (train.corpus,)
     # a held-out slice big enough for eval_tokens (about 3.5 characters per token), not the whole split
     return {kind: TokenStream(token_stream(tokenizer_dir, "heldout", kind, train.eval_tokens * 8, vocab))

@@ -94,7 +94,8 @@ def test_chat_data_trains_on_the_answers_or_on_every_token(chat_target, eyas_hom
     assert answers.targets_N.tolist() == ignored + [11, 12, 2] + ignored + [6, 2] and answers.num_targets == 5
     everything = train_stream(draft_config(data="chat-data", loss_on="all"), chat_target, vocab)
     assert everything.targets_N is None and everything.num_targets == len(everything) == 19
-    assert list(heldout_streams(draft_config(data="chat-data"), chat_target, vocab)) == ["chat-data"]
+    heldout = heldout_streams(draft_config(data="chat-data", loss_on="all"), chat_target, vocab)
+    assert list(heldout) == ["chat-data"] and heldout["chat-data"].num_targets == 3  # scored on the answer
     assert sample_prompts(draft_config(data="chat-data"), chat_target)[0][1] == prompt
 
 
