@@ -1,5 +1,4 @@
-"""SweepConfig: what ``python -m tune.sweep --config tune/configs/X.yaml`` reads, and every check that runs before a
-trial starts.
+"""SweepConfig: what ``python -m tune.sweep --config tune/configs/X.yaml`` reads, and every check run before a trial.
 
 An inference sweep has a ``spec:`` section (the base ``eyas.methods.SpecConfig``: method, drafter, tree); a training
 sweep has a ``training:`` section (the base ``eyas.train.config.TrainConfig``, as in ``jobs/configs/<family>-*.yaml``).

@@ -1,4 +1,4 @@
-"""Drafter training data: regeneration by the target, parquet shards, batches per worker, cached target features.
+"""Drafter training data: regeneration by the target, parquet shards, batches per worker (the target features: eyas.train.feature_cache).
 
 Shape legend: B batch (sequences), P prompt tokens (left-padded), S cache slots, T tokens, E hidden size, V vocab.
 
@@ -19,7 +19,6 @@ truncated or missing shard is a ShardError naming the file, and a rerun of jobs.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass
@@ -30,7 +29,7 @@ import torch
 
 from eyas.models.decoder import Decoder
 from eyas.decoding.verify import process_logits
-from eyas.models.features import TargetFeatures, TrainBatch, target_features
+from eyas.models.features import TrainBatch
 
 SPLITS = ("train", "heldout")
 COLUMNS = ("prompt_ids", "response_ids", "loss_mask")
@@ -304,116 +303,6 @@ class SequenceDataset:
         """(sequence indices, batch) from batch ``start`` of ``epoch`` on (resume skips what was trained)."""
         for indices in self.epoch_indices(epoch, seed, rank, world_size, batch_size, fixed_ranks)[start:]:
             yield indices, self.batch(indices)
-
-
-# ---------------------------------------------------------------- target features, optionally cached
-
-
-def target_fingerprint(target: Decoder) -> str:
-    """The loaded target's weights, named by content (not by a path or a file time, which change when a job's
-    working dir is a copy): every tensor's name, shape, dtype and float64 sum, plus a strided sample of ~1024 of
-    its values. Cheap for a large target (one pass per tensor) and different for any retrained one."""
-    digest = hashlib.sha256()
-    with torch.no_grad():
-        for name, tensor in sorted(target.state_dict().items()):
-            flat = tensor.detach().flatten()
-            sample = flat[:: max(1, flat.numel() // 1024)].float().cpu().numpy().tobytes()
-            digest.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}|{flat.double().sum().item():.10e}|".encode())
-            digest.update(sample)
-    return digest.hexdigest()
-
-
-def rows_fingerprint(rows: Sequence[dict[str, list[int]]], max_len: int) -> str:
-    """The token ids the target sees for ``rows`` (prompt + response cut at ``max_len``), in order: features are
-    stored per row index, so the same index must mean the same sequence."""
-    digest = hashlib.sha256()
-    for row in rows:
-        digest.update(json.dumps((row["prompt_ids"] + row["response_ids"])[:max_len]).encode())
-    return digest.hexdigest()
-
-
-def feature_cache_key(target: Decoder, taps: Sequence[int], max_len: int,
-                      rows: Sequence[dict[str, list[int]]]) -> str:
-    """Names a cache of features by content: same target weights, taps, cut length and sequences -> same key,
-    wherever the target and data directories lie (a ``ray job submit`` copy of the working dir included)."""
-    stamp = [target_fingerprint(target), sorted(taps), max_len, rows_fingerprint(rows, max_len)]
-    return hashlib.sha256(json.dumps(stamp).encode()).hexdigest()[:16]
-
-
-class FeatureCache:
-    """The frozen target's features per sequence, computed once and reused in later epochs.
-
-    mode "none": computed for every batch (online). "memory": kept per sequence in this worker. "disk": also written
-    to ``directory/<index>.safetensors`` (atomic rename), so other workers, later epochs and resumed runs read them
-    instead of running the target. Logits are not stored: they are the target's LM head on the final-normed state
-    (tap ``num_layers``), which is stored with the requested taps and costs one small matmul to re-derive.
-    """
-
-    def __init__(self, target: Decoder, taps: Sequence[int], mode: str = "none", directory: Path | None = None
-                 ) -> None:
-        if mode not in ("none", "memory", "disk"):
-            raise ValueError(f"feature cache mode {mode!r}: must be none, memory or disk")
-        if mode == "disk" and directory is None:
-            raise ValueError("feature cache mode 'disk' needs a directory")
-        self.target, self.taps, self.mode = target, tuple(taps), mode
-        self.stored_taps = tuple(sorted(set(self.taps) | {target.config.num_layers}))
-        self.directory = Path(directory) if directory is not None else None
-        self.memory: dict[int, dict[int, torch.Tensor]] = {}
-        self.hits = self.misses = 0
-        if self.directory is not None:
-            self.directory.mkdir(parents=True, exist_ok=True)
-
-    def features(self, indices: Sequence[int], batch: TrainBatch) -> TargetFeatures:
-        if self.mode == "none":
-            return target_features(self.target, batch.input_ids_BT, self.taps)
-        lengths = batch.valid_BT.sum(-1).tolist()
-        rows = [self._lookup(i) for i in indices]
-        missing = [b for b, row in enumerate(rows) if row is None]
-        self.hits += len(rows) - len(missing)
-        self.misses += len(missing)
-        if missing:
-            T = max(lengths[b] for b in missing)
-            computed = target_features(self.target, batch.input_ids_BT[missing, :T], self.stored_taps)
-            for j, b in enumerate(missing):
-                rows[b] = {t: computed.taps[t][j, :lengths[b]].clone() for t in self.stored_taps}
-                self._store(indices[b], rows[b])
-        return self._assemble(rows, batch.input_ids_BT.shape[1])
-
-    def _assemble(self, rows: list[dict[int, torch.Tensor] | None], T: int) -> TargetFeatures:
-        taps: dict[int, torch.Tensor] = {}
-        for t in self.stored_taps:
-            first = rows[0][t]
-            out_BTE = first.new_zeros(len(rows), T, first.shape[-1])
-            for b, row in enumerate(rows):
-                out_BTE[b, :row[t].shape[0]] = row[t]
-            taps[t] = out_BTE
-        with torch.no_grad():
-            logits_BTV = self.target.lm_head(taps[self.target.config.num_layers])
-        return TargetFeatures(taps={t: taps[t] for t in self.taps}, logits_BTV=logits_BTV)
-
-    def _lookup(self, index: int) -> dict[int, torch.Tensor] | None:
-        if index in self.memory:
-            return self.memory[index]
-        if self.directory is not None:
-            file = self.directory / f"{index:08d}.safetensors"
-            if file.is_file():
-                from safetensors.torch import load_file
-
-                row = {int(k): v.to(self.target.device) for k, v in load_file(str(file)).items()}
-                self.memory[index] = row
-                return row
-        return None
-
-    def _store(self, index: int, row: dict[int, torch.Tensor]) -> None:
-        self.memory[index] = row
-        if self.directory is not None:
-            from safetensors.torch import save_file
-
-            file = self.directory / f"{index:08d}.safetensors"
-            tmp = file.with_name(f".{file.name}.{os.getpid()}.tmp")
-            save_file({str(t): v.contiguous().cpu() for t, v in row.items()}, str(tmp))
-            tmp.replace(file)
-
 
 def token_counts(rows: Sequence[dict[str, list[int]]], vocab_size: int) -> torch.Tensor:
     """How often each token id is a prediction target (loss_mask 1) in ``rows``: the input of a reduced draft

@@ -26,7 +26,8 @@ from eyas.models import load_target, load_tokenizer
 from eyas.models.decoder import Decoder
 from eyas.models.features import TrainBatch
 from eyas.train.config import TrainConfig
-from eyas.train.data import FeatureCache, SequenceDataset, feature_cache_key, to_device
+from eyas.train.data import SequenceDataset, to_device
+from eyas.train.feature_cache import FeatureCache, feature_cache_key
 from eyas.train.step import build_drafter, evaluate, make_strategy, measure_tau
 
 

@@ -6,9 +6,10 @@ import torch
 
 from eyas.models import load_target
 from eyas.decoding.generate import generate
-from eyas.train.data import (DataPosition, FeatureCache, SequenceDataset, collate, corpus_chunks, regenerate,
+from eyas.train.data import (DataPosition, SequenceDataset, collate, corpus_chunks, regenerate,
                              response_row, shard_path, slot_window, write_shard)
 from eyas.models.features import target_features
+from eyas.train.feature_cache import FeatureCache
 
 
 @pytest.fixture(scope="module")
