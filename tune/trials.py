@@ -176,8 +176,7 @@ def ray_train_trial(config: dict[str, Any], context: dict[str, Any]) -> None:
     trainer = TorchTrainer(
         train_loop_per_worker, train_loop_config=loop,
         scaling_config=ray.train.ScalingConfig(num_workers=scaling.num_workers, use_gpu=scaling.use_gpu,
-                                               resources_per_worker=resources,
-                                               placement_strategy=scaling.placement_strategy),
+                                               resources_per_worker=resources),
         torch_config=TorchConfig(backend="nccl" if scaling.use_gpu else "gloo"),
         # the run name carries the trial id: Train restores a restarted trial's run from (storage, name)
         run_config=ray.train.RunConfig(name=f"{cfg.name}-trial_id={trial_id}", storage_path=storage,
