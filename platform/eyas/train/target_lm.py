@@ -78,10 +78,10 @@ class TrainConfig:
     max_train_chars: int | None = None  # a slice of the corpus (tests)
     # a jobs.generate_data data set instead of the corpus: a name under $EYAS_HOME/data or a path; its train split
     # trains, its heldout split gives the held-out loss (needs tokenizer_from: the data holds the target's ids)
-    data: str | None = None
+    data: str | None = None  # a jobs.generate_data set (name or path) instead of the corpus
     # with data: learn the target's answers only ('response': the data's loss_mask, as the drafters learn) or
     # every token, the chat prompts too ('all'); the held-out loss scores the answers either way
-    loss_on: str = "response"
+    loss_on: str = "response"  # with data: response (the answers) or all tokens
     eval_tokens: int = 32768  # held-out tokens per kind (code, prose) for the final held-out loss
     log_every: int = 10
     # wall-time budget for the training loop: the schedule runs on max(step fraction, time fraction), so a slow or
@@ -116,7 +116,7 @@ class TargetJobConfig:
 
     name: str
     # reuse a target's tokenizer and special ids (draft LMs): a name under $EYAS_HOME/targets or a directory
-    tokenizer_from: str | None = None
+    tokenizer_from: str | None = None  # a target (name or dir) whose tokenizer and special ids to use
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
