@@ -23,6 +23,7 @@ import torch
 
 from eyas import track
 from eyas.config import ConfigError, apply_overrides, eyas_home, flatten, from_dict, require, to_dict
+from eyas.threads import configure_threads
 
 EXPERIMENT = "eyas-findings"
 OUTCOMES = ("reproduced", "partly", "refuted")
@@ -134,9 +135,9 @@ class Finding:
 
 
 def apply_threads(settings: Common) -> None:
-    """``threads``: torch's intra-op threads for everything the finding runs in this process (training included)."""
-    if settings.threads:
-        torch.set_num_threads(settings.threads)
+    """``threads``: torch's intra-op threads for everything the finding runs in this process (training included);
+    unset, eyas.threads' policy."""
+    configure_threads(settings.threads)
 
 
 def out_dir(finding: str, scale: str) -> Path:

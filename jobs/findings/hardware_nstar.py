@@ -2,9 +2,10 @@
 this machine, next to the papers' GPU N* of 24-60.
 
 The seed's decomposition: speedup(N) ~ tau(N) * t(1) / (t(N) + t_draft(N)), where t(n) is one target forward over n
-new tokens (the cost curve, measured here directly: a tree of N drafted nodes is a forward over N + 1 tokens) and
-t_draft(N) the drafting time per cycle (measured in the same runs). On a GPU decode is memory-bound and t(N) stays
-near t(1) up to N ~ 60, so N* is large; where t(N) grows sooner, N* is smaller: N* is a property of the hardware.
+new tokens (the cost curve, eyas.decoding.costs as jobs.bench measures it: a tree of N drafted nodes is a forward
+over N + 1 tokens) and t_draft(N) the drafting time per cycle (measured in the same runs). On a GPU decode is
+memory-bound and t(N) stays near t(1) up to N ~ 60, so N* is large; where t(N) grows sooner, N* is smaller: N* is a
+property of the hardware. Busy-machine warnings (sample spread, load average) go with the cost curve.
 
 Checks: (1) the decomposition predicts the measured speedup (mean relative error <= max_rel_error); (2) it
 predicts where the best budget is (predicted N* within one budget step of the measured N*); (3) the measured N*
@@ -14,12 +15,16 @@ lies in the papers' GPU range. On a CPU (3) is expected to fail: the cost curve 
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from eyas.config import require
+from eyas.decoding import costs
 from jobs.findings.common import Check, Common, Finding, Outcome, Verdict, figure
-from jobs.findings.measure import budget_tree, cost_curve, method_factory, open_workbench, run_methods, speed_row
+from jobs.findings.measure import budget_tree, method_factory, open_workbench, run_methods, speed_row
 
 CLAIM = ("N* is a property of the hardware: speedup ~ tau(N) t(1) / (t(N) + t_draft) peaks at the best node budget "
          "N*, 24-60 on the papers' GPUs")
@@ -59,10 +64,14 @@ def run(settings: Settings) -> Outcome:
     factories = {f"N={n}": method_factory(bench, settings.method,
                                           **budget_tree(settings.method, n, settings.depth, settings.top_k))
                  for n in budgets}
+    load_start = costs.load_average()
     runs = run_methods(bench, factories)
     prefix = sum(map(len, bench.prompts)) // len(bench.prompts) + settings.max_new_tokens // 2
     sizes = sorted(set(settings.cost_sizes) | {1} | {n + 1 for n in budgets})
-    cost = cost_curve(bench, sizes, prefix, settings.cost_repeats)
+    timings = costs.forward_costs(bench.target, prefix, sizes, settings.cost_repeats)
+    cost = {n: t.median for n, t in timings.items()}
+    busy = costs.busy_reasons({f"t({n})": t for n, t in timings.items()}, load_start, costs.load_average(),
+                              os.cpu_count() or 1, torch.get_num_threads())
     rows = []
     for n in budgets:
         run_n = runs[f"N={n}"]
@@ -70,16 +79,18 @@ def run(settings: Settings) -> Outcome:
         cycles = max(run_n.stats.cycles, 1)
         row.update({"t_verify_ms": 1e3 * cost[n + 1], "t_verify_in_run_ms": 1e3 * run_n.stats.verify_s / cycles,
                     "t_draft_ms": 1e3 * run_n.draft_s_per_cycle, "cost_ratio": cost[n + 1] / cost[1]})
-        row["predicted_speedup"] = run_n.tau * cost[1] / (cost[n + 1] + run_n.draft_s_per_cycle)
+        row["predicted_speedup"] = costs.predicted_speedup(run_n.tau, cost[1], cost[n + 1], run_n.draft_s_per_cycle)
         rows.append(row)
     verdict = judge(rows, settings)
     metrics = {"n_star_measured": float(best(rows, "speedup")), "n_star_predicted": float(best(rows,
                "predicted_speedup")), "best_speedup": max(r["speedup"] for r in rows), "t1_ms": 1e3 * cost[1],
                "mean_rel_error": verdict.checks[0].numbers["mean_rel_error"]}
-    cost_rows = [{"n_tokens": n, "t_ms": 1e3 * t, "t_over_t1": t / cost[1]} for n, t in cost.items()]
+    cost_rows = [{"n_tokens": n, "t_ms": timings[n].to_dict(1e3), "t_over_t1": cost[n] / cost[1]} for n in sizes]
     figures = {"cost_curve.png": cost_figure(cost, prefix, settings),
                "speedup_vs_n.png": speedup_figure(rows, settings)}
-    return Outcome(rows, figures, metrics, verdict, {"cost_curve.json": cost_rows})
+    for reason in busy:
+        print(f"[findings] warning: {reason}", flush=True)
+    return Outcome(rows, figures, metrics, verdict, {"cost_curve.json": {"curve": cost_rows, "busy": busy}})
 
 
 def best(rows: list[dict[str, Any]], key: str) -> int:

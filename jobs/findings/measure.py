@@ -1,5 +1,6 @@
 """Measurements the findings share: the target and its prompts, drafters by method, greedy generation of several
-methods on the same prompts (interleaved, per-prompt SpecStats kept), and the target's cost curve t(N).
+methods on the same prompts (interleaved, per-prompt SpecStats kept) and node budgets per tree mode. The target's
+cost curve t(N) is the library's (eyas.decoding.costs, as jobs.bench measures it).
 
 Speed is measured as jobs.bench does it: every prompt runs every method in a rotating order, so a slow drift of a
 shared machine hits all methods alike; speedup is tokens/s over ``vanilla`` on the same prompts in the same run.
@@ -8,11 +9,10 @@ prompts where it does.
 """
 from __future__ import annotations
 
-import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -20,10 +20,9 @@ from eyas import datasets
 from eyas.config import ConfigError, from_dict, resolve_path
 from eyas.decoding.generate import Generation, generate
 from eyas.decoding.stats import SpecStats
-from eyas.decoding.tree import MAX_TREE_NODES, chain, pack_trees
+from eyas.decoding.tree import MAX_TREE_NODES
 from eyas.methods import METHODS, SpecConfig, checkpoint_factory, drafter_factory, tree_over
 from eyas.models import load_target, load_tokenizer
-from eyas.threads import configure_threads
 from eyas.train.config import target_path
 from jobs.findings.common import Common
 
@@ -48,7 +47,6 @@ def device_of(settings: Common) -> torch.device:
 
 
 def open_workbench(settings: Common) -> Workbench:
-    configure_threads(settings.threads or None)  # eyas.threads' policy unless the finding names a count
     target_dir = target_path(settings.target)
     if not (target_dir / "config.json").is_file():
         raise ConfigError(f"target={settings.target!r}: {target_dir} holds no checkpoint (python -m "
@@ -190,34 +188,7 @@ def speed_row(runs: Mapping[str, MethodRun], label: str) -> dict[str, float]:
     return row
 
 
-# ---------------------------------------------------------------- the target's cost t(N)
-
-
-@torch.inference_mode()
-def cost_curve(bench: Workbench, sizes: Sequence[int], prefix_len: int, repeats: int = 5) -> dict[int, float]:
-    """Median seconds of one target forward over ``n`` new tokens (a chain-shaped tree: cost depends on the count,
-    not the shape) after a ``prefix_len``-token prefix, for each n in ``sizes``; the cache rolls back after each."""
-    target = bench.target
-    prompt = (bench.prompts[0] * (prefix_len // max(len(bench.prompts[0]), 1) + 1))[:prefix_len]
-    cache = target.new_cache(1, prefix_len + max(sizes) + 1)
-    positions_1T = torch.arange(prefix_len, device=target.device)[None]
-    target(torch.tensor([prompt], device=target.device), positions_1T, cache, logits_slice=slice(-1, None))
-    times: dict[int, list[float]] = {n: [] for n in sizes}
-    for repeat in range(repeats + 1):  # the first pass warms up and is not counted
-        for n in sizes:
-            tree = chain(prompt[-1], [prompt[i % prefix_len] for i in range(n - 1)])
-            tokens_BT, positions_BT, mask_BTT = pack_trees([(tree.tokens_list, tree.parents_list)], cache.lengths,
-                                                           target.device)
-            if target.device.type == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            logits_BTV, _ = target(tokens_BT, positions_BT, cache, mask=mask_BTT)
-            logits_BTV[0, -1, 0].item()  # waits for the device
-            elapsed = time.perf_counter() - start
-            cache.keep([[]])  # roll back: the prefix alone stays
-            if repeat:
-                times[n].append(elapsed)
-    return {n: statistics.median(values) for n, values in times.items()}
+# ---------------------------------------------------------------- node budgets
 
 
 def budget_tree(method: str, num_nodes: int, depth: int, top_k: int) -> dict[str, Any]:
