@@ -12,7 +12,9 @@ The OpenAPI schema at /openapi.json describes the request bodies (the pydantic m
 error responses. Every error is OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: a client mistake
 is a 4xx and never reaches the workers; a replica past ``max_batch_size + max_waiting_requests`` requests answers 429
 with ``Retry-After`` instead of queueing without bound; a replica whose workers failed answers 503 with
-``Retry-After`` while Serve replaces it. With ``api_key_env`` set, /v1 routes need ``Authorization: Bearer <key>``.
+``Retry-After`` while Serve replaces it; a request the engine failed alone (a bug that hit its row) answers 500
+``request_failed`` while the rest of its batch goes on. A body past MAX_BODY_BYTES is a 413 before it is read. With
+``api_key_env`` set, /v1 routes need ``Authorization: Bearer <key>`` (compared in constant time, never logged).
 
 A completion carries ``usage`` and eyas's ``spec`` (method, cycles, tau, accepted_per_position,
 acceptance_per_position, mean_draft_nodes, batch_size_max). A stream follows OpenAI's contract: chunks with one
@@ -42,9 +44,9 @@ from eyas.decoding.sampling import SamplingParams
 from eyas.decoding.stats import SpecStats
 from eyas_ray.serve_config import ServeArgs
 from serving.metrics import ServingMetrics
-from serving.protocol import (GREEDY_BELOW, ApiError, ChatBody, CompletionBody, ErrorResponse, Limits, TextStream,
-                              chat_prompt_ids, check_lengths, check_model, choice, encode_text, envelope, error_body,
-                              new_id, parse_body, stop_strings, usage)
+from serving.protocol import (GREEDY_BELOW, MAX_BODY_BYTES, ApiError, ChatBody, CompletionBody, ErrorResponse, Limits,
+                              TextStream, chat_prompt_ids, check_lengths, check_model, choice, encode_text, envelope,
+                              error_body, new_id, parse_body, stop_strings, usage)
 from serving.scheduler import ReplicaBroken, Scheduler
 
 RETRY_AFTER_BUSY_S = 1  # a row frees as soon as any running request ends
@@ -124,6 +126,21 @@ class RequestRun:
                               time.perf_counter() - self.start)
 
 
+async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
+    """The request body, refused with 413 as soon as it is past ``limit`` bytes: by its Content-Length before a byte
+    is read, or while it streams in (chunked), so a huge body is never held in memory."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"request body is {declared} bytes; the limit is {limit}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"request body is over {limit} bytes, the limit")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 class Frontend:
     """What the routes do, over one replica's scheduler: authorize, validate, admit, run, answer or stream."""
 
@@ -150,8 +167,9 @@ class Frontend:
     async def complete(self, request: Request, chat: bool) -> Any:
         route = "chat" if chat else "completions"
         try:
+            raw = await read_body(request)  # read before any refusal: an unread body would reset a kept-alive link
             self._authorize(request)
-            body, sequence, stop = self._parse(await request.body(), chat)
+            body, sequence, stop = self._parse(raw, chat)
             self._admit()
         except (ApiError, ReplicaBroken) as err:
             self.metrics.request(route, getattr(err, "status", 503))

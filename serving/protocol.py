@@ -262,10 +262,15 @@ class TextStream:
         cut = min((i for i in (self.text.find(s, max(0, self.sent - len(s))) for s in self.stop) if i >= 0),
                   default=-1)
         if cut >= 0:
+            # as if the tokens had come one at a time (a speculative cycle emits several): the sequence ends at the
+            # first token whose text holds a stop string, and the text is cut before the earliest stop in it. (A
+            # longer stop that starts earlier but completes later, ["DNb", "N"] in "DN|b", never completes.)
             self.stopped = True
-            self.text = self.text[:cut]
             self.num_tokens = next(k for k in range(1, len(self.ids) + 1)
                                    if any(s in self._decode(self.ids[:k]) for s in self.stop))
+            first = self._decode(self.ids[:self.num_tokens])
+            self.text = first[:min(i for i in (first.find(s, max(0, self.sent - len(s))) for s in self.stop)
+                                   if i >= 0)]
             return self._take(len(self.text))
         safe = len(self.text) - (1 if self.text.endswith("\ufffd") else 0)
         for s in self.stop:

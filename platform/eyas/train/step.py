@@ -210,7 +210,8 @@ class DDPStrategy:
         device = next(self.drafter.parameters()).device
         self.drafter.load_state_dict(load_file(str(directory / DRAFTER_DIR / "model.safetensors"),
                                                device=str(device)))
-        saved = torch.load(directory / TRAINER_STATE, map_location=device, weights_only=False)
+        # optimizer + scheduler state is tensors and plain values: no pickled objects (and no code) ever load
+        saved = torch.load(directory / TRAINER_STATE, map_location=device, weights_only=True)
         self.optimizer.load_state_dict(saved["optimizer"])
         self.scheduler.load_state_dict(saved["scheduler"])
 
