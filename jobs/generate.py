@@ -2,6 +2,7 @@
 
     python -m jobs.generate --target PATH [--drafter PATH|models:/NAME@ALIAS] [--method M] [tree options]
         (--prompt TEXT | --prompt-ids 1,2,3) --max-new-tokens N [--temperature T] [--top-p P] [--seed S] [--json]
+        [--dtype float32|bfloat16|float16] [--threads N]
 
 ``--config FILE.yaml`` reads a ``spec:`` section (and optionally ``target:``), e.g. the best configuration that
 ``tune.sweep`` writes; command-line flags override it.
@@ -17,7 +18,8 @@ import yaml
 
 from eyas.config import ConfigError, eyas_home, from_dict, resolve_path, to_dict
 from eyas.methods import METHODS, TREES, SpecConfig, build_drafter
-from eyas.models import CheckpointError, load_target, load_tokenizer
+from eyas.models import DTYPES, CheckpointError, load_target, load_tokenizer, torch_dtype
+from eyas.threads import configure_threads
 from eyas.decoding.generate import SamplingParams, generate
 
 # flag -> SpecConfig field; a flag left unset keeps the --config value (or the default)
@@ -86,11 +88,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top-k", type=int, default=0, help="sampling top-k (0 = off)")
     parser.add_argument("--seed", type=int)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32",
+                        help="the target's (and drafter's) dtype: float32 or bfloat16 on CPU, float16/bfloat16 on "
+                             "GPU; greedy speculative output is exact against vanilla in float32 (README)")
+    parser.add_argument("--threads", type=int, help="torch threads (default: eyas.threads' policy)")
     args = parser.parse_args(argv)
     try:
+        configure_threads(args.threads)
         spec, target_path = spec_from_args(args)
         sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
-        target = load_target(target_path)
+        target = load_target(target_path, dtype=torch_dtype(args.dtype, "--dtype"))
         tokenizer = load_tokenizer(target_path)
         prompt_ids = (parse_prompt_ids(args.prompt_ids) if args.prompt_ids
                       else tokenizer.encode(args.prompt))

@@ -58,6 +58,7 @@ from eyas.train.target_lm import (ModelConfig, TargetJobConfig, TrainConfig, Voc
 from eyas.train.target_lm_data import (heldout_streams, prepare_tokenizer, sample_prompts, sha256_file,
                                        tokenizer_vocab, train_stream)
 from eyas.progress import Progress
+from eyas.threads import configure_threads
 from eyas_ray.cluster import init_ray
 from jobs.common import job_argparser, load_job_config
 
@@ -74,7 +75,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     train = cfg.train
     context = ray.train.get_context()
     rank, world_size = context.get_world_rank(), context.get_world_size()
-    torch.set_num_threads(train.cpus_per_worker)
+    configure_threads(cpu_budget=train.cpus_per_worker)  # the policy within the worker's CPUs (eyas.threads)
     torch.manual_seed(train.seed)  # identical init on every rank (DDP also broadcasts rank 0's weights)
     train_data = ray.get(loop_config["train_stream"])
     heldout_data = {kind: ray.get(ref) for kind, ref in loop_config["heldout_streams"].items()}

@@ -21,6 +21,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from eyas.methods import resolve_checkpoint
 from eyas.models import ModelConfig, load_tokenizer
 from eyas_ray.serve_config import ServeArgs, check_back_pressure
+from eyas_ray.threads import with_openmp_env
 from serving.api import Frontend, build_api
 from serving.metrics import ServingMetrics
 from serving.protocol import Limits
@@ -68,6 +69,9 @@ class EyasServer:
         for rank in range(self.args.tensor_parallel_size):
             options: dict[str, Any] = {"num_cpus": self.args.worker_cpus, "num_gpus": self.args.worker_gpus,
                                        "name": f"{base}-rank{rank}", "namespace": WORKER_NAMESPACE}
+            runtime_env = with_openmp_env()  # `serve run` starts Ray without init_ray's job-wide env_vars
+            if runtime_env:
+                options["runtime_env"] = runtime_env
             if placement_group is not None:
                 options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                     placement_group, placement_group_bundle_index=1 + rank)

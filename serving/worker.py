@@ -21,13 +21,12 @@ import ray
 import torch
 
 from eyas.methods import METHODS, SpecConfig, drafter_factory, resolve_checkpoint
-from eyas.models import load_target
+from eyas.models import load_target, torch_dtype
 from eyas.decoding.engine import SpecEngine
 from eyas.decoding.requests import SequenceRequest, StepOutput
 from eyas.decoding.tp import BroadcastChannel, free_port, init_tensor_parallel
+from eyas.threads import configure_threads
 from eyas_ray.serve_config import ServeArgs
-
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def resolved_spec(spec: SpecConfig) -> SpecConfig:
@@ -47,8 +46,8 @@ class TPWorker:
         self.args = ServeArgs.from_args(args)
         self.eos_token_ids = list(eos_token_ids)
         self.engine: SpecEngine | None = None
-        threads = self.args.torch_threads or max(1, int(self.args.worker_cpus))
-        torch.set_num_threads(threads)
+        # the thread policy within this worker's CPUs (its OpenMP environment came with its runtime_env: app.py)
+        configure_threads(self.args.torch_threads, cpu_budget=self.args.worker_cpus or None)
         want_cuda = self.args.device == "cuda" or (self.args.device == "auto" and self.args.worker_gpus > 0)
         if want_cuda and not torch.cuda.is_available():
             raise RuntimeError(f"rank {rank}: device={self.args.device} with worker_gpus={self.args.worker_gpus} "
@@ -65,7 +64,7 @@ class TPWorker:
         args = self.args
         tp = init_tensor_parallel(self.rank, args.tensor_parallel_size, master_addr, master_port, self.device,
                                   timeout_s=args.collective_timeout_s)
-        target = load_target(resolve_checkpoint(args.target, "target"), dtype=TORCH_DTYPES[args.dtype],
+        target = load_target(resolve_checkpoint(args.target, "target"), dtype=torch_dtype(args.dtype),
                              device=self.device, tp=tp)
         if self.rank == 0:  # the leader alone drafts (eyas.decoding.engine); the others only need to know it speculates
             factory = drafter_factory(target, resolved_spec(args.spec))  # weights loaded once, shared by the rows

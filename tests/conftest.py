@@ -7,7 +7,16 @@ import tempfile
 from pathlib import Path
 
 import pytest
-import torch
+
+from eyas.threads import configure_threads, set_openmp_env
+
+# eyas's thread policy (eyas.threads): OpenMP's wait policy must be in the environment before torch loads, and every
+# process the tests start (jobs, Ray workers) inherits it. Tests use one intra-op thread: tiny models on a shared
+# machine, where a second thread only waits on the first (10x slower tests); OMP_NUM_THREADS carries that to the
+# subprocesses, whose jobs apply the same policy (eyas.threads.configure_threads reads it).
+os.environ["OMP_NUM_THREADS"] = "1"
+set_openmp_env()
+import torch  # noqa: E402  (after the OpenMP environment above)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -76,5 +85,4 @@ def mlflow_uri(tmp_path, monkeypatch) -> str:
 
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# Tiny models on a shared 2-core machine: one intra-op thread avoids OpenMP barrier stalls (10x slower tests).
-torch.set_num_threads(1)
+configure_threads()  # one thread: OMP_NUM_THREADS above

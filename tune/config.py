@@ -196,10 +196,6 @@ class ResourcesConfig:
                 self.torch_threads, "must be >= 1 or null")
         require(self.max_failures >= -1, "resources.max_failures", self.max_failures, "must be >= -1 (-1 = forever)")
 
-    @property
-    def threads(self) -> int:
-        return self.torch_threads or max(1, int(self.cpus_per_trial))
-
     def tune_resources(self) -> dict[str, float]:
         return {"cpu": self.cpus_per_trial, **({"gpu": self.gpus_per_trial} if self.gpus_per_trial else {})}
 

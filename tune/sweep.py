@@ -60,7 +60,8 @@ def build_context(sweep: SweepConfig) -> dict[str, Any]:
     """The fixed part of every trial (prompts tokenized once here, so every trial times the same ones)."""
     target_dir = sweep.target_dir.resolve()
     context: dict[str, Any] = {
-        "keys": list(sweep.search.space), "threads": sweep.resources.threads,
+        "keys": list(sweep.search.space), "torch_threads": sweep.resources.torch_threads,
+        "cpus_per_trial": sweep.resources.cpus_per_trial,
         "use_gpu": sweep.resources.gpus_per_trial > 0, "measure": to_dict(sweep.measure),
         "target_dir": str(target_dir), "storage_path": str(resolve_path(sweep.output.storage_path).resolve())}
     if sweep.kind == "training":

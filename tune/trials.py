@@ -26,6 +26,7 @@ from eyas import track
 from eyas.config import from_dict, to_dict
 from eyas.methods import SpecConfig, build_drafter
 from eyas.models import load_target
+from eyas.threads import configure_threads
 from eyas.train.config import TrainConfig
 from eyas.train.data import DataPosition
 from eyas.train.step import load_training_checkpoint, save_training_checkpoint
@@ -38,7 +39,8 @@ _TARGETS: dict[tuple[str, str], Any] = {}
 
 
 def setup_torch(context: dict[str, Any]) -> str:
-    torch.set_num_threads(context["threads"])
+    # resources.torch_threads, else the policy within the trial's CPUs (eyas.threads)
+    configure_threads(context["torch_threads"], cpu_budget=context["cpus_per_trial"] or None)
     return "cuda" if context["use_gpu"] and torch.cuda.is_available() else "cpu"
 
 

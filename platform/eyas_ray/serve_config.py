@@ -32,8 +32,8 @@ from eyas.config import ConfigError, from_dict, require, resolve_path
 from eyas.methods import SpecConfig
 from eyas.decoding.requests import SpeculationSchedule
 from eyas.decoding.tree import MAX_TREE_NODES
+from eyas.models import DTYPES
 
-DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 

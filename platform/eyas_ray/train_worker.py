@@ -16,6 +16,7 @@ import torch
 
 from eyas.config import from_dict
 from eyas.progress import Progress
+from eyas.threads import configure_threads
 from eyas.track import Tracker
 from eyas.train.config import TrainConfig
 from eyas.train.data import DataPosition
@@ -33,7 +34,7 @@ class Worker:
         context = ray.train.get_context()
         self.rank, self.world_size = context.get_world_rank(), context.get_world_size()
         os.environ.setdefault("LOCAL_RANK", str(context.get_local_rank()))  # DeepSpeed picks its device by it
-        torch.set_num_threads(cfg.scaling.cpus_per_worker)
+        configure_threads(cpu_budget=cfg.scaling.cpus_per_worker)  # the policy within the worker's CPUs
         self.device = ray.train.torch.get_device() if cfg.scaling.use_gpu else torch.device("cpu")
         inputs = load_inputs(cfg, loop["target_dir"], loop["data_dir"], self.device, heldout=self.rank == 0,
                              prompts=self.rank == 0)

@@ -28,6 +28,7 @@ from eyas.drafters.draft_lm import DraftLMConfig, DraftLMDrafter
 from eyas.methods import SpecConfig, drafter_factory
 from eyas.models import Decoder, ModelConfig
 from eyas.models.features import TrainBatch, target_features
+from eyas.threads import configure_threads
 
 FIXTURE = Path(__file__).with_name("decoding.json")
 VOCAB = 64
@@ -190,7 +191,7 @@ def record_all(setup: Setup) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
-    torch.set_num_threads(1)
+    configure_threads(1)  # recorded with one thread (reductions split differently across threads)
     with tempfile.TemporaryDirectory() as tmp:
         recorded = record_all(Setup(Path(tmp)))
     if "--write" in argv:

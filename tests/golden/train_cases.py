@@ -15,9 +15,8 @@ import random
 import tempfile
 from pathlib import Path
 
-import torch
-
 from eyas.config import from_dict
+from eyas.threads import configure_threads
 from eyas.train.config import TrainConfig
 from eyas.train.data import SequenceDataset, response_row, shard_path, write_shard
 from eyas.train.trainer import Trainer
@@ -56,7 +55,7 @@ def config(case: str, target_dir: Path, data_dir: Path) -> TrainConfig:
 
 def record(data_dir: Path, case: str) -> dict:
     """Every step's training metrics, then the held-out evaluation of the trained drafter."""
-    torch.set_num_threads(1)
+    configure_threads(1)  # recorded with one thread (reductions split differently across threads)
     cfg = config(case, Path("unused-target"), data_dir)
     data = SequenceDataset(data_dir, "train", cfg.train.max_len)
     heldout = SequenceDataset(data_dir, "heldout", cfg.train.max_len, limit=cfg.train.eval_sequences)

@@ -8,8 +8,6 @@ from eyas.models import Decoder, ModelConfig
 from eyas.decoding.generate import generate
 from eyas.models.features import TrainBatch, target_features
 
-torch.set_num_threads(1)  # tiny tensors: on a loaded 2-core machine a second thread only spins
-
 TARGET_CONFIG = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=4,
                             num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=256)
 PROMPT_LEN, RESPONSE_LEN = 6, 34

@@ -68,16 +68,6 @@ def train(model: DFlashModel, target: Decoder, batch: TrainBatch, steps: int, se
     return losses
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models on a shared 2-core machine: one intra-op thread is 20x+ faster than spinning threads competing
-    with other processes."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @pytest.fixture(scope="module")
 def target() -> Decoder:
     return tiny_target()

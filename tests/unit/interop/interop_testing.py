@@ -9,8 +9,6 @@ import torch
 from eyas.drafters import registry
 from eyas.models import Decoder, ModelConfig
 
-torch.set_num_threads(1)
-
 LLAMA = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=8,
                     num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=256)
 QWEN3 = replace(LLAMA, model_type="qwen3", qk_norm=True)

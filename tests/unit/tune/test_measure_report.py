@@ -15,8 +15,6 @@ from tune.config import SweepConfig, load_sweep
 from tune.measure import measure_speed
 from tune.report import best_documents, best_row, curve_table, x_key
 
-torch.set_num_threads(1)
-
 
 def tiny_target() -> Decoder:
     torch.manual_seed(0)
