@@ -218,10 +218,10 @@ class SpecEngine:
         if self.leader:
             limit = self.schedule.max_draft_nodes(len(rows)) if self.speculative else 0
             for row in rows:
-                tree, seconds = chain(row.out[-1], []), 0.0  # a row whose drafter failed drafts nothing
+                tree, seconds = None, 0.0
                 with self._isolated(row, "drafting"):
                     tree, seconds = self._draft(row, limit)
-                trees.append(tree)
+                trees.append(tree if tree is not None else chain(row.out[-1], []))  # a failed drafter: nothing
                 draft_s += seconds
             plan = [(tree.tokens_list, tree.parents_list) for tree in trees]
         plan = self.channel.share(plan)
@@ -312,13 +312,15 @@ class SpecEngine:
         row.error = row.error or "failed on the leader rank"  # only the leader knows why; its output is reported
 
     def _emit(self, row: _Row, tokens: list[int]) -> None:
+        """Append a cycle's tokens, cut at a stop or the budget. Only the new tokens are scanned: a row whose output
+        held a stop would have finished."""
         budget = row.request.max_new_tokens
-        out, stopped = truncate_at_stop(row.out + tokens, self.eos, budget)
-        row.new += out[len(row.out):]
-        row.out = out
+        kept, stopped = truncate_at_stop(tokens, self.eos, budget - len(row.out))
+        row.new += kept
+        row.out += kept
         if stopped:
             row.finish_reason = "stop"
-        elif len(out) >= budget:
+        elif len(row.out) >= budget:
             row.finish_reason = "length"
 
     def _output(self, row: _Row) -> StepOutput:

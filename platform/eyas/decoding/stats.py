@@ -105,7 +105,8 @@ class SpecStats:
     def to_dict(self) -> dict[str, Any]:
         return {"cycles": self.cycles, "tau": self.tau, "accepted_per_cycle": list(self.accepted_per_cycle),
                 "per_depth_accept": self.per_depth_accept, "calibration": self.calibration(),
-                "new_tokens": self.new_tokens, "num_cut": self.num_cut, "mean_draft_nodes": self.num_draft_nodes / max(self.cycles, 1),
+                "new_tokens": self.new_tokens, "num_cut": self.num_cut,
+                "mean_draft_nodes": self.num_draft_nodes / max(self.cycles, 1),
                 "time_s": {"draft": self.draft_s, "verify": self.verify_s, "other": self.other_s}}
 
 

@@ -16,7 +16,7 @@ product of draft confidences along the root-to-node path; the root has V = 1.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Sequence
 
 import torch
@@ -141,6 +141,8 @@ def chain(root_token: int, tokens: Sequence[int], probs_KV: torch.Tensor | None 
     default the running product of probs_KV[k, tokens[k]] (1.0 without probs_KV).
     """
     num_drafted = len(tokens)
+    if not num_drafted and probs_KV is None:  # a bare root (every vanilla cycle): the fewest tensor ops
+        return DraftTree(torch.tensor([root_token]), torch.tensor([-1]), torch.ones(1), None, sampled)
     tokens_N = torch.tensor([root_token, *tokens], dtype=torch.long)
     parents_N = torch.arange(-1, num_drafted, dtype=torch.long)
     draft_probs_NV = None
@@ -267,18 +269,41 @@ def pack_trees(plan: Sequence[tuple[Sequence[int], Sequence[int]]], lengths: Seq
         row 0: tokens [r0, a, b], parents [-1, 0, 0]    mask [[1,0,0],[1,1,0],[1,0,1]]
         row 1: tokens [r1, 0, 0] (2 padding slots)      mask [[1,0,0],[0,1,0],[0,0,1]]
     """
-    B = len(plan)
     T = max(len(tokens) for tokens, _ in plan)
-    tokens_BT = torch.zeros(B, T, dtype=torch.long)
-    positions_BT = torch.tensor(list(lengths), dtype=torch.long)[:, None].repeat(1, T)
-    mask_BTT = torch.eye(T, dtype=torch.bool).repeat(B, 1, 1)
-    for b, (tokens, parents) in enumerate(plan):
-        depth = [0] * len(tokens)
-        for i in range(1, len(tokens)):
-            parent = parents[i]
-            depth[i] = depth[parent] + 1
-            mask_BTT[b, i] |= mask_BTT[b, parent]
-        tokens_BT[b, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-        positions_BT[b, :len(tokens)] += torch.tensor(depth, dtype=torch.long)
-    mask = mask_BTT.to(device) if T > 1 else None
-    return tokens_BT.to(device), positions_BT.to(device), mask
+    if T == 1:  # plain decoding: one root per row at its own length, no mask
+        tokens_BT = torch.tensor([[tokens[0]] for tokens, _ in plan], dtype=torch.long)
+        positions_BT = torch.tensor([[length] for length in lengths], dtype=torch.long)
+        return tokens_BT.to(device), positions_BT.to(device), None
+    token_rows, position_rows, masks = [], [], []
+    for (tokens, parents), length in zip(plan, lengths):
+        depth, mask_NN = tree_layout(tuple(parents))
+        pad = T - len(tokens)
+        token_rows.append([*tokens, *[0] * pad])
+        position_rows.append([length + d for d in depth] + [length] * pad)
+        masks.append(mask_NN if not pad else _padded_mask(mask_NN, T))
+    mask_BTT = torch.stack(masks)
+    return (torch.tensor(token_rows, dtype=torch.long).to(device),
+            torch.tensor(position_rows, dtype=torch.long).to(device), mask_BTT.to(device))
+
+
+@lru_cache(maxsize=4096)
+def tree_layout(parents: tuple[int, ...]) -> tuple[tuple[int, ...], torch.Tensor]:
+    """(depth of each node, ancestor mask_NN) of a tree shape, cached: static trees and chains repeat their shape
+    every cycle. The mask is built from per-node ancestor bit sets (node i's = its parent's plus bit i, parents
+    first) unpacked in one tensor op, not node by node. Shared: callers must not write to it."""
+    num_nodes = len(parents)
+    depth, bits = [0] * num_nodes, [1] * num_nodes
+    for i in range(1, num_nodes):
+        depth[i] = depth[parents[i]] + 1
+        bits[i] = bits[parents[i]] | (1 << i)
+    # two's complement, so a 64-node tree's top bit fits an int64; (v >> j) & 1 reads bit j either way
+    words_N = torch.tensor([v - (1 << 64) if v >= 1 << 63 else v for v in bits], dtype=torch.long)
+    mask_NN = ((words_N[:, None] >> torch.arange(num_nodes)) & 1).bool()
+    return tuple(depth), mask_NN
+
+
+def _padded_mask(mask_NN: torch.Tensor, width: int) -> torch.Tensor:
+    """mask_NN in the top-left corner of a [width, width] identity (padding slots see only themselves)."""
+    mask_TT = torch.eye(width, dtype=torch.bool)
+    mask_TT[:mask_NN.shape[0], :mask_NN.shape[0]] = mask_NN
+    return mask_TT

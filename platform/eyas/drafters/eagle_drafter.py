@@ -123,10 +123,12 @@ class EagleDrafter:
         device = self._nodes[0].hidden_E.device
         mask_PS = torch.zeros(P, S + P, dtype=torch.bool, device=device)
         mask_PS[:, :C] = True
+        rows, slots = [], []  # each node sees its drafted ancestors' slots and its own: one scatter, not one per slot
         for row, node in enumerate(nodes):
-            for ancestor in partial.path(node)[1:-1]:
-                mask_PS[row, self._nodes[ancestor].slot] = True
-            mask_PS[row, S + row] = True
+            path_slots = [self._nodes[ancestor].slot for ancestor in partial.path(node)[1:-1]] + [S + row]
+            rows += [row] * len(path_slots)
+            slots += path_slots
+        mask_PS[torch.tensor(rows, device=device), torch.tensor(slots, device=device)] = True
         tokens_P = torch.tensor([partial.tokens[n] for n in nodes], device=device)
         hidden_PE = torch.stack([self._nodes[partial.parents[n]].hidden_E for n in nodes])
         positions_P = torch.tensor([self._root_position + partial.depth[n] for n in nodes], device=device)
