@@ -324,7 +324,8 @@ def markdown(summary: dict[str, Any]) -> str:
                   f"Read bandwidth {c['read_GBps']} GB/s; {c['weight_bytes_per_token'] / 1e9:.2f} GB of weights per "
                   f"decode token: limit {c['bandwidth_limit_tokens_per_s']} tok/s"]
     if (s := result("speed")):
-        lines += ["", "| method | tok/s | speedup | tau | limit | draft | verify | other |", "|---|---|---|---|---|---|---|---|"]
+        lines += ["", "| method | tok/s | speedup | tau | limit | draft | verify | other |",
+                  "|---|---|---|---|---|---|---|---|"]
         for method, r in s.items():
             split = r["time_split"]
             lines.append(f"| {method} | {r['tokens_per_s']} | {r['speedup']} | {r['tau'] or '-'} | "
@@ -335,7 +336,8 @@ def markdown(summary: dict[str, Any]) -> str:
                       f"loss {t['loss']}"]
     if (v := result("serve")):
         lines += ["", f"Serving ({v['how']}): " + ", ".join(
-            f"{k} {r['tokens_per_s']} tok/s ({r['num_equal_vanilla']}/8 equal vanilla@1)" for k, r in v["runs"].items())]
+            f"{k} {r['tokens_per_s']} tok/s ({r['num_equal_vanilla']}/8 equal vanilla@1)"
+            for k, r in v["runs"].items())]
     return "\n".join(lines) + "\n"
 
 
