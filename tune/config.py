@@ -18,6 +18,10 @@ The search space names fields of that section and lists their values or ranges:
 Training keys are dotted paths into the training section: ``drafter.config.block_size``,
 ``drafter.config.loss_decay``, ``optim.lr``, ``drafter.config.num_layers``.
 
+A schedule sweep (a ``spec:`` section, the search space ``batch_size`` x ``max_draft_nodes``) chooses serving's
+``speculation_by_batch``: each trial times B concurrent greedy requests through the batched engine at a draft-node
+budget against vanilla at the same B; per batch size the budget with the best speedup wins (0: no speculation).
+
 Every combination the search can produce is built and validated here (grid: all of them; optuna: the product of
 each parameter's values or range ends), so an impossible one (top_k > num_nodes, block_size < 2) is a ConfigError
 before Ray starts. ``search.skip_invalid: true`` drops impossible grid points instead (the sweep prints them).
@@ -33,87 +37,22 @@ from typing import Any, Literal
 
 import yaml
 
-from eyas.config import (ConfigError, apply_overrides, as_number, eyas_home, from_dict, read_yaml_mapping, require,
+from eyas.config import (ConfigError, apply_overrides, eyas_home, from_dict, read_yaml_mapping, require,
                          resolve_path, to_dict)
+from eyas.decoding.tree import MAX_TREE_NODES
 from eyas.drafters import registry
 from eyas.methods import METHODS, SpecConfig
 from eyas.train.config import SUITES, TrainConfig, target_path
+from tune.space import Param, parse_param
 
 # SpecConfig fields an inference sweep may search (method / drafter / draft_model are fixed per sweep)
 SPEC_KEYS = ("tree", "depth", "top_k", "num_nodes", "num_draft", "max_matches")
+# a schedule sweep's grid: concurrent requests x the most drafted nodes per sequence (serving's speculation_by_batch)
+SCHEDULE_KEYS = ("batch_size", "max_draft_nodes")
 # TrainConfig sections a training sweep may search (drafter.config.* is checked against the family's config)
 TRAIN_SECTIONS = ("optim", "train", "drafter.config")
 MAX_CHECKED_COMBINATIONS = 20_000
 SPACE_PREFIX = "search.space."
-
-
-# ---------------------------------------------------------------- the search space
-
-
-@dataclass(frozen=True)
-class Param:
-    """One searched key: an explicit list of ``values``, or a range ``low..high`` (``step``, ``log`` optional)."""
-
-    key: str
-    values: tuple[Any, ...] | None = None
-    low: float | None = None
-    high: float | None = None
-    step: float | None = None
-    log: bool = False
-
-    @property
-    def is_int(self) -> bool:
-        return all(isinstance(v, int) and not isinstance(v, bool) for v in (self.low, self.high)) and \
-            (self.step is None or isinstance(self.step, int))
-
-    @property
-    def enumerable(self) -> bool:
-        return self.values is not None or self.is_int or self.step is not None
-
-    def grid_values(self) -> list[Any]:
-        """Every value a grid visits (ranges: low, low + step, ... <= high; ints step 1 by default)."""
-        if self.values is not None:
-            return list(self.values)
-        if not self.enumerable:
-            raise ConfigError(f"search.space.{self.key}: a continuous range {{low: {self.low}, high: {self.high}}} "
-                              "cannot be gridded; give a step, a list of values, or search.algorithm=optuna")
-        step = self.step if self.step is not None else 1
-        count = int(math.floor((self.high - self.low) / step + 1e-9)) + 1
-        values = [self.low + i * step for i in range(count)]
-        return values if self.is_int else [round(v, 12) for v in values]
-
-    def check_values(self) -> list[Any]:
-        """Values that validation builds: all of a list or a small int range, else the range's two ends."""
-        if self.values is not None:
-            return list(self.values)
-        if self.is_int and (self.high - self.low) // (self.step or 1) < 64:
-            return self.grid_values()
-        return [self.low, self.high]
-
-
-def parse_param(key: str, raw: Any) -> Param:
-    where = f"search.space.{key}"
-    if isinstance(raw, (list, tuple)):
-        raw = [as_number(v) for v in raw]
-        require(len(raw) > 0, where, raw, "empty list: give at least one value")
-        require(len(set(map(repr, raw))) == len(raw), where, raw, "values repeat")
-        return Param(key, values=tuple(raw))
-    if isinstance(raw, dict):
-        unknown = sorted(set(raw) - {"low", "high", "step", "log"})
-        require(not unknown, where, raw, f"unknown range key(s) {unknown}; a range has low, high, step, log")
-        require("low" in raw and "high" in raw, where, raw, "a range needs both low and high")
-        low, high, step = (as_number(raw.get(name)) for name in ("low", "high", "step"))
-        log = raw.get("log", False)
-        for name, value in (("low", low), ("high", high), ("step", step)):
-            is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
-            require(is_number or (name == "step" and value is None), f"{where}.{name}", value, "expected a number")
-        require(isinstance(log, bool), f"{where}.log", log, "expected true or false")
-        require(low <= high, where, raw, f"empty range: low={low} is above high={high}")
-        require(step is None or step > 0, f"{where}.step", step, "must be > 0")
-        require(not log or low > 0, f"{where}.low", low, "a log range needs low > 0")
-        require(not (log and step is not None), where, raw, "a range is either log or stepped, not both")
-        return Param(key, low=low, high=high, step=step, log=log)
-    raise ConfigError(f"{where}={raw!r}: expected a list of values or a range {{low: ..., high: ...}}")
 
 
 # ---------------------------------------------------------------- sections
@@ -234,10 +173,10 @@ class SweepConfig:
                 "must be a plain name (it names the output directory and the MLflow run)")
         require((self.spec is None) != (self.training is None), "spec", self.spec,
                 "give exactly one of `spec:` (an inference sweep) or `training:` (a training sweep)")
-        if self.kind == "inference":
-            self._check_inference()
-        else:
+        if self.kind == "training":
             self._check_training()
+        else:
+            self._check_inference()
         for param in self.search.params:
             check_key(self, param.key)
         points, invalid = self.points()
@@ -259,6 +198,26 @@ class SweepConfig:
         require(self.measure.num_prompts >= 1, "measure.num_prompts", self.measure.num_prompts,
                 "an inference sweep measures on at least one prompt")
         require(self.runner == "trial", "runner", self.runner, "ray-train runs training sweeps only")
+        if self.kind == "schedule":
+            self._check_schedule()
+
+    def _check_schedule(self) -> None:
+        """A grid of whole numbers over both keys: every (batch size, budget) cell of the table gets measured."""
+        space, search = self.search.space, self.search
+        require(set(space) == set(SCHEDULE_KEYS), "search.space", space, f"a schedule sweep searches exactly "
+                f"{list(SCHEDULE_KEYS)} (lists); the method and its tree stay fixed in spec:")
+        require(search.algorithm == "grid", "search.algorithm", search.algorithm,
+                "a schedule sweep measures every (batch_size, max_draft_nodes) cell: use grid")
+        require(search.objective == "speedup", "search.objective", search.objective, "a schedule sweep picks per "
+                "batch size the budget with the best throughput against vanilla at that size: use speedup")
+        for key, low, high in (("batch_size", 1, None), ("max_draft_nodes", 0, MAX_TREE_NODES - 1)):
+            values = space[key]
+            whole = isinstance(values, list) and all(isinstance(v, int) and not isinstance(v, bool) and v >= low
+                                                     and (high is None or v <= high) for v in values)
+            require(whole, f"search.space.{key}", values, f"expected a list of whole numbers >= {low}"
+                    + (f" and <= {high}" if high else ""))
+        require(1 in space["batch_size"], "search.space.batch_size", space["batch_size"],
+                "needs 1: speculation_by_batch starts at batch size 1")
 
     def _check_training(self) -> None:
         objective = self.search.objective
@@ -275,8 +234,11 @@ class SweepConfig:
                     "measuring speedup or tau needs measure.num_prompts >= 1 (or use objective sim_tau)")
 
     @property
-    def kind(self) -> Literal["inference", "training"]:
-        return "inference" if self.spec is not None else "training"
+    def kind(self) -> Literal["inference", "schedule", "training"]:
+        """training: a ``training:`` section; schedule: ``spec:`` and a search over SCHEDULE_KEYS; else inference."""
+        if self.spec is None:
+            return "training"
+        return "schedule" if set(self.search.space) & set(SCHEDULE_KEYS) else "inference"
 
     @property
     def metric(self) -> str:
@@ -289,7 +251,7 @@ class SweepConfig:
 
     @property
     def target_dir(self) -> Path:
-        return target_path(self.target if self.kind == "inference" else self.training.target)
+        return target_path(self.training.target if self.kind == "training" else self.target)
 
     @property
     def max_epochs(self) -> int:
@@ -319,9 +281,11 @@ class SweepConfig:
 
     def trial_section(self, point: dict[str, Any]) -> SpecConfig | TrainConfig:
         """The SpecConfig (inference) or TrainConfig (training) a trial runs at ``point``; ConfigError if impossible."""
-        if self.kind == "inference":
-            # SpecConfig refuses trees over the one size cap (MAX_TREE_NODES) and settings the method does not read
-            return from_dict(SpecConfig, {**to_dict(self.spec), **point}, prefix="spec.")
+        if self.kind != "training":
+            # SpecConfig refuses trees over the one size cap (MAX_TREE_NODES) and settings the method does not read;
+            # a schedule sweep's keys are the engine's, not the spec's
+            spec_point = {k: v for k, v in point.items() if k not in SCHEDULE_KEYS}
+            return from_dict(SpecConfig, {**to_dict(self.spec), **spec_point}, prefix="spec.")
         data = to_dict(self.training)
         for key, value in point.items():
             set_dotted(data, key, value)
@@ -353,9 +317,12 @@ def drafter_config_class(drafter_type: str) -> type:
 
 def check_key(sweep: SweepConfig, key: str) -> None:
     """A search key must name a field the trial's section has (inference: SPEC_KEYS; training: TRAIN_SECTIONS)."""
+    if sweep.kind == "schedule":
+        return  # _check_schedule: exactly SCHEDULE_KEYS
     if sweep.kind == "inference":
         require(key in SPEC_KEYS, f"search.space.{key}", sweep.search.space[key],
-                f"unknown key for an inference sweep; searchable spec fields: {list(SPEC_KEYS)}")
+                f"unknown key for an inference sweep; searchable spec fields: {list(SPEC_KEYS)} "
+                f"(a schedule sweep: {list(SCHEDULE_KEYS)})")
         return
     section = next((s for s in sorted(TRAIN_SECTIONS, key=len, reverse=True) if key.startswith(s + ".")), None)
     require(section is not None, f"search.space.{key}", sweep.search.space[key],

@@ -1,10 +1,11 @@
 """What a trial measures, without Ray: greedy speed of a speculative method against vanilla on the same prompts, and
 a trial-sized drafter training loop.
 
-Speed: every prompt runs once plainly and once with the drafter, in alternating order (vanilla first on even
-prompts, speculative first on odd ones), so a slow drift of a shared machine hits both alike; speedup is the ratio
-of the two tokens-per-second sums. The speculative output must equal the vanilla output token for token (greedy);
-``greedy_identical`` is the fraction of prompts where it does.
+Speed: every batch of prompts (one prompt each, or a schedule sweep's ``batch_size`` concurrent requests) runs once
+plainly and once with the drafter through the batched engine (eyas.decoding.engine.SpecEngine, what a Serve replica
+runs), in alternating order (vanilla first on even batches, speculative first on odd ones), so a slow drift of a
+shared machine hits both alike; speedup is the ratio of the two tokens-per-second sums. The speculative output must
+equal the vanilla output token for token (greedy); ``greedy_identical`` is the fraction of requests where it does.
 
 Training: the library trainer jobs.train_drafter's workers run (``eyas.train.trainer.Trainer``) in one process, one
 epoch per call, so a Tune trial can report after every epoch and ASHA can stop it.
@@ -18,7 +19,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from eyas import corpus
-from eyas.decoding.generate import generate
+from eyas.decoding.engine import SpecEngine
+from eyas.decoding.requests import SequenceRequest, SpeculationSchedule
 from eyas.decoding.stats import SpecStats
 from eyas.decoding.tree import MAX_TREE_NODES
 from eyas.train.config import TrainConfig
@@ -45,30 +47,53 @@ def heldout_prompt_ids(tokenizer, suite: str, num_prompts: int, max_prompt_token
     return prompts
 
 
-def measure_speed(target, drafter, prompts: Sequence[list[int]], max_new_tokens: int, eos_token_ids: Sequence[int],
-                  warmup_prompts: int = 1, repeats: int = 1) -> dict[str, float]:
-    """Greedy vanilla vs speculative on ``prompts`` (interleaved, module docstring): tau, tokens/s, speedup, ..."""
+def prompt_batches(prompts: Sequence[list[int]], batch_size: int) -> list[list[list[int]]]:
+    """ceil(P / B) batches of ``batch_size`` prompts each, cycling through the prompts to fill the last one."""
+    count = -(-len(prompts) // batch_size)
+    return [[prompts[(g * batch_size + j) % len(prompts)] for j in range(batch_size)] for g in range(count)]
+
+
+def measure_speed(target, drafter_factory: Callable[[], Any], prompts: Sequence[list[int]], max_new_tokens: int,
+                  eos_token_ids: Sequence[int], warmup_prompts: int = 1, repeats: int = 1, batch_size: int = 1,
+                  max_draft_nodes: int | None = None) -> dict[str, float]:
+    """Greedy vanilla vs speculative on ``prompts``, ``batch_size`` concurrent requests at a time through the
+    batched engine a Serve replica runs (module docstring): tau, tokens/s, speedup, greedy_identical, ...
+
+    ``drafter_factory`` builds one drafter per batch row; ``max_draft_nodes`` caps every sequence's tree as
+    serving's ``speculation_by_batch`` does (None: the drafter's full tree, 0: plain decoding in the speculative
+    engine, its drafters still committing). ``warmup_prompts``: untimed batches first."""
     eos = tuple(eos_token_ids)
-    for prompt in prompts[:warmup_prompts]:
-        generate(target, prompt, max_new_tokens, eos_token_ids=eos)
-        generate(target, prompt, max_new_tokens, drafter=drafter, eos_token_ids=eos)
+    max_len = max(map(len, prompts)) + max_new_tokens + MAX_TREE_NODES
+    schedule = SpeculationSchedule({1: max_draft_nodes})
+    engines = {"vanilla": SpecEngine(target, batch_size, max_len, eos_token_ids=eos),
+               "spec": SpecEngine(target, batch_size, max_len, drafter_factory, schedule, eos_token_ids=eos)}
+
+    def run(which: str, batch: list[list[int]], tag: str) -> list[tuple[list[int], Any]]:
+        requests = [SequenceRequest(f"{tag}-{j}", list(prompt), max_new_tokens) for j, prompt in enumerate(batch)]
+        done = engines[which].run(requests)
+        return [done[request.request_id] for request in requests]
+
+    batches = prompt_batches(prompts, batch_size)
+    for batch in batches[:warmup_prompts]:
+        for which in engines:
+            run(which, batch, "warmup")
     seconds = {"vanilla": 0.0, "spec": 0.0}
     tokens = {"vanilla": 0, "spec": 0}
     outputs: dict[str, list[list[int]]] = {"vanilla": [], "spec": []}
     stats = SpecStats()
     for repeat in range(repeats):
-        for index, prompt in enumerate(prompts):
+        for index, batch in enumerate(batches):
             order = ("vanilla", "spec") if (index + repeat) % 2 == 0 else ("spec", "vanilla")
             for which in order:
                 start = time.perf_counter()
-                result = generate(target, prompt, max_new_tokens, drafter=drafter if which == "spec" else None,
-                                  eos_token_ids=eos)
+                results = run(which, batch, f"{repeat}-{index}")
                 seconds[which] += time.perf_counter() - start
-                tokens[which] += len(result.token_ids)
+                tokens[which] += sum(len(token_ids) for token_ids, _ in results)
                 if repeat == 0:
-                    outputs[which].append(result.token_ids)
+                    outputs[which] += [token_ids for token_ids, _ in results]
                 if which == "spec":
-                    stats = stats.merge(result.stats)
+                    for _, final in results:
+                        stats = stats.merge(final.stats)
     vanilla_tps = tokens["vanilla"] / seconds["vanilla"]
     spec_tps = tokens["spec"] / seconds["spec"]
     spec_time = stats.draft_s + stats.verify_s + stats.other_s
@@ -77,7 +102,7 @@ def measure_speed(target, drafter, prompts: Sequence[list[int]], max_new_tokens:
         "speedup": spec_tps / vanilla_tps,
         "tokens_per_s": spec_tps,
         "vanilla_tokens_per_s": vanilla_tps,
-        "greedy_identical": sum(a == b for a, b in zip(outputs["spec"], outputs["vanilla"])) / len(prompts),
+        "greedy_identical": sum(a == b for a, b in zip(outputs["spec"], outputs["vanilla"])) / len(outputs["spec"]),
         "cycles": float(stats.cycles),
         "draft_nodes_per_cycle": stats.num_draft_nodes / max(stats.cycles, 1),
         "draft_time_frac": stats.draft_s / spec_time if spec_time else 0.0,

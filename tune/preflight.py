@@ -10,13 +10,13 @@ from tune.config import SweepConfig
 
 
 def preflight(sweep: SweepConfig) -> None:
-    """The files a sweep needs exist: target, drafter checkpoint (inference), data set (training)."""
+    """The files a sweep needs exist: target, drafter checkpoint (inference, schedule), data set (training)."""
     target_dir = sweep.target_dir
-    where = "target" if sweep.kind == "inference" else "training.target"
+    where = "training.target" if sweep.kind == "training" else "target"
     if not (target_dir / "config.json").is_file():
         raise ConfigError(f"{where}={target_dir}: no checkpoint there (config.json missing); build it with "
                           "`python -m jobs.train_target --config jobs/configs/target-tiny.yaml`")
-    if sweep.kind == "inference":
+    if sweep.kind != "training":
         check_spec_files(sweep.spec)
         return
     data_dir = data_path(sweep.training.data)

@@ -28,8 +28,8 @@ from tune.preflight import absolute_spec
 TUNE_KEYS = {"timestamp", "training_iteration", "time_this_iter_s", "time_total_s", "pid", "date", "hostname",
              "node_ip", "done", "trial_id", "experiment_tag", "time_since_restore", "iterations_since_restore",
              "checkpoint_dir_name", "should_checkpoint", "config", "checkpoint_path"}
-X_PREFERENCE = ("num_nodes", "depth", "num_draft", "max_matches", "top_k", "drafter.config.block_size",
-                "drafter.config.loss_decay", "drafter.config.num_layers", "optim.lr")
+X_PREFERENCE = ("max_draft_nodes", "num_nodes", "depth", "num_draft", "max_matches", "top_k",
+                "drafter.config.block_size", "drafter.config.loss_decay", "drafter.config.num_layers", "optim.lr")
 
 
 def numeric_metrics(result: dict[str, Any]) -> dict[str, float]:
@@ -66,7 +66,7 @@ def make_tracker(sweep: SweepConfig, parent_run_id: str, keys: list[str]):
                                                "eyas.sweep": sweep.name, "eyas.trial_id": trial.trial_id,
                                                "eyas.point": point_label(point)})
             self.runs[trial.trial_id] = run.info.run_id
-            prefix = "spec" if sweep.kind == "inference" else "training"
+            prefix = "training" if sweep.kind == "training" else "spec"
             params = {**flatten(to_dict(section), prefix + "."), **{f"point.{k}": v for k, v in point.items()}}
             for key, value in params.items():
                 self.client.log_param(run.info.run_id, key, "null" if value is None else str(value)[:6000])
@@ -138,7 +138,8 @@ def x_key(sweep: SweepConfig) -> str:
 
 
 def panel_metrics(sweep: SweepConfig, rows: list[dict[str, Any]]) -> list[str]:
-    wanted = ["speedup", "tau"] if sweep.kind == "inference" else ["sim_tau", "speedup", "tau"]
+    wanted = {"inference": ["speedup", "tau"], "schedule": ["speedup", "tokens_per_s"],
+              "training": ["sim_tau", "speedup", "tau"]}[sweep.kind]
     return [m for m in wanted if any(m in row["metrics"] for row in rows)]
 
 
@@ -220,15 +221,52 @@ def best_row(sweep: SweepConfig, rows: list[dict[str, Any]]) -> dict[str, Any] |
     return max(scored, key=lambda r: r["metrics"][sweep.metric], default=None)
 
 
-def best_documents(sweep: SweepConfig, best: dict[str, Any], output_dir: Path) -> dict[str, dict[str, Any]]:
+SCHEDULE_SHOWN = ("speedup", "tokens_per_s", "vanilla_tokens_per_s", "tau", "greedy_identical")
+
+
+def choose_schedule(rows: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """A schedule sweep's choice: per batch size, the draft-node budget whose trials' mean speedup (tokens/s over
+    vanilla at that batch size, measured interleaved) is highest; a tie goes to the smaller budget, failed trials
+    are left out. {batch_size: {"max_draft_nodes": n, "speedup": ..., "tokens_per_s": ..., ...}}."""
+    cells: dict[tuple[int, int], list[dict[str, float]]] = defaultdict(list)
+    for row in rows:
+        if row["error"] is None and "speedup" in row["metrics"]:
+            cells[(row["point"]["batch_size"], row["point"]["max_draft_nodes"])].append(row["metrics"])
+    choice: dict[int, dict[str, Any]] = {}
+    for (size, budget), samples in sorted(cells.items()):
+        means = {m: sum(s[m] for s in samples) / len(samples) for m in SCHEDULE_SHOWN if m in samples[0]}
+        if size not in choice or means["speedup"] > choice[size]["speedup"]:
+            choice[size] = {"max_draft_nodes": budget, **means}
+    return choice
+
+
+def schedule_usage(sweep: SweepConfig, schedule: dict[int, int]) -> str:
+    """How to serve the chosen schedule (the fragment's header and the sweep's summary)."""
+    inline = "{" + ", ".join(f"{size}: {budget}" for size, budget in schedule.items()) + "}"
+    best = sweep.output_dir.resolve() / "best.yaml"
+    return (f"paste it under applications[].args of a Serve config that serves this spec (best.yaml's spec:, e.g.\n"
+            f"spec_file: {best} with no spec: keys of its own), or load-test it:\n"
+            f"  python -m jobs.load --config serving/configs/X.yaml --arg 'spec={{}}' --arg spec_file={best} "
+            f"--arg 'speculation_by_batch={inline}'")
+
+
+def best_documents(sweep: SweepConfig, best: dict[str, Any], output_dir: Path,
+                   rows: list[dict[str, Any]] = ()) -> dict[str, dict[str, Any]]:
     """{file name: YAML document}: best.yaml (``spec:`` + ``target:``, read by jobs.generate --config,
-    jobs.bench --spec and serving's spec_file) and, for a training sweep, best-train.yaml (jobs.train_drafter)."""
+    jobs.bench --spec and serving's spec_file), for a training sweep best-train.yaml (jobs.train_drafter), for a
+    schedule sweep schedule.yaml (``speculation_by_batch:``, a serving config's args fragment, from ``rows``)."""
     summary = {"name": sweep.name, "objective": sweep.metric, "value": best["metrics"][sweep.metric],
                "point": best["point"], "trial_id": best["trial_id"],
                "metrics": {k: round(v, 6) for k, v in best["metrics"].items()}}
-    if sweep.kind == "inference":
+    if sweep.kind != "training":
         spec = absolute_spec(sweep.trial_section(best["point"]))
-        return {"best.yaml": {"target": str(sweep.target_dir.resolve()), "spec": spec, "sweep": summary}}
+        docs = {"best.yaml": {"target": str(sweep.target_dir.resolve()), "spec": spec, "sweep": summary}}
+        if sweep.kind == "schedule":
+            choice = choose_schedule(list(rows))
+            summary["schedule"] = {size: {k: round(v, 4) if isinstance(v, float) else v for k, v in cell.items()}
+                                   for size, cell in choice.items()}
+            docs["schedule.yaml"] = {"speculation_by_batch": {s: c["max_draft_nodes"] for s, c in choice.items()}}
+        return docs
     train_config = to_dict(sweep.trial_section(best["point"]))
     docs = {"best-train.yaml": train_config}
     if best["checkpoint"]:
@@ -248,9 +286,10 @@ def write_outputs(sweep: SweepConfig, rows: list[dict[str, Any]], best: dict[str
     out = sweep.output_dir
     out.mkdir(parents=True, exist_ok=True)
     files = {"results": out / "results.json", "curve": out / "curve.png"}
-    files["results"].write_text(json.dumps({"sweep": to_dict(sweep), "command": command, "x": x_key(sweep),
-                                            "curve": curve_table(sweep, rows), "trials": rows,
-                                            "best": best}, indent=2, default=str))
+    extra = {"schedule": choose_schedule(rows)} if sweep.kind == "schedule" else {}
+    write_atomic(files["results"], json.dumps({"sweep": to_dict(sweep), "command": command, "x": x_key(sweep),
+                                               "curve": curve_table(sweep, rows), "trials": rows, "best": best,
+                                               **extra}, indent=2, default=str))
     curve_figure(sweep, rows).savefig(files["curve"], dpi=110)
     if sweep.kind == "training":
         files["epochs"] = out / "epochs.png"
@@ -259,10 +298,22 @@ def write_outputs(sweep: SweepConfig, rows: list[dict[str, Any]], best: dict[str
     if best is not None:
         header = (f"# Best of sweep {sweep.name}: {sweep.metric} = {best['metrics'][sweep.metric]:.4g} at "
                   f"{point_label(best['point'])}\n# {command}\n")
-        for name, document in best_documents(sweep, best, out).items():
+        for name, document in best_documents(sweep, best, out, rows).items():
+            text = header
+            if name == "schedule.yaml":
+                usage = schedule_usage(sweep, document["speculation_by_batch"]).replace("\n", "\n# ")
+                text = (f"# speculation_by_batch of sweep {sweep.name}: per batch size the draft-node budget with "
+                        f"the best measured speedup over vanilla (0: no speculation)\n# {command}\n# Use: {usage}\n")
             files[name] = out / name
-            files[name].write_text(header + yaml.safe_dump(document, sort_keys=False))
+            write_atomic(files[name], text + yaml.safe_dump(document, sort_keys=False))
     return files
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """A temp file beside ``path``, renamed over it: a reader never sees half a config."""
+    temp = path.with_name(f".{path.name}.tmp")
+    temp.write_text(text)
+    temp.replace(path)
 
 
 def log_parent(sweep: SweepConfig, rows: list[dict[str, Any]], best: dict[str, Any] | None,
@@ -273,6 +324,9 @@ def log_parent(sweep: SweepConfig, rows: list[dict[str, Any]], best: dict[str, A
     if best is not None:
         summary.update({f"best_{k}": v for k, v in best["metrics"].items()})
         track.log_params_flat({"best": best["point"]})
+        if sweep.kind == "schedule":
+            chosen = {size: cell["max_draft_nodes"] for size, cell in choose_schedule(rows).items()}
+            track.log_params_flat({"speculation_by_batch": chosen})
         track.set_tags({"eyas.best_trial": best["trial_id"]})
     track.log_metrics(summary)
     import tempfile

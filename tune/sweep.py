@@ -5,7 +5,10 @@
 
 Inference sweeps (a ``spec:`` section) search the node budget, top-k, depth, the DDTree budget or the chain length
 of a trained drafter: each trial times greedy generation with the drafter against vanilla on the same held-out
-prompts, interleaved, in the same process, and reports tau, tokens/s and speedup. Training sweeps (a ``training:``
+prompts, interleaved, in the same process, and reports tau, tokens/s and speedup. Schedule sweeps (a ``spec:``
+section, the space ``batch_size`` x ``max_draft_nodes``) time B concurrent greedy requests through the batched engine
+(what a Serve replica runs) at each draft-node budget against vanilla at the same B, and choose serving's
+``speculation_by_batch``: per batch size the budget with the best speedup (0: none). Training sweeps (a ``training:``
 section) search DFlash's block size and loss decay (and lr, layers, ...): each trial trains a drafter and reports the
 held-out simulated tau (and, with ``measure.num_prompts``, tau and speedup) after every epoch; ASHA stops weak
 trials. The search is a grid or Optuna; the objective is speedup (default), tau or sim_tau.
@@ -27,8 +30,10 @@ summary, the other trials go on, the best configuration is chosen among those th
 
 Output in ``output.dir`` (default ``$EYAS_HOME/sweeps/<name>``): ``best.yaml`` (``target:`` + ``spec:``, read as is by
 ``jobs.generate --config``, ``jobs.bench --spec`` and serving's ``spec_file``), for training sweeps also
-``best-train.yaml`` (``jobs.train_drafter --config``) and ``best-drafter/``, ``results.json`` and ``curve.png``
-(speedup and tau against the node budget, one line per depth and top-k). MLflow: a parent run per sweep with the
+``best-train.yaml`` (``jobs.train_drafter --config``) and ``best-drafter/``, for schedule sweeps ``schedule.yaml``
+(``speculation_by_batch:``, pasted as is under a Serve config's args; the sweep prints how), ``results.json`` and
+``curve.png`` (speedup and tau against the node budget, one line per depth and top-k; a schedule sweep: speedup and
+tokens/s against the budget, one line per batch size). MLflow: a parent run per sweep with the
 same files and the best point, a child run per trial with its params and per-report metrics.
 """
 from __future__ import annotations
@@ -45,11 +50,12 @@ from eyas.config import ConfigError, flatten, resolve_path, to_dict
 from eyas.models import CheckpointError, ModelConfig, load_tokenizer
 from eyas.train.config import data_path
 from eyas_ray.cluster import init_ray
-from tune.config import Param, SweepConfig, load_sweep
+from tune.config import SweepConfig, load_sweep
+from tune.space import Param
 from tune.measure import heldout_prompt_ids
 from tune.preflight import absolute_spec, preflight
-from tune.report import (best_row, collect_rows, curve_table, log_parent, make_tracker, panel_metrics, write_outputs,
-                         x_key)
+from tune.report import (best_row, choose_schedule, collect_rows, curve_table, log_parent, make_tracker, panel_metrics,
+                         schedule_usage, write_outputs, x_key)
 
 
 # Tune needs a non-empty bundle per trial: a ray-train trial's driver (it only waits on its TorchTrainer) holds this
@@ -117,7 +123,7 @@ def trainable(sweep: SweepConfig, context: dict[str, Any]):
 
     from tune import trials  # imports Ray Train and Tune: the dry run and the config checks run without Ray
 
-    if sweep.kind == "inference":
+    if sweep.kind != "training":  # inference and schedule sweeps
         function = trials.inference_trial
     else:
         function = trials.training_trial if sweep.runner == "trial" else trials.ray_train_trial
@@ -232,6 +238,16 @@ def print_summary(sweep: SweepConfig, rows: list[dict[str, Any]], best: dict[str
     if best is not None:
         print(f"[sweep] best {sweep.metric}={best['metrics'][sweep.metric]:.3f} at {best['point']} "
               f"(trial {best['trial_id']})")
+    if sweep.kind == "schedule":
+        choice = choose_schedule(rows)
+        print("[sweep] speculation_by_batch (per batch size the budget with the best speedup over vanilla):")
+        for size, cell in choice.items():
+            print(f"    {size}: {cell['max_draft_nodes']}    speedup {cell['speedup']:.3f}, "
+                  f"{cell['tokens_per_s']:.1f} vs vanilla {cell['vanilla_tokens_per_s']:.1f} tok/s, "
+                  f"greedy identical {cell['greedy_identical']:.2f}")
+        if "schedule.yaml" in files:
+            usage = schedule_usage(sweep, {size: cell["max_draft_nodes"] for size, cell in choice.items()})
+            print(f"[sweep] {files['schedule.yaml']}: {usage}")
     for name, path in files.items():
         print(f"[sweep] {name}: {path}")
 

@@ -1,7 +1,8 @@
 """The Tune trial functions. Each receives its searched point from Tune and everything else from ``context`` (the
 sweep's fixed settings, put in the object store once by ``tune.with_parameters``).
 
-  inference_trial   build the drafter for the point's SpecConfig, time it against vanilla (tune.measure), report once
+  inference_trial   build the drafters for the point's SpecConfig, time them against vanilla (tune.measure), report
+                    once; a schedule sweep's point also sets the concurrent requests and the draft-node cap
   training_trial    train a drafter in the trial (tune.measure.TrialTrainer), report every epoch with a training
                     checkpoint (drafter/, optimizer and schedule, step); a retried trial resumes from it
   ray_train_trial   launch a TorchTrainer (jobs.train_drafter's worker loop, eyas_ray.train_worker) from the trial, as Ray Train V2
@@ -24,14 +25,14 @@ from ray.tune.integration.ray_train import TuneReportCallback
 
 from eyas import track
 from eyas.config import from_dict, to_dict
-from eyas.methods import SpecConfig, build_drafter
+from eyas.methods import SpecConfig, drafter_factory
 from eyas.models import load_target
 from eyas.threads import configure_threads
 from eyas.train.config import TrainConfig
 from eyas.train.data import DataPosition
 from eyas.train.step import load_training_checkpoint, save_training_checkpoint
 from eyas_ray.train_worker import train_loop_per_worker
-from tune.config import point_of, set_dotted
+from tune.config import SCHEDULE_KEYS, point_of, set_dotted
 from tune.measure import TrialTrainer, heldout_prompt_ids, measure_speed
 
 # the target stays loaded in a reused trial actor (Tune reuses actors between function trials)
@@ -53,14 +54,16 @@ def cached_target(target_dir: str, device: str):
 
 
 def inference_trial(config: dict[str, Any], context: dict[str, Any]) -> None:
+    """Inference and schedule sweeps: the point's spec settings build the drafters, its SCHEDULE_KEYS (if any)
+    set the concurrent requests and the draft-node cap of the measurement."""
     device = setup_torch(context)
     point = point_of(config, context["keys"])
+    batch = {key: point.pop(key) for key in SCHEDULE_KEYS if key in point}
     spec = from_dict(SpecConfig, {**context["spec"], **point}, prefix="spec.")
     target = cached_target(context["target_dir"], device)
-    drafter = build_drafter(target, spec)
     measure = context["measure"]
-    metrics = measure_speed(target, drafter, context["prompts"], measure["max_new_tokens"], context["eos"],
-                            measure["warmup_prompts"], measure["repeats"])
+    metrics = measure_speed(target, drafter_factory(target, spec), context["prompts"], measure["max_new_tokens"],
+                            context["eos"], measure["warmup_prompts"], measure["repeats"], **batch)
     tune.report(metrics)
 
 
@@ -82,7 +85,8 @@ def training_trial(config: dict[str, Any], context: dict[str, Any]) -> None:
         metrics.update(trainer.evaluate())
         if prompts:
             with trainer.evaluating():
-                metrics.update(measure_speed(trainer.target, trainer.spec_drafter(), prompts,
+                drafter = trainer.spec_drafter()
+                metrics.update(measure_speed(trainer.target, lambda: drafter, prompts,
                                              measure["max_new_tokens"], trainer.eos_token_ids,
                                              measure["warmup_prompts"], measure["repeats"]))
         state = {"step": trainer.step, "position": DataPosition(epoch + 1, 0).to_dict(), "metrics": metrics}
@@ -178,7 +182,8 @@ def ray_train_trial(config: dict[str, Any], context: dict[str, Any]) -> None:
     trainer = TorchTrainer(
         train_loop_per_worker, train_loop_config=loop,
         scaling_config=ray.train.ScalingConfig(num_workers=scaling.num_workers, use_gpu=scaling.use_gpu,
-                                               resources_per_worker=resources),
+                                               resources_per_worker=resources,
+                                               placement_strategy=scaling.placement_strategy),
         torch_config=TorchConfig(backend="nccl" if scaling.use_gpu else "gloo"),
         # the run name carries the trial id: Train restores a restarted trial's run from (storage, name)
         run_config=ray.train.RunConfig(name=f"{cfg.name}-trial_id={trial_id}", storage_path=storage,

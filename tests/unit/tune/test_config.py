@@ -9,7 +9,8 @@ import pytest
 import yaml
 
 from eyas.config import ConfigError
-from tune.config import load_sweep, parse_param
+from tune.config import load_sweep
+from tune.space import parse_param
 from tune.preflight import preflight
 
 REPO = Path(__file__).resolve().parents[3]
@@ -20,6 +21,12 @@ INFERENCE = {
     "target": "target-x",
     "spec": {"method": "eagle3", "drafter": "$EYAS_HOME/drafters/eagle3-x"},
     "search": {"space": {"num_nodes": [4, 8], "top_k": [2, 4]}},
+}
+SCHEDULE = {
+    "name": "sch",
+    "target": "target-x",
+    "spec": {"method": "eagle3", "drafter": "$EYAS_HOME/drafters/eagle3-x", "num_nodes": 8},
+    "search": {"space": {"batch_size": [1, 2, 4], "max_draft_nodes": [0, 4, 8]}},
 }
 TRAINING = {
     "name": "tt",
@@ -115,6 +122,41 @@ def test_bad_inference_input_is_a_config_error(tmp_path, change, message):
 def test_bad_training_input_is_a_config_error(tmp_path, change, message):
     with pytest.raises(ConfigError, match=message):
         load(tmp_path, {**TRAINING, **change})
+
+
+def test_schedule_points_keep_the_spec_fixed(tmp_path):
+    sweep = load(tmp_path, SCHEDULE)
+    assert sweep.kind == "schedule" and sweep.metric == "speedup"
+    points, invalid = sweep.points()
+    assert len(points) == 9 and not invalid and points[1] == {"batch_size": 1, "max_draft_nodes": 4}
+    assert sweep.trial_section({"batch_size": 4, "max_draft_nodes": 0}) == sweep.spec  # the engine's keys, not spec's
+
+
+@pytest.mark.parametrize("space, change, message", [
+    ({"batch_size": [1, 2]}, {}, r"search.space=.*searches exactly \['batch_size', 'max_draft_nodes'\]"),
+    ({"batch_size": [1], "max_draft_nodes": [0], "num_nodes": [4]}, {}, "searches exactly"),
+    ({"max_draft_nodes": [0, 4]}, {}, "searches exactly"),
+    ({"batch_size": [2, 4], "max_draft_nodes": [0]}, {}, r"search.space.batch_size=\[2, 4\]: needs 1"),
+    ({"batch_size": [0, 1], "max_draft_nodes": [0]}, {}, "search.space.batch_size=.*whole numbers >= 1"),
+    ({"batch_size": [1], "max_draft_nodes": [-1, 4]}, {}, "search.space.max_draft_nodes=.*whole numbers >= 0"),
+    ({"batch_size": [1], "max_draft_nodes": [64]}, {}, "search.space.max_draft_nodes=.* and <= 63"),
+    ({"batch_size": [1], "max_draft_nodes": {"low": 0, "high": 8}}, {}, "search.space.max_draft_nodes=.*a list"),
+    ({"batch_size": [1.5, 1], "max_draft_nodes": [0]}, {}, "search.space.batch_size=.*whole numbers"),
+    (None, {"objective": "tau"}, "search.objective='tau': a schedule sweep picks .* use speedup"),
+    (None, {"algorithm": "optuna"}, "search.algorithm='optuna': .* use grid"),
+])
+def test_bad_schedule_input_names_the_yaml_key_and_file(tmp_path, space, change, message):
+    search = {**SCHEDULE["search"], **change, **({"space": space} if space is not None else {})}
+    with pytest.raises(ConfigError, match=message) as err:
+        load(tmp_path, {**SCHEDULE, "search": search})
+    assert str(err.value).endswith(f" in {tmp_path / 'sweep.yaml'}")
+
+
+def test_a_schedule_sweep_needs_a_speculative_method(tmp_path):
+    with pytest.raises(ConfigError, match="spec.method='vanilla': vanilla does not speculate"):
+        load(tmp_path, {**SCHEDULE, "spec": {"method": "vanilla"}})
+    with pytest.raises(ConfigError, match=r"unknown key for an inference sweep.*a schedule sweep: \['batch_size'"):
+        load(tmp_path, {**INFERENCE, "search": {"space": {"batch": [1]}}})
 
 
 def test_skip_invalid_drops_impossible_grid_points(tmp_path):
