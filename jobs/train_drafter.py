@@ -18,7 +18,13 @@ Checkpoints (every epoch, and every ``train.checkpoint_every`` steps): ``ray.tra
   state.json   step, data position (epoch, next batch), last metrics (rank 0)
   trainer.pt   optimizer + scheduler (ddp, rank 0)   |   deepspeed/  every rank's ZeRO partition (zero1/zero2)
 A worker failure restarts the group (``scaling.max_failures``) from the last checkpoint: weights, optimizer,
-schedule, step count and data position continue where they were.
+schedule, step count and data position continue where they were. ``scaling.placement_strategy: SPREAD`` puts the
+workers on different nodes (and restarts them on the nodes left when one is lost).
+
+A killed driver (or a lost head of a job) resumes too: the Ray Train run is named after the whole config
+(``train_drafter-<name>-<config hash>`` under ``scaling.storage_path``, eyas_ray.resume), so submitting the same
+command again restores that run's last checkpoint, prints ``resuming from checkpoint ... at step k`` and continues
+the same MLflow run. A finished run is moved aside (``...-done-<time>``); the next submission trains afresh.
 
 MLflow (``eyas.track``): the driver opens the run (params = the flattened config) and, once training succeeded,
 registers the final drafter; inside training rank 0 alone logs (it re-attaches to the driver's run after a restart):
@@ -45,6 +51,7 @@ from eyas.drafters import registry
 from eyas.train.config import TrainConfig, data_path, target_path
 from eyas.train.step import read_state
 from eyas_ray.cluster import init_ray
+from eyas_ray.resume import ResumableRun
 from eyas_ray.train_worker import train_loop_per_worker
 from jobs.common import job_argparser, load_job_config
 
@@ -65,7 +72,7 @@ def check_inputs(cfg: TrainConfig) -> tuple[Path, Path]:
     return target_dir, data_dir
 
 
-def run_trainer(cfg: TrainConfig, target_dir: Path, data_dir: Path, run_id: str | None):
+def run_trainer(cfg: TrainConfig, target_dir: Path, data_dir: Path, run_id: str | None, run: ResumableRun):
     scaling = cfg.scaling
     resource = "GPU" if scaling.use_gpu else "CPU"
     needed = scaling.num_workers * (1 if scaling.use_gpu else scaling.cpus_per_worker)
@@ -73,20 +80,20 @@ def run_trainer(cfg: TrainConfig, target_dir: Path, data_dir: Path, run_id: str 
     if available < needed:
         raise RuntimeError(f"scaling.num_workers={scaling.num_workers} needs {needed} {resource}s but the Ray "
                            f"cluster has {available:g}; lower it, e.g. scaling.num_workers=1")
-    storage = resolve_path(scaling.storage_path)
-    run_name = f"train_drafter-{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     loop = {"config": to_dict(cfg), "target_dir": str(target_dir), "data_dir": str(data_dir), "run_id": run_id,
             "tracking_uri": track.tracking_uri(),
             "artifact_root": str(root.resolve()) if (root := track.artifact_root()) else "",  # none: a server's
-            "marker_dir": str(storage / run_name)}
+            "marker_dir": str(run.dir)}
     resources = {"CPU": scaling.cpus_per_worker, **({"GPU": 1} if scaling.use_gpu else {})}
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config=loop,
         scaling_config=ScalingConfig(num_workers=scaling.num_workers, use_gpu=scaling.use_gpu,
-                                     resources_per_worker=resources),
+                                     resources_per_worker=resources,
+                                     placement_strategy=scaling.placement_strategy),
         torch_config=TorchConfig(backend="nccl" if scaling.use_gpu else "gloo"),
-        run_config=RunConfig(name=run_name, storage_path=str(storage),
+        # the same config, the same run: a resubmitted job restores its last checkpoint (eyas_ray.resume)
+        run_config=RunConfig(name=run.name, storage_path=str(run.storage),
                              failure_config=FailureConfig(max_failures=scaling.max_failures),
                              checkpoint_config=CheckpointConfig(num_to_keep=scaling.num_to_keep),
                              # plain prints: Train's print patch would echo every progress line twice
@@ -97,7 +104,7 @@ def run_trainer(cfg: TrainConfig, target_dir: Path, data_dir: Path, run_id: str 
         raise result.error
     if result.checkpoint is None:
         raise RuntimeError(f"training {cfg.name} finished without a checkpoint (see the worker logs above)")
-    return result, storage / run_name
+    return result
 
 
 def publish(cfg: TrainConfig, result, run_dir: Path) -> tuple[Path, dict[str, Any]]:
@@ -123,14 +130,20 @@ def train(cfg: TrainConfig) -> Path:
     init_ray()
     start = time.monotonic()
     tracking = cfg.tracking
+    run = ResumableRun.for_config("train_drafter", cfg.name, to_dict(cfg), resolve_path(cfg.scaling.storage_path))
+    resumed = run.announce()
     context = (track.start_run(tracking.experiment, run_name=cfg.name, params=flatten(cfg),
                                tags={"eyas.kind": "drafter", "eyas.drafter_type": cfg.drafter.type,
-                                     "eyas.strategy": cfg.scaling.strategy})
+                                     "eyas.strategy": cfg.scaling.strategy},
+                               resume_run_id=run.mlflow_run_id() if resumed else None)
                if tracking.enabled else contextlib.nullcontext())
-    with context as run:
-        run_id = run.info.run_id if tracking.enabled else None
-        result, run_dir = run_trainer(cfg, target_dir, data_dir, run_id)
-        out, summary = publish(cfg, result, run_dir)
+    with context as mlflow_run:
+        run_id = mlflow_run.info.run_id if tracking.enabled else None
+        run.remember(run_id)
+        result = run_trainer(cfg, target_dir, data_dir, run_id, run)
+        done_dir = run.done_dir()
+        out, summary = publish(cfg, result, done_dir)
+        run.finish(done_dir)
         seconds = time.monotonic() - start
         if tracking.enabled:
             track.log_metrics({"train_seconds": seconds}, step=int(summary["step"]))

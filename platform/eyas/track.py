@@ -117,18 +117,32 @@ def start_run(
     params: Mapping[str, Any] | None = None,
     parent_run_id: str | None = None,
     tags: Mapping[str, str] | None = None,
+    resume_run_id: str | None = None,
 ) -> Iterator[Any]:
     """Start (and end) an MLflow run in ``experiment``; yields the ``mlflow.ActiveRun`` (``.info.run_id``).
 
     ``params`` may be nested (a config dict or dataclass): it is flattened to dotted keys. A child run of
     ``parent_run_id`` is nested under it in the UI. An exception inside the block marks the run FAILED.
+    ``resume_run_id`` continues that run (a resubmitted job), or starts a new one, with a warning, when the
+    tracking store does not have it.
     """
     mlflow = _mlflow()
     experiment_id = ensure_experiment(experiment)
     all_tags = dict(tags or {})
     if parent_run_id is not None:
         all_tags["mlflow.parentRunId"] = parent_run_id
-    run = mlflow.start_run(experiment_id=experiment_id, run_name=run_name, tags=all_tags or None)
+    run = None
+    if resume_run_id is not None:
+        try:
+            client().get_run(resume_run_id)
+            run = mlflow.start_run(run_id=resume_run_id)
+        except mlflow.exceptions.MlflowException as err:
+            if err.error_code != "RESOURCE_DOES_NOT_EXIST":
+                raise
+            log.warning("MLflow run %s (to be continued) is not in %s: starting a new run", resume_run_id,
+                        tracking_uri())
+    if run is None:
+        run = mlflow.start_run(experiment_id=experiment_id, run_name=run_name, tags=all_tags or None)
     status = "FAILED"
     try:
         if params:

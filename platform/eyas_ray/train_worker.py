@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
+import ray
 import ray.train
 import ray.train.torch
 import torch
@@ -41,23 +43,34 @@ class Worker:
         self.trainer = Trainer(cfg, inputs.target, inputs.data, inputs.heldout, prompts=inputs.prompts,
                                eos_token_ids=inputs.eos_token_ids, target_dir=loop["target_dir"], rank=self.rank,
                                world_size=self.world_size, feature_dir=Path(loop["data_dir"]) / "features")
+        print(f"[train_drafter] rank {self.rank} of {self.world_size} on node "
+              f"{ray.get_runtime_context().get_node_id()}", flush=True)
+
+
+HOLD_S = 600.0  # train.hold_at_step: how long the rank waits for the test's kill before it goes on
 
 
 def maybe_fail(worker: Worker, step: int) -> None:
-    """Testing hook: rank ``fail_rank`` dies (os._exit, as a crashed process would) at ``fail_at_step``, once."""
+    """Testing hooks, each once per run (a marker file in the run directory guards it; a resumed run skips it):
+    rank ``fail_rank`` dies at ``train.fail_at_step`` (os._exit, as a crashed process would), or waits at
+    ``train.hold_at_step`` (HOLD_S at most) so that a test can kill the driver or a node at a known step."""
     train = worker.cfg.train
-    if train.fail_at_step != step or worker.rank != train.fail_rank:
+    if worker.rank != train.fail_rank or step not in (train.fail_at_step, train.hold_at_step):
         return
-    marker = Path(worker.loop["marker_dir"]) / "fail_at_step.done"
+    hook = "fail_at_step" if step == train.fail_at_step else "hold_at_step"
+    marker = Path(worker.loop["marker_dir"]) / f"{hook}.done"
     if marker.exists():
         return
     # a crash right after ray.train.report may beat the controller to registering that checkpoint (it polls the
     # workers every few seconds) and the run would resume from an older one; wait, so the test is deterministic
     ray.train.get_all_reported_checkpoints(consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED)
     marker.parent.mkdir(parents=True, exist_ok=True)
-    marker.write_text(f"rank {worker.rank} failed at step {step}\n")
-    print(f"[train_drafter] rank {worker.rank}: injected failure at step {step} (train.fail_at_step)", flush=True)
-    os._exit(1)
+    marker.write_text(f"rank {worker.rank} at step {step}: {hook}\n")
+    if hook == "fail_at_step":
+        print(f"[train_drafter] rank {worker.rank}: injected failure at step {step} (train.fail_at_step)", flush=True)
+        os._exit(1)
+    print(f"[train_drafter] rank {worker.rank}: holding at step {step} (train.hold_at_step)", flush=True)
+    time.sleep(HOLD_S)
 
 
 def epoch_end(worker: Worker, tracker: Tracker, step: int, epoch_label: str) -> dict[str, float]:

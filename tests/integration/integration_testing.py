@@ -1,7 +1,10 @@
-"""Helpers shared by the integration tests: a polling wait, and a small regenerated data set written without Ray
-(the target's own greedy answers to corpus prompts, as jobs.generate_data writes them)."""
+"""Helpers shared by the integration tests: a polling wait, a small regenerated data set written without Ray
+(the target's own greedy answers to corpus prompts, as jobs.generate_data writes them), and the check that a built
+target loads in transformers."""
 from __future__ import annotations
 
+import json
+import math
 import time
 from pathlib import Path
 
@@ -34,3 +37,25 @@ def write_regenerated_data(target_dir: Path, data_dir: Path, num_train: int, num
         answers = regenerate(target, ids, RESPONSE_TOKENS, [tokenizer.eos_token_id])
         write_shard(shard_path(data_dir, split, 0), [response_row(p, r) for p, r in zip(ids, answers)])
     return target, tokenizer
+
+
+def assert_loadable_checkpoint(out: Path, vocab_size: int) -> dict:
+    """A jobs.train_target checkpoint at ``out``: transformers loads it as a Llama with the right vocabulary, it
+    runs, and its held-out loss beats uniform. Returns its meta.json."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "meta.json"):
+        assert (out / name).is_file(), name
+    tokenizer = AutoTokenizer.from_pretrained(str(out))
+    model = AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert len(tokenizer) == vocab_size and model.config.vocab_size == vocab_size
+    assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
+    input_ids_BT = tokenizer("def f(x):\n    return x", return_tensors="pt").input_ids
+    with torch.no_grad():
+        logits_BTV = model(input_ids=input_ids_BT).logits
+    assert logits_BTV.shape == (1, input_ids_BT.shape[1], vocab_size)
+    meta = json.loads((out / "meta.json").read_text())
+    assert math.isfinite(meta["heldout_loss"]) and meta["heldout_loss"] < math.log(vocab_size)  # beats uniform
+    return meta

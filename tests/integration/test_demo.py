@@ -12,6 +12,8 @@ import pytest
 import yaml
 
 from eyas_ray.local_head import free_ports
+from integration_testing import assert_loadable_checkpoint
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.slow
@@ -42,5 +44,10 @@ def test_demo_micro_profile_end_to_end(tmp_path):
     assert rows["eagle3"]["tau"] is not None and rows["dflash"]["tau"] is not None and rows["vanilla"]["tau"] is None
     assert (out / "sweep" / "best.yaml").is_file()
     assert (home / "drafters" / "eagle3-micro" / "config.json").is_file()
+    # the target built through `ray job submit` loads in transformers, and its MLflow run finished
+    from mlflow import MlflowClient
+
+    meta = assert_loadable_checkpoint(home / "targets" / "micro", vocab_size=512)
+    assert MlflowClient(env["MLFLOW_TRACKING_URI"]).get_run(meta["mlflow_run_id"]).info.status == "FINISHED"
     # the printed table names every method the bench ran
     assert all(method in proc.stdout for method in rows)

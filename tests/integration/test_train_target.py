@@ -1,22 +1,16 @@
-"""jobs.train_target end to end: the micro target through Ray Train (2 workers) and through `ray job submit`.
+"""jobs.train_target end to end: the micro target through Ray Train (2 workers). The same job through `ray job submit`
+on a token-auth cluster of our own is tests/integration/test_demo.py's first step (its checkpoint checked there too).
 
-Everything lands in tmp dirs (EYAS_HOME, the MLflow sqlite store). The cluster test starts its own head node with
-``ray start --head --block`` and ends it by signalling that process (never ``ray stop``, which would stop every Ray
-instance on a shared machine).
+Everything lands in tmp dirs (EYAS_HOME, the MLflow sqlite store).
 """
 from __future__ import annotations
 
 import json
-import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from eyas_ray import local_head as local_ray
-from eyas_ray.local_head import LocalRayHead
+from integration_testing import assert_loadable_checkpoint
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MICRO = REPO_ROOT / "jobs" / "configs" / "target-micro.yaml"
@@ -34,26 +28,6 @@ def job_env(tmp_path, monkeypatch):
     monkeypatch.delenv("EYAS_MLFLOW_ARTIFACTS", raising=False)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     return home, uri
-
-
-def assert_loadable_checkpoint(out: Path, vocab_size: int) -> dict:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "meta.json"):
-        assert (out / name).is_file(), name
-    tokenizer = AutoTokenizer.from_pretrained(str(out))
-    model = AutoModelForCausalLM.from_pretrained(str(out)).eval()
-    assert type(model).__name__ == "LlamaForCausalLM"
-    assert len(tokenizer) == vocab_size and model.config.vocab_size == vocab_size
-    assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
-    input_ids_BT = tokenizer("def f(x):\n    return x", return_tensors="pt").input_ids
-    with torch.no_grad():
-        logits_BTV = model(input_ids=input_ids_BT).logits
-    assert logits_BTV.shape == (1, input_ids_BT.shape[1], vocab_size)
-    meta = json.loads((out / "meta.json").read_text())
-    assert math.isfinite(meta["heldout_loss"]) and meta["heldout_loss"] < math.log(vocab_size)  # beats uniform
-    return meta
 
 
 def test_micro_target_builds_through_ray_train(job_env):
@@ -136,36 +110,3 @@ def test_draft_without_built_target_says_what_to_do(job_env):
 
     with pytest.raises(FileNotFoundError, match="jobs/configs/target-micro.yaml"):
         build(load_config(TargetJobConfig, DRAFT_MICRO))
-
-
-# ---------------------------------------------------------------- a real cluster + ray job submit
-
-
-@pytest.fixture()
-def ray_head():
-    """A head node of our own (token auth on), yielding the dashboard address; torn down by its process group."""
-    with LocalRayHead(num_cpus=2) as head:
-        yield head
-
-
-def test_ray_job_submit_builds_micro_target(ray_head, tmp_path):
-    from mlflow import MlflowClient
-
-    home, uri = tmp_path / "eyas-home", f"sqlite:///{tmp_path / 'mlruns.db'}"
-    runtime_env = {
-        # .gitignore is honoured too (.venv/, mlruns.db, mlartifacts/); be explicit for the big ones
-        "excludes": [".git", ".venv", "mlartifacts", "mlruns.db", "out"],
-        "env_vars": {"EYAS_HOME": str(home), "MLFLOW_TRACKING_URI": uri, "TOKENIZERS_PARALLELISM": "false"},
-    }
-    cmd = [local_ray.ray_cli(), "job", "submit", "--address", ray_head.address, "--working-dir", ".",
-           "--runtime-env-json", json.dumps(runtime_env), "--",
-           sys.executable, "-m", "jobs.train_target", "--config", "jobs/configs/target-micro.yaml",
-           "train.num_steps=10", "num_samples=0"]
-    done = subprocess.run(cmd, cwd=REPO_ROOT, env=ray_head.env, capture_output=True, text=True, timeout=420)
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, output[-4000:]
-    assert "succeeded" in output, output[-4000:]
-    meta = assert_loadable_checkpoint(home / "targets" / "micro", vocab_size=512)
-    assert meta["steps"] == 10
-    run = MlflowClient(tracking_uri=uri).get_run(meta["mlflow_run_id"])
-    assert run.info.status == "FINISHED"

@@ -131,6 +131,7 @@ class LoopConfig:
     # reshuffles only within it), "disk" under <data>/features/ (shared by the workers, global reshuffling)
     feature_cache: Literal["none", "memory", "disk"] = "none"
     fail_at_step: int | None = None  # testing: rank `fail_rank` dies once at this step (a marker file guards)
+    hold_at_step: int | None = None  # testing: rank `fail_rank` waits there once, for a test to kill driver or node
     fail_rank: int = 1
 
     def __post_init__(self) -> None:
@@ -140,8 +141,12 @@ class LoopConfig:
                 "must be >= 1 or null")
         require(self.checkpoint_every is None or self.checkpoint_every >= 1, "train.checkpoint_every",
                 self.checkpoint_every, "must be >= 1 or null")
-        require(self.fail_at_step is None or self.fail_at_step >= 1, "train.fail_at_step", self.fail_at_step,
-                "must be >= 1 or null")
+        for key in ("fail_at_step", "hold_at_step"):
+            require(getattr(self, key) is None or getattr(self, key) >= 1, f"train.{key}", getattr(self, key),
+                    "must be >= 1 or null")
+
+
+PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]  # Ray's placement group strategies
 
 
 @dataclass(frozen=True)
@@ -151,6 +156,7 @@ class ScalingSection:
     cpus_per_worker: int = 1         # also each worker's torch thread count
     strategy: Literal["ddp", "zero1", "zero2"] = "ddp"  # DDP, or DeepSpeed ZeRO stage 1 / 2
     max_failures: int = 1            # worker failures to recover from (from the last checkpoint)
+    placement_strategy: PlacementStrategy = "PACK"  # PACK fills a node first; SPREAD a node per worker where it can
     num_to_keep: int | None = 2      # Ray Train checkpoints kept
     storage_path: str = "$EYAS_HOME/ray_results"
 
@@ -202,7 +208,8 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _name(self.name, "name")
-        require(self.train.fail_at_step is None or self.train.fail_rank < self.scaling.num_workers,
+        hooked = self.train.fail_at_step is not None or self.train.hold_at_step is not None
+        require(not hooked or self.train.fail_rank < self.scaling.num_workers,
                 "train.fail_rank", self.train.fail_rank, f"must be < scaling.num_workers={self.scaling.num_workers}")
 
     @property
