@@ -86,10 +86,10 @@ class MeasureConfig:
     """How a trial measures speed: greedy generation on held-out prompts, vanilla and speculative interleaved."""
 
     suite: str = "all"           # held-out prompts: code, prose or all (eyas.corpus)
-    num_prompts: int = 8         # 0: no speed measurement (training sweeps on sim_tau only)
+    num_prompts: int = 8         # 0: no speed measurement (training on sim_tau); schedule: cycled to fill batches
     max_new_tokens: int = 64      # greedy tokens per prompt and method
     max_prompt_tokens: int = 192  # prompts are cut to their first tokens (and to what the context leaves)
-    warmup_prompts: int = 1      # untimed generations first (allocations, lazy init)
+    warmup_prompts: int = 1      # untimed batches first (allocations, lazy init); schedule: batch_size prompts each
     repeats: int = 1             # timed passes over the prompts
 
     def __post_init__(self) -> None:
@@ -147,7 +147,7 @@ class TrackingConfig:
 
 @dataclass(frozen=True)
 class OutputConfig:
-    dir: str | None = None                       # best.yaml, results.json, curve.png; default $EYAS_HOME/sweeps/<name>
+    dir: str | None = None  # best.yaml (schedule.yaml), results.json, curve.png; default $EYAS_HOME/sweeps/<name>
     storage_path: str = "$EYAS_HOME/ray_results"  # Tune's trial dirs and checkpoints (shared storage on a cluster)
 
 
@@ -158,8 +158,8 @@ class OutputConfig:
 class SweepConfig:
     name: str                             # names the output dir and the MLflow parent run
     search: SearchConfig                  # what to search and the objective
-    target: str | None = None             # inference: target checkpoint (training sweeps use training.target)
-    spec: SpecConfig | None = None        # inference sweep: the base speculative settings
+    target: str | None = None             # inference, schedule: target checkpoint (training: training.target)
+    spec: SpecConfig | None = None        # inference, schedule sweep: the base speculative settings
     training: TrainConfig | None = None   # training sweep: the base drafter training config
     runner: Literal["trial", "ray-train"] = "trial"  # training: a loop inside the trial, or a TorchTrainer per trial
     measure: MeasureConfig = field(default_factory=MeasureConfig)
