@@ -39,6 +39,7 @@ class Profile:
     bench_args: tuple[str, ...]
     prompt: str                  # the one HTTP request's text
     chat: bool = False           # True: sent as a user message to /v1/chat/completions (the chat template applies)
+    max_tokens: int = 32         # the request's; micro's 128-position context leaves little more past a draft tree
     overrides: dict[str, tuple[str, ...]] = field(default_factory=dict)  # config path -> extra key=value args
     note: str = ""               # printed at the start: what this profile leaves out and why
 
@@ -70,7 +71,7 @@ PROFILES = {
         # 24-node tree), so 2 prompts x 128 tokens per suite took 13.9 min for the 10 methods here (load ~1.5);
         # this keeps a cached rerun under 5 minutes
         bench_args=("--suite", "humaneval,chat", "--num-prompts", "1", "--max-new-tokens", "48"),
-        prompt="Write a Python function that returns the n-th Fibonacci number.", chat=True,
+        prompt="Write a Python function that returns the n-th Fibonacci number.", chat=True, max_tokens=48,
         overrides={config: (f"train.max_steps={SMOLLM2_DEMO_STEPS}", "measure.num_prompts=1")
                    for config in SMOLLM2_DRAFTERS},
         note="no draft LM: draft-smollm2 (its own 640-prompt data set and 6.5 min of training) does not fit the "
@@ -160,7 +161,7 @@ def serve_one_request(head, profile: Profile, env: dict[str, str]) -> None:
         model = (app.get("args") or {}).get("model_name") or app.get("name", "eyas")
         route, text = (("chat/completions", {"messages": [{"role": "user", "content": profile.prompt}]})
                        if profile.chat else ("completions", {"prompt": profile.prompt}))
-        body = json.dumps({"model": model, **text, "max_tokens": 48, "temperature": 0}).encode()
+        body = json.dumps({"model": model, **text, "max_tokens": profile.max_tokens, "temperature": 0}).encode()
         request = urllib.request.Request(f"{base}/v1/{route}", data=body, headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=120) as response:
             answer = json.loads(response.read())
