@@ -21,6 +21,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 INFERENCE = REPO / "tune" / "configs" / "eagle3-tree-micro.yaml"
 TRAINING = REPO / "tune" / "configs" / "dflash-train-micro.yaml"
+SCHEDULE = REPO / "tune" / "configs" / "schedule-micro.yaml"
 NUM_TRAIN, NUM_HELDOUT = 32, 8
 pytestmark = pytest.mark.slow
 
@@ -165,6 +166,39 @@ def test_best_config_is_accepted_by_generate_bench_and_serving(workspace, infere
 
     args = ServeArgs.from_args({"target": str(workspace["target_dir"]), "spec_file": str(best)})
     assert args.spec.num_nodes == spec["num_nodes"] and args.spec.drafter == spec["drafter"]
+
+
+def test_schedule_sweep_chooses_speculation_by_batch_that_serving_reads(workspace, local_ray, capsys):
+    """A schedule sweep: B concurrent greedy requests through the batched engine at each draft-node budget against
+    vanilla at the same B; schedule.yaml is the per-B best budget, read as is by the serving config's args."""
+    from eyas_ray.serve_config import ServeArgs
+    from tune.sweep import main
+
+    out = workspace["root"] / "schedule-out"
+    assert main(["--config", str(SCHEDULE), f"output.dir={out}"]) == 0
+    printed = capsys.readouterr().out
+    assert "speculation_by_batch" in printed and "python -m jobs.load" in printed
+
+    results = json.loads((out / "results.json").read_text())
+    trials = {(t["point"]["batch_size"], t["point"]["max_draft_nodes"]): t["metrics"] for t in results["trials"]}
+    assert sorted(trials) == [(1, 0), (1, 4), (2, 0), (2, 4)]
+    assert all(t["error"] is None for t in results["trials"])
+    for (size, budget), metrics in trials.items():
+        assert metrics["greedy_identical"] == 1.0  # every request's speculative output is vanilla's
+        assert metrics["new_tokens"] == trials[(1, 0)]["new_tokens"]  # the same 2 requests, whatever B
+        assert (metrics["draft_nodes_per_cycle"] == 0) == (budget == 0)
+    fragment = yaml.safe_load((out / "schedule.yaml").read_text())
+    chosen = {size: max((0, 4), key=lambda n: trials[(size, n)]["speedup"]) for size in (1, 2)}
+    assert fragment == {"speculation_by_batch": chosen}
+
+    args = ServeArgs.from_args({"target": str(workspace["target_dir"]), "spec_file": str(out / "best.yaml"),
+                                **fragment})
+    assert args.spec.method == "eagle3" and args.speculation_by_batch == chosen
+    _, parent, children, artifacts = mlflow_runs("schedule-micro")
+    assert {"best.yaml", "schedule.yaml", "curve.png", "results.json"} <= artifacts
+    assert {k: v for k, v in parent.data.params.items() if k.startswith("speculation_by_batch.")} == {
+        f"speculation_by_batch.{size}": str(budget) for size, budget in chosen.items()}
+    assert sorted(c.data.params["point.batch_size"] for c in children) == ["1", "1", "2", "2"]
 
 
 def test_training_sweep_asha_mlflow_and_best_drafter(workspace, local_ray):
