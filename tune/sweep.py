@@ -51,11 +51,11 @@ from eyas.models import CheckpointError, ModelConfig, load_tokenizer
 from eyas.train.config import data_path
 from eyas_ray.cluster import init_ray
 from tune.config import SweepConfig, load_sweep
-from tune.space import Param
 from tune.measure import heldout_prompt_ids
 from tune.preflight import absolute_spec, preflight
 from tune.report import (best_row, choose_schedule, collect_rows, curve_table, log_parent, make_tracker, panel_metrics,
                          schedule_usage, write_outputs, x_key)
+from tune.space import Param
 
 
 # Tune needs a non-empty bundle per trial: a ray-train trial's driver (it only waits on its TorchTrainer) holds this
