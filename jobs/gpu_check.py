@@ -42,6 +42,7 @@ from eyas.drafters import registry
 from eyas.methods import SpecConfig, build_drafter, drafter_factory
 from eyas.models import DTYPES, Decoder, load_target, torch_dtype
 from eyas.models.features import TrainBatch, target_features
+from eyas.models.parity import first_difference, greedy_native, max_logit_diff
 from eyas.threads import configure_threads
 from jobs.bench import git_commit, machine
 
@@ -100,8 +101,6 @@ def random_prompts(size: Size, count: int, length: int, seed: int = 1) -> list[l
 def parity(directory: Path, target: Decoder, size: Size, dtype: torch.dtype) -> dict[str, Any]:
     """Logits of one causal forward and greedy tokens, eyas against transformers on the same checkpoint."""
     from transformers import AutoModelForCausalLM
-
-    from eyas.models.parity import first_difference, greedy_native, max_logit_diff
 
     hf = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype).to(target.device).eval()
     prompts = random_prompts(size, 2, min(64, size.context))

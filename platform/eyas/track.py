@@ -1,6 +1,5 @@
-"""MLflow helpers: runs, flat params, step series, figures and a model registry for directories.
-
-This is the only eyas module that imports ``mlflow`` (imported lazily, so ``import eyas.track`` is cheap).
+"""MLflow helpers: runs, flat params, step series, figures and a model registry for directories. This is the only
+eyas module that imports ``mlflow`` (imported lazily, so ``import eyas.track`` is cheap).
 
 Defaults (DESIGN.md): the tracking store is ``sqlite:///<repo root>/mlruns.db`` (MLflow >= 3.13 refuses a plain
 file store) and a new experiment keeps its artifacts in ``mlartifacts/<experiment>`` beside the sqlite file;
@@ -128,9 +127,7 @@ def start_run(
     """
     mlflow = _mlflow()
     experiment_id = ensure_experiment(experiment)
-    all_tags = dict(tags or {})
-    if parent_run_id is not None:
-        all_tags["mlflow.parentRunId"] = parent_run_id
+    all_tags = {**(tags or {}), **({"mlflow.parentRunId": parent_run_id} if parent_run_id is not None else {})}
     run = None
     if resume_run_id is not None:
         try:
