@@ -38,7 +38,7 @@ demo: setup
 	$(BIN)/python -m jobs.demo
 
 bench: setup
-	$(BIN)/python -m jobs.bench
+	$(BIN)/python -m jobs.bench --suite humaneval,chat --num-prompts 4
 
 mlflow-ui: setup
 	$(BIN)/mlflow ui --backend-store-uri sqlite:///mlruns.db --host 127.0.0.1 --port 5000

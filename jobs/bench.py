@@ -148,7 +148,7 @@ def available(method: str, spec: SpecConfig | None, args: argparse.Namespace) ->
     needs_draft_lm = (entry is not None and "draft_model" in entry.settings) or method == "hf-assisted"
     if needs_draft_lm and not Path(args.draft_model).is_dir():
         return f"no draft LM at {args.draft_model} (build it: python -m jobs.train_target --config " \
-               "jobs/configs/draft-tiny.yaml)"
+               "jobs/configs/draft-<target>.yaml, e.g. draft-smollm2.yaml)"
     return None
 
 
@@ -162,8 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--max-prompt-tokens", type=int, help="cut prompts to their first N tokens")
     parser.add_argument("--repeats", type=int, default=1, help="passes over the prompts")
-    parser.add_argument("--target", default=str(eyas_home() / "targets" / "tiny"))
-    parser.add_argument("--draft-model", default=str(eyas_home() / "targets" / "draft-tiny"))
+    parser.add_argument("--target", default=str(eyas_home() / "targets" / "smollm2-135m"),
+                        help="default: the embedded target (python -m jobs.fetch_target smollm2-135m, or make demo)")
+    parser.add_argument("--draft-model", default=str(eyas_home() / "targets" / "draft-smollm2"))
     parser.add_argument("--drafters-dir", default=str(eyas_home() / "drafters"))
     parser.add_argument("--spec", action="append", default=[], metavar="YAML",
                         help="a YAML with a `spec:` section (e.g. tune.sweep's best config) for its method")
