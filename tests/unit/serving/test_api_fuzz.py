@@ -24,6 +24,8 @@ def test_fuzzed_requests_get_2xx_or_openai_4xx_and_greedy_text_is_unchanged(loca
     print("responses by operation and status:", dict(seen))
     statuses = by_status(seen)
     assert sum(statuses.values()) >= 4 * EXAMPLES_PER_MODE, statuses
-    assert statuses[200] >= EXAMPLES_PER_MODE, statuses  # it reached the engine, not only the validation
+    # it reached the engine on both generating routes, not only the validation (how many schema-valid cases are a
+    # 200 varies between processes: schemathesis's generation is not hash-seed stable)
+    assert all(seen[(f"POST {route}", 200)] >= 5 for route in ("/v1/completions", "/v1/chat/completions")), seen
     after = httpx.post(f"{local_server.url}/v1/completions", json=GREEDY, timeout=60).json()["choices"][0]
     assert after["text"] == greedy_before["text"] and after["finish_reason"] == greedy_before["finish_reason"]
