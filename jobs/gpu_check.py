@@ -28,7 +28,7 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -40,7 +40,7 @@ from eyas.decoding.generate import generate
 from eyas.decoding.requests import SequenceRequest
 from eyas.drafters import registry
 from eyas.methods import SpecConfig, build_drafter, drafter_factory
-from eyas.models import DTYPES, Decoder, load_target, torch_dtype
+from eyas.models import DTYPES, Decoder, ModelConfig, load_target, torch_dtype
 from eyas.models.features import TrainBatch, target_features
 from eyas.models.parity import first_difference, greedy_native, max_logit_diff
 from eyas.threads import configure_threads
@@ -49,28 +49,27 @@ from jobs.bench import git_commit, machine
 
 @dataclass(frozen=True)
 class Size:
-    """A random-weight Llama and the workload run on it."""
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
+    """A random-weight Llama (the library's ModelConfig) and the workload run on it."""
+    model: ModelConfig
     context: int          # tokens before the t(N) curve's new ones; the prompts' length
     new_tokens: int       # per generation
     num_prompts: int
     curve_repeats: int
     train_batch: tuple[int, int]  # (sequences, tokens) of the training step
-    max_position_embeddings: int = 4096
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.vocab_size
 
 
 SIZES = {
-    "1b": Size(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
-               num_kv_heads=8, context=512, new_tokens=128, num_prompts=2, curve_repeats=10, train_batch=(4, 512)),
+    "1b": Size(ModelConfig(model_type="llama", vocab_size=32000, hidden_size=2048, intermediate_size=8192,
+                           num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64, max_position_embeddings=4096),
+               context=512, new_tokens=128, num_prompts=2, curve_repeats=10, train_batch=(4, 512)),
     # 6 layers: the fewest that give DFlash its 3 distinct taps (2nd .. 3rd-from-last) and EAGLE-3 its low/mid/high
-    "tiny": Size(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=6, num_heads=4, num_kv_heads=2,
-                 context=48, new_tokens=16, num_prompts=2, curve_repeats=2, train_batch=(2, 32),
-                 max_position_embeddings=256),
+    "tiny": Size(ModelConfig(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=6,
+                             num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256),
+                 context=48, new_tokens=16, num_prompts=2, curve_repeats=2, train_batch=(2, 32)),
 }
 PARITY_ATOL = {torch.float32: 1e-4}  # reduced precision: reported, not judged (kernels differ by shape)
 
@@ -79,10 +78,12 @@ def build_checkpoint(size: Size, directory: Path, dtype: torch.dtype, device: to
     """A seeded random-weight LlamaForCausalLM saved as a checkpoint directory (built on the device: fast)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=size.vocab_size, hidden_size=size.hidden_size,
-                         intermediate_size=size.intermediate_size, num_hidden_layers=size.num_layers,
-                         num_attention_heads=size.num_heads, num_key_value_heads=size.num_kv_heads,
-                         max_position_embeddings=size.max_position_embeddings, tie_word_embeddings=False,
+    model = size.model
+    config = LlamaConfig(vocab_size=model.vocab_size, hidden_size=model.hidden_size,
+                         intermediate_size=model.intermediate_size, num_hidden_layers=model.num_layers,
+                         num_attention_heads=model.num_heads, num_key_value_heads=model.num_kv_heads,
+                         head_dim=model.head_dim, max_position_embeddings=model.max_position_embeddings,
+                         tie_word_embeddings=False,
                          bos_token_id=1, eos_token_id=2, pad_token_id=0)
     torch.manual_seed(0)
     with torch.device(device):
@@ -263,7 +264,7 @@ def run(size_name: str, device: torch.device, dtype: torch.dtype, out: Path, new
         ) -> dict[str, Any]:
     size = SIZES[size_name]
     if new_tokens:
-        size = Size(**{**asdict(size), "new_tokens": new_tokens})
+        size = replace(size, new_tokens=new_tokens)
     started = time.perf_counter()
     summary: dict[str, Any] = {"commit": git_commit(), "machine": machine(), "device": str(device),
                                "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else
