@@ -41,6 +41,7 @@ bench: setup
 	$(BIN)/python -m jobs.bench --suite humaneval,chat --num-prompts 4
 
 mlflow-ui: setup
+	@echo "MLflow UI: http://127.0.0.1:5000/#/experiments?workflowType=machine_learning (Model training view)"
 	$(BIN)/mlflow ui --backend-store-uri sqlite:///mlruns.db --host 127.0.0.1 --port 5000
 
 clean:

@@ -243,7 +243,7 @@ def run_demo(profile: Profile, args: argparse.Namespace) -> int:
             print(f"  done in {time.monotonic() - step_start:.0f}s", flush=True)
     minutes = (time.monotonic() - started) / 60
     print(f"\n[demo] finished in {minutes:.1f} min. Ray is stopped. Compare the runs: make mlflow-ui "
-          f"(then open http://127.0.0.1:5000). Bench: {out / 'bench.json'} and {out / 'bench.png'}")
+          f"(then open http://127.0.0.1:5000/{track.MODEL_TRAINING_VIEW}). Bench: {out / 'bench.json'} and {out / 'bench.png'}")
     return 0
 
 
