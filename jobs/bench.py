@@ -18,8 +18,9 @@ and the memory read bandwidth. Each method's row then carries its time split per
 propose + commit; verify: the target forward; other: the engine's own overhead), the curve's t(N) at its mean tree
 size and its predicted limit tau * t(1) / (t(N) + t_draft) next to the measured speedup; vanilla is set against
 the bandwidth limit (weight bytes per decode step / read bandwidth) and against transformers ``generate()``. Every
-repeated measurement reports min and median; a wide spread or a high load average adds a warning that the machine
-was busy.
+repeated measurement reports min and median. The bench warns that the machine was busy when the samples spread
+wide, or when other processes used more than half a core of ours on average from the cost model to the last method
+(/proc/stat's busy time less our own CPU time; where there is no /proc/stat, a high load average).
 """
 from __future__ import annotations
 
@@ -229,7 +230,7 @@ def run_bench(args: argparse.Namespace) -> dict:
     # a chat prompt is already rendered by the chat template, special tokens included
     encoded = {suite: [tokenizer.encode(p, add_special_tokens=suite != "chat")[:max_prompt_tokens] for p in prompts]
                for suite, prompts in suites.items()}
-    load_start = costs.load_average()
+    cpu_start = costs.cpu_reading()  # who else used the CPU while we measured: the cost model's warnings
     cost = measure_costs(target, encoded, args) if args.cost_repeats > 0 else None
     tallies = {(m, s): Tally() for m in drafters for s in suites}
     order = list(drafters)
@@ -263,7 +264,7 @@ def run_bench(args: argparse.Namespace) -> dict:
                 done += 1
                 print(f"[bench] {done}/{total} prompts", file=sys.stderr, flush=True)
     results = [result_row(method, suite, tallies, cost) for suite in suites for method in drafters]
-    cost_model = finish_costs(cost, results, tallies, load_start, args) if cost is not None else None
+    cost_model = finish_costs(cost, results, tallies, cpu_start, args) if cost is not None else None
     report = {"commit": git_commit(), "machine": machine(),
               "config": {"target": target_path, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
                          "num_prompts": args.num_prompts, "suites": list(suites), "skipped": skipped,
@@ -355,9 +356,14 @@ def print_table(report: dict) -> None:
         for suite, v in cost["vanilla"].items():
             hf = f", {v['vs_hf']:.2f}x transformers generate()" if v["vs_hf"] else ""
             print(f"vanilla on {suite}: {v['of_bandwidth_limit']:.0%} of the bandwidth limit{hf}")
-        load = cost["load_average"]
+        cpu = cost["cpu"]
+        load = cpu["load_average"]
         print(f"load average {load['start']:.2f} -> {load['end']:.2f} on {cost['cpu_count']} cores, "
               f"{cost['torch_threads']} torch threads")
+        others = (f"other processes {cpu['others_cores']:.2f}" if cpu["others_cores"] is not None else
+                  "other processes not measured (no /proc/stat: the load average stands in)")
+        print(f"CPU while measuring ({cpu['wall_s']:.0f} s, {cpu['num_cores']} cores): ours {cpu['own_cores']:.2f} "
+              f"cores, {others}")
         for warning in cost["warnings"]:
             print(f"WARNING: {warning}")
     print(f"commit {report['commit']}; {report['config']['command']}")

@@ -48,11 +48,12 @@ def measure_costs(target, encoded: dict[str, list[list[int]]], args: argparse.Na
     return CostMeasurement(context, curve, weight_bytes, read_bytes, read, str(target.dtype).replace("torch.", ""))
 
 
-def finish_costs(cost: CostMeasurement, results: list[dict], tallies: dict, load_start: float,
+def finish_costs(cost: CostMeasurement, results: list[dict], tallies: dict, cpu_start: costs.CpuReading,
                  args: argparse.Namespace) -> dict:
-    """bench.json's cost_model: the curve, the bandwidth limit, vanilla against it and against transformers, and
-    the warnings that say the machine was busy."""
-    load_end = costs.load_average()
+    """bench.json's cost_model: the curve, the bandwidth limit, vanilla against it and against transformers, the
+    CPU other processes used since ``cpu_start`` (taken before the cost model ran) and the warnings that say the
+    machine was busy."""
+    window = costs.CpuWindow(cpu_start, costs.cpu_reading())
     timings = {f"t({n})": t for n, t in cost.curve.items()}
     timings["read bandwidth"] = cost.read
     for (method, suite), tally in tallies.items():
@@ -60,7 +61,7 @@ def finish_costs(cost: CostMeasurement, results: list[dict], tallies: dict, load
             timings[f"{method}/{suite} passes"] = costs.Timing(
                 tuple(s / max(n, 1) for s, n in zip(tally.pass_seconds, tally.pass_tokens)))
     threads = torch.get_num_threads()
-    warnings = costs.busy_reasons(timings, load_start, load_end, os.cpu_count() or 1, threads)
+    warnings = costs.busy_reasons(timings, window, threads)
     for warning in warnings:
         print(f"[bench] WARNING: {warning}", file=sys.stderr)
     t_1 = cost.curve[1].median
@@ -80,5 +81,5 @@ def finish_costs(cost: CostMeasurement, results: list[dict], tallies: dict, load
                                         "median": round(cost.read_bytes / cost.read.median / 1e9, 2)},
                           "limit_tokens_per_s": round(cost.bandwidth_limit, 2)},
             "vanilla": vanilla,
-            "load_average": {"start": round(load_start, 2), "end": round(load_end, 2)},
+            "cpu": window.to_dict(),
             "cpu_count": os.cpu_count(), "torch_threads": threads, "warnings": warnings}

@@ -135,7 +135,7 @@ def curve(target: Decoder, size: Size) -> dict[str, Any]:
             "weight_bytes_per_token": weight_bytes,
             "read_GBps": round(read_bytes / read.min / 1e9, 1),
             "bandwidth_limit_tokens_per_s": round(read_bytes / read.min / weight_bytes, 1),
-            "warnings": costs.busy_reasons({f"t({n})": t for n, t in timings.items()}, 0.0, 0.0, 1, 1)}
+            "warnings": costs.busy_reasons({f"t({n})": t for n, t in timings.items()})}
 
 
 def random_drafter_dir(target: Decoder, family: str, directory: Path, size: Size) -> Path:

@@ -15,7 +15,6 @@ lies in the papers' GPU range. On a CPU (3) is expected to fail: the cost curve 
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,14 +63,14 @@ def run(settings: Settings) -> Outcome:
     factories = {f"N={n}": method_factory(bench, settings.method,
                                           **budget_tree(settings.method, n, settings.depth, settings.top_k))
                  for n in budgets}
-    load_start = costs.load_average()
+    cpu_start = costs.cpu_reading()
     runs = run_methods(bench, factories)
     prefix = sum(map(len, bench.prompts)) // len(bench.prompts) + settings.max_new_tokens // 2
     sizes = sorted(set(settings.cost_sizes) | {1} | {n + 1 for n in budgets})
     timings = costs.forward_costs(bench.target, prefix, sizes, settings.cost_repeats)
     cost = {n: t.median for n, t in timings.items()}
-    busy = costs.busy_reasons({f"t({n})": t for n, t in timings.items()}, load_start, costs.load_average(),
-                              os.cpu_count() or 1, torch.get_num_threads())
+    busy = costs.busy_reasons({f"t({n})": t for n, t in timings.items()},
+                              costs.CpuWindow(cpu_start, costs.cpu_reading()), torch.get_num_threads())
     rows = []
     for n in budgets:
         run_n = runs[f"N={n}"]

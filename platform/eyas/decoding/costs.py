@@ -16,8 +16,12 @@ The target's own floor is memory bandwidth: a decode step reads every weight onc
 weight_bytes / read_bandwidth. ``decode_weight_bytes`` counts the bytes, ``read_seconds`` times a large tensor
 sum on the same device and thread count.
 
-Every timing here is a ``Timing`` of repeated samples (min, median, max); ``busy_reasons`` turns a wide spread or a
-high load average into warnings that the machine was disturbed while it measured.
+Every timing here is a ``Timing`` of repeated samples (min, median, max). ``busy_reasons`` turns a wide spread, or
+other processes' use of our cores while we measured, into warnings that the machine was disturbed: a measurement is
+bracketed by two ``cpu_reading()``s, and the ``CpuWindow`` between them says how many cores other processes used on
+average (busy time of our cores from /proc/stat, less our own CPU time, over the wall time). Where the OS has no
+/proc/stat (macOS) the warning falls back to the 1-minute load average, which lags and decays and so misses a
+competitor that leaves our cores free.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ import os
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Mapping, Sequence
 
 import torch
@@ -37,6 +42,9 @@ from eyas.models.decoder import Decoder
 CURVE_SIZES = (1, 2, 4, 8, 16, 32, 64)
 # a median more than this much above the min (or a max over min twice this far) says the machine was busy
 MAX_SPREAD = 1.25
+# other processes using more than this many of our cores, on average over a measurement, disturbed it
+MAX_OTHERS_CORES = 0.5
+PROC_STAT = Path("/proc/stat")
 
 
 @dataclass(frozen=True)
@@ -94,13 +102,101 @@ def load_warning(load_average: float, num_cores: int, num_threads: int, own_thre
     return None
 
 
-def busy_reasons(timings: Mapping[str, Timing], load_start: float, load_end: float, num_cores: int,
-                 num_threads: int, max_spread: float = MAX_SPREAD) -> list[str]:
-    """Every warning the spreads of ``timings`` and the load averages before and after the measurements give."""
+@dataclass(frozen=True)
+class CpuReading:
+    """The CPU clocks at one instant; two of them bracket a measurement (``CpuWindow``)."""
+    wall_s: float  # time.monotonic()
+    cores_busy_s: float | None  # busy seconds of the cores we may run on, all processes, summed (None: no /proc/stat)
+    own_s: float  # this process's CPU seconds: every thread, user + system, and children it waited for
+    load_1m: float  # the 1-minute load average (0.0 where the OS has none)
+    num_cores: int  # the cores we may run on (CPU affinity), all of them without /proc/stat
+
+
+@dataclass(frozen=True)
+class CpuWindow:
+    """Who used the CPU between two readings."""
+    start: CpuReading
+    end: CpuReading
+
+    @property
+    def wall_s(self) -> float:
+        return self.end.wall_s - self.start.wall_s
+
+    @property
+    def own_cores(self) -> float:
+        """Cores this process used on average (2.0: two threads busy all along)."""
+        return (self.end.own_s - self.start.own_s) / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def others_cores(self) -> float | None:
+        """Cores of ours every other process used on average (None without /proc/stat). The kernel counts both
+        clocks in ticks (10 ms each, per core), so a window of a few seconds reads to a few hundredths."""
+        if self.start.cores_busy_s is None or self.end.cores_busy_s is None or self.wall_s <= 0:
+            return None
+        busy = self.end.cores_busy_s - self.start.cores_busy_s
+        return max(0.0, busy / self.wall_s - self.own_cores)
+
+    def to_dict(self) -> dict[str, float | int | str | None]:
+        others = self.others_cores
+        return {"wall_s": round(self.wall_s, 2), "num_cores": self.end.num_cores,
+                "own_cores": round(self.own_cores, 2), "others_cores": None if others is None else round(others, 2),
+                "source": "/proc/stat" if others is not None else "load average (no /proc/stat)",
+                "load_average": {"start": round(self.start.load_1m, 2), "end": round(self.end.load_1m, 2)}}
+
+
+def _cores_busy_seconds(cores: set[int]) -> float | None:
+    """Busy seconds since boot of ``cores``, all processes (None without /proc/stat). A ``cpuN`` line reads user
+    nice system idle iowait irq softirq steal guest guest_nice, in clock ticks; busy is all but idle, iowait and
+    steal (another virtual machine's time, not a process here), and guest time is inside user and nice already."""
+    try:
+        lines = PROC_STAT.read_text().splitlines()
+    except OSError:
+        return None
+    ticks = 0
+    for line in lines:
+        name, *fields = line.split()
+        if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cores:
+            user, nice, system, _idle, _iowait, irq, softirq = (int(f) for f in fields[:7])
+            ticks += user + nice + system + irq + softirq
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_reading() -> CpuReading:
+    """The CPU clocks now: take one before and one after a measurement, ``CpuWindow(start, end)``."""
+    cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    busy = _cores_busy_seconds(cores)
+    own = os.times()
+    return CpuReading(wall_s=time.monotonic(), cores_busy_s=busy,
+                      own_s=own.user + own.system + own.children_user + own.children_system,
+                      load_1m=load_average(), num_cores=len(cores) if busy is not None else os.cpu_count() or 1)
+
+
+def others_warning(window: CpuWindow, max_others: float = MAX_OTHERS_CORES) -> str | None:
+    """A warning when other processes used more than ``max_others`` of our cores on average during ``window``
+    (None too without /proc/stat: see ``busy_reasons``)."""
+    others = window.others_cores
+    if others is not None and others > max_others:
+        return (f"other processes used {others:.2f} of our {window.end.num_cores} cores on average over "
+                f"{window.wall_s:.0f} s of measuring (over {max_others:.2f}; we used {window.own_cores:.2f}): they "
+                f"competed for the CPU")
+    return None
+
+
+def busy_reasons(timings: Mapping[str, Timing], window: CpuWindow | None = None, num_threads: int = 1,
+                 max_spread: float = MAX_SPREAD) -> list[str]:
+    """Every warning that the machine was disturbed while ``timings`` were measured: their spreads, and the other
+    processes' CPU over ``window`` (the whole measurement; None: spreads only). Without /proc/stat the load average
+    at the window's ends stands in for the CPU reading (``load_warning``, with our ``num_threads``)."""
     reasons = [w for name, timing in timings.items() if (w := spread_warning(name, timing, max_spread))]
-    for load, own in ((load_start, 0), (load_end, num_threads)):
-        if (w := load_warning(load, num_cores, num_threads, own)):
+    if window is None:
+        return reasons
+    if window.others_cores is not None:
+        if (w := others_warning(window)):
             reasons.append(w)
+        return reasons
+    for reading, own in ((window.start, 0), (window.end, num_threads)):
+        if (w := load_warning(reading.load_1m, reading.num_cores, num_threads, own)):
+            reasons.append(f"{w} (no /proc/stat: the load average stands in for other processes' CPU time)")
     return reasons
 
 

@@ -3,7 +3,12 @@ drafter's calls land in draft, the target forward in verify, the rest of the cyc
 the cycle. No timing is asserted on real clocks."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -65,10 +70,97 @@ def test_spread_and_load_warnings():
     assert costs.load_warning(1.7, num_cores=2, num_threads=1, own_threads=0) is not None
     assert costs.load_warning(2.4, num_cores=2, num_threads=1, own_threads=1) is None
     assert "competed" in costs.load_warning(2.6, num_cores=2, num_threads=1, own_threads=1)
-    reasons = costs.busy_reasons({"t(1)": steady, "t(8)": costs.Timing((1.0, 1.4, 1.5))}, load_start=0.2,
-                                 load_end=3.5, num_cores=2, num_threads=2)
-    assert len(reasons) == 2 and reasons[0].startswith("t(8)") and "load average 3.50" in reasons[1]
-    assert costs.busy_reasons({"t(1)": steady}, 0.0, 2.0, num_cores=2, num_threads=2) == []
+    assert costs.busy_reasons({"t(1)": steady, "t(8)": costs.Timing((1.0, 1.4, 1.5))})[0].startswith("t(8)")
+
+
+def reading(wall_s: float, cores_busy_s: float | None, own_s: float, load_1m: float = 0.0) -> costs.CpuReading:
+    return costs.CpuReading(wall_s=wall_s, cores_busy_s=cores_busy_s, own_s=own_s, load_1m=load_1m, num_cores=2)
+
+
+def test_others_cores_warns_past_half_a_core():
+    steady = costs.Timing((1.00, 1.02, 1.01))
+    # 10 s: our cores were busy 21 s, 10 of them ours (one thread), so others used 1.1 cores on average
+    busy = costs.CpuWindow(reading(100.0, 500.0, 20.0), reading(110.0, 521.0, 30.0))
+    assert busy.wall_s == 10.0 and busy.own_cores == pytest.approx(1.0) and busy.others_cores == pytest.approx(1.1)
+    warning = costs.others_warning(busy)
+    assert warning and "1.10 of our 2 cores" in warning and "over 0.50" in warning
+    reasons = costs.busy_reasons({"t(1)": steady}, busy, num_threads=1)
+    assert reasons == [warning]
+    quiet = costs.CpuWindow(reading(100.0, 500.0, 20.0), reading(110.0, 514.0, 30.0))  # others 0.4 core
+    assert quiet.others_cores == pytest.approx(0.4) and costs.busy_reasons({"t(1)": steady}, quiet) == []
+    assert quiet.to_dict()["source"] == "/proc/stat" and quiet.to_dict()["others_cores"] == 0.4
+    # a load average that says nothing is wrong does not matter, nor a high one, when the CPU clocks say otherwise
+    assert costs.busy_reasons({}, costs.CpuWindow(reading(0, 0.0, 0, 0.1), reading(10, 20.0, 10, 0.1)))
+    assert not costs.busy_reasons({}, costs.CpuWindow(reading(0, 0.0, 0, 3.0), reading(10, 10.0, 10, 3.0)))
+
+
+def test_without_proc_stat_the_load_average_stands_in(monkeypatch, tmp_path):
+    monkeypatch.setattr(costs, "PROC_STAT", tmp_path / "no-such-file")
+    assert costs.cpu_reading().cores_busy_s is None
+    calm = costs.CpuWindow(reading(0.0, None, 0.0, load_1m=0.2), reading(10.0, None, 10.0, load_1m=1.3))
+    assert calm.others_cores is None and costs.busy_reasons({}, calm, num_threads=1) == []
+    assert calm.to_dict()["source"] == "load average (no /proc/stat)"
+    loaded = costs.CpuWindow(reading(0.0, None, 0.0, load_1m=0.2), reading(10.0, None, 10.0, load_1m=2.6))
+    [reason] = costs.busy_reasons({}, loaded, num_threads=1)
+    assert "load average 2.60" in reason and "no /proc/stat" in reason
+
+
+def test_proc_stat_counts_busy_ticks_of_our_cores(monkeypatch, tmp_path):
+    stat = tmp_path / "stat"
+    # user nice system idle iowait irq softirq steal guest guest_nice: busy = user+nice+system+irq+softirq
+    stat.write_text("cpu  999 999 999 999 999 999 999 999 0 0\n"
+                    "cpu0 100 20 30 5000 70 1 2 40 10 0\n"
+                    "cpu1 200 0 50 4000 0 3 4 0 0 0\n"
+                    "intr 12345 0 0\n")
+    monkeypatch.setattr(costs, "PROC_STAT", stat)
+    tick = os.sysconf("SC_CLK_TCK")
+    assert costs._cores_busy_seconds({0}) == pytest.approx(153 / tick)
+    assert costs._cores_busy_seconds({0, 1}) == pytest.approx((153 + 257) / tick)
+    assert costs._cores_busy_seconds({5}) == 0.0
+
+
+BUSY_CHILD = "import time\ndeadline = time.monotonic() + 3\nprint('busy', flush=True)\n" \
+             "while time.monotonic() < deadline: pass\n"
+
+
+def measured_window(work, seconds: float = 1.5) -> costs.CpuWindow:
+    start = costs.cpu_reading()
+    work(seconds)
+    return costs.CpuWindow(start, costs.cpu_reading())
+
+
+def spin(seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        pass
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """utime + stime of a live process (/proc/PID/stat's 14th and 15th fields, after the command in parentheses)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.skipif(not costs.PROC_STAT.exists(), reason="needs /proc/stat (Linux)")
+def test_cpu_window_sees_a_busy_process_and_not_our_own_work():
+    """Real clocks: a busy-loop child's CPU shows as others', the same busy loop in this process as our own.
+    Other load on the machine (it may fill every core) enters both windows, so the checks are relative: the
+    child's own CPU time is inside the others of its window, and moving the loop from the child into this process
+    moves its share of a core from others to ours."""
+    ours = measured_window(spin)
+    child = subprocess.Popen([sys.executable, "-c", BUSY_CHILD], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "busy"
+        child_start = process_cpu_seconds(child.pid)
+        theirs = measured_window(time.sleep)  # the child is not waited for: its time is not in our os.times()
+        child_cores = (process_cpu_seconds(child.pid) - child_start) / theirs.wall_s
+    finally:
+        child.kill()
+        child.wait()
+    assert child_cores > 0.5, theirs.to_dict()  # it got at least half a core: a load worth seeing
+    assert theirs.others_cores > child_cores - 0.1 and theirs.own_cores < 0.1, (child_cores, theirs.to_dict())
+    assert ours.own_cores > 0.5, ours.to_dict()
+    assert theirs.others_cores - ours.others_cores > 0.5, (ours.to_dict(), theirs.to_dict())
 
 
 @pytest.fixture(scope="module")

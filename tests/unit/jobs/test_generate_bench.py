@@ -62,6 +62,9 @@ def test_bench_writes_schema_and_figure(random_checkpoint, random_draft_checkpoi
     assert list(cost["t_forward_ms"]) == ["1", "2", "4", "8", "16", "32", "64"] and cost["t_ratio"]["1"] == 1.0
     assert cost["bandwidth"]["weight_bytes_per_token"] > 0 and cost["vanilla"]["custom"]["vs_hf"] > 0
     assert isinstance(cost["warnings"], list)
+    # other processes' CPU while the bench measured, from /proc/stat (this test runs on Linux)
+    assert cost["cpu"]["source"] == "/proc/stat" and cost["cpu"]["others_cores"] >= 0.0
+    assert cost["cpu"]["own_cores"] > 0.0 and cost["cpu"]["wall_s"] > 0.0
     for method in ("vanilla", "ngram", "draft-lm"):
         row = rows[method]
         assert sum(row["time_split"].values()) == pytest.approx(1.0, abs=1e-3)
