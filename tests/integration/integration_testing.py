@@ -1,12 +1,17 @@
 """Helpers shared by the integration tests: a polling wait, a small regenerated data set written without Ray
-(the target's own greedy answers to corpus prompts, as jobs.generate_data writes them), and the check that a built
-target loads in transformers."""
+(the target's own greedy answers to corpus prompts, as jobs.generate_data writes them), a module's workspace (the
+random target and such a data set in an EYAS_HOME of its own, MLflow beside it), and the check that a built target
+loads in transformers."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
+import shutil
 import time
 from pathlib import Path
+from typing import Iterator
 
 from eyas import corpus
 from eyas.models import load_target, load_tokenizer
@@ -37,6 +42,40 @@ def write_regenerated_data(target_dir: Path, data_dir: Path, num_train: int, num
         answers = regenerate(target, ids, RESPONSE_TOKENS, [tokenizer.eos_token_id])
         write_shard(shard_path(data_dir, split, 0), [response_row(p, r) for p, r in zip(ids, answers)])
     return target, tokenizer
+
+
+@contextlib.contextmanager
+def environ(values: dict[str, str]) -> Iterator[None]:
+    """``os.environ`` with ``values`` set inside the block; afterwards each key is as it was (unset ones removed).
+    For module-scoped fixtures, which pytest's ``monkeypatch`` (function-scoped) does not reach."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@contextlib.contextmanager
+def random_target_workspace(root: Path, random_checkpoint: Path, num_train: int, num_heldout: int,
+                            target_name: str = "target-rand", data_name: str = "data-rand") -> Iterator[dict]:
+    """``root/eyas-home`` holding the random checkpoint as ``targets/<target_name>`` and a data set regenerated
+    from it (write_regenerated_data) as ``data/<data_name>``; inside the block EYAS_HOME points there and MLflow at a
+    sqlite store with its artifacts under ``root``. Yields the paths, that env, and the loaded target and
+    tokenizer."""
+    home = root / "eyas-home"
+    target_dir, data_dir = home / "targets" / target_name, home / "data" / data_name
+    shutil.copytree(random_checkpoint, target_dir)
+    target, tokenizer = write_regenerated_data(target_dir, data_dir, num_train, num_heldout)
+    env = {"EYAS_HOME": str(home), "MLFLOW_TRACKING_URI": f"sqlite:///{root / 'mlruns.db'}",
+           "EYAS_MLFLOW_ARTIFACTS": str(root / "mlartifacts")}
+    with environ(env):
+        yield {"root": root, "home": home, "target_dir": target_dir, "data_dir": data_dir, "env": env,
+               "target": target, "tokenizer": tokenizer}
 
 
 def assert_loadable_checkpoint(out: Path, vocab_size: int) -> dict:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -29,7 +28,7 @@ import yaml
 
 from eyas_ray.local_head import LocalRayHead
 from eyas_ray.resume import ResumableRun
-from integration_testing import wait_until, write_regenerated_data
+from integration_testing import random_target_workspace, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = "jobs/configs/eagle3-micro.yaml"
@@ -41,23 +40,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory, random_checkpoint):
     """EYAS_HOME with the random target and a regenerated data set; MLflow in a tmp sqlite store."""
-    root = tmp_path_factory.mktemp("cluster-faults")
-    home = root / "eyas-home"
-    target_dir = home / "targets" / "target-rand"
-    shutil.copytree(random_checkpoint, target_dir)
-    data_dir = home / "data" / "data-rand"
-    target, tokenizer = write_regenerated_data(target_dir, data_dir, NUM_TRAIN, NUM_HELDOUT)
-    env = {"EYAS_HOME": str(home), "MLFLOW_TRACKING_URI": f"sqlite:///{root / 'mlruns.db'}",
-           "EYAS_MLFLOW_ARTIFACTS": str(root / "mlartifacts")}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    yield {"root": root, "home": home, "target_dir": target_dir, "data_dir": data_dir, "env": env,
-           "target": target, "tokenizer": tokenizer}
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    with random_target_workspace(tmp_path_factory.mktemp("cluster-faults"), random_checkpoint, NUM_TRAIN,
+                                 NUM_HELDOUT) as workspace:
+        yield workspace
 
 
 @pytest.fixture(scope="module")

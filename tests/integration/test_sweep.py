@@ -9,14 +9,14 @@ so the Ray time goes to the sweeps alone.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import time
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+
+from integration_testing import random_target_workspace
 
 REPO = Path(__file__).resolve().parents[2]
 INFERENCE = REPO / "tune" / "configs" / "eagle3-tree-micro.yaml"
@@ -41,31 +41,10 @@ def train_micro_drafter(home: Path, config: Path, epochs: int) -> Path:
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory, random_checkpoint):
     """EYAS_HOME with micro, data-micro and the eagle3-micro drafter; MLflow in a tmp sqlite store."""
-    from eyas import corpus
-    from eyas.models import load_target, load_tokenizer
-    from eyas.train.data import regenerate, response_row, shard_path, write_shard
-
-    root = tmp_path_factory.mktemp("sweep")
-    home = root / "eyas-home"
-    env = {"EYAS_HOME": str(home), "MLFLOW_TRACKING_URI": f"sqlite:///{root / 'mlruns.db'}",
-           "EYAS_MLFLOW_ARTIFACTS": str(root / "mlartifacts")}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    target_dir = home / "targets" / "micro"
-    shutil.copytree(random_checkpoint, target_dir)
-    target, tokenizer = load_target(target_dir), load_tokenizer(target_dir)
-    for split, prompts in (("train", corpus.train_prompts(NUM_TRAIN)),
-                           ("heldout", corpus.heldout_prompts("all", NUM_HELDOUT))):
-        ids = [tokenizer(p).input_ids[:16] for p in prompts]
-        rows = [response_row(p, r) for p, r in zip(ids, regenerate(target, ids, 24, [tokenizer.eos_token_id]))]
-        write_shard(shard_path(home / "data" / "data-micro", split, 0), rows)
-    train_micro_drafter(home, REPO / "jobs" / "configs" / "eagle3-micro.yaml", epochs=3)
-    yield {"root": root, "home": home, "target_dir": target_dir, "target": target, "tokenizer": tokenizer}
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    with random_target_workspace(tmp_path_factory.mktemp("sweep"), random_checkpoint, NUM_TRAIN, NUM_HELDOUT,
+                                 target_name="micro", data_name="data-micro") as workspace:
+        train_micro_drafter(workspace["home"], REPO / "jobs" / "configs" / "eagle3-micro.yaml", epochs=3)
+        yield workspace
 
 
 @pytest.fixture(scope="module")
