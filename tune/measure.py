@@ -61,7 +61,7 @@ def measure_speed(target, drafter_factory: Callable[[], Any], prompts: Sequence[
 
     ``drafter_factory`` builds one drafter per batch row; ``max_draft_nodes`` caps every sequence's tree as
     serving's ``speculation_by_batch`` does (None: the drafter's full tree, 0: plain decoding in the speculative
-    engine, its drafters still committing). ``warmup_prompts``: untimed batches first."""
+    engine, its drafters not called). ``warmup_prompts``: untimed batches first."""
     eos = tuple(eos_token_ids)
     max_len = max(map(len, prompts)) + max_new_tokens + MAX_TREE_NODES
     schedule = SpeculationSchedule({1: max_draft_nodes})

@@ -14,7 +14,16 @@ run this engine. Each row keeps its own accepted length and its own KV length: r
   logits_BTV, taps = target(tokens_BT, positions_BT, cache rows [0, B), mask_BTT)        one forward, all rows
   accepted_b = verify(tree_b, logits_BTV[b, :N_b])                                         (leader only)
   cache.keep(accepted nodes per row)          per-row rollback: rejected branches leave nothing behind
-  drafter_b.commit(root + accepted, taps on the path); emit accepted + bonus; finished rows leave
+  row_b.behind += (root + accepted, taps on the path); emit accepted + bonus; finished rows leave
+
+A row's drafter runs only in a cycle that drafts. The tokens each cycle commits wait in the row (``behind``: the
+tokens and a reference to the forward's taps, nothing copied) until the row drafts again; ``_catch_up`` then hands
+them all to the drafter in ONE begin or commit call, right before propose. So a cycle under a budget of 0 costs
+what a vanilla cycle costs: no drafter call, not even the begin of a request that joins then (its prompt's taps
+wait the same way), and when the batch shrinks and speculation resumes, each drafter advances over every token it
+sat out in one batched pass. While speculating, the catch-up is the previous cycle's commit, one cycle later.
+The price is memory: a row keeps the taps of the tokens it sat out, num_taps x E floats a token (on smollm2 EAGLE-3's
+1,728 and DFlash's 2,880, against the 11,520 its KV cache holds a token); the EAGLE drafter queued as much before.
 
 Requests join at cycle boundaries (each prefilled into the next free cache row) and leave when finished, cancelled
 or failed. Live rows always occupy cache rows [0, B): a leaving row's slot is filled by moving the last row into
@@ -65,6 +74,10 @@ class _Row:
     out: list[int] = field(default_factory=list)  # emitted tokens
     new: list[int] = field(default_factory=list)  # emitted this step, not yet reported
     drafter: Any = None
+    begun: bool = False  # the drafter's begin ran; until then the prompt waits in ``behind`` like any commit
+    # tokens the target committed that the drafter has not seen, per cycle (or the prefill): (tokens, the forward's
+    # taps {layer: hidden_BTE}, the row's index b in that forward, the tokens' node indices in it)
+    behind: list[tuple[list[int], dict[int, torch.Tensor], int, list[int]]] = field(default_factory=list)
     generator: torch.Generator | None = None
     stats: SpecStats = field(default_factory=SpecStats)
     cycles: list[tuple[int, int, int]] = field(default_factory=list)  # not yet reported
@@ -191,9 +204,10 @@ class SpecEngine:
                 with self._isolated(row, "the first token"):
                     row.generator = make_generator(request.sampling, device)
                     token = pick_token(logits_1TV[0, -1], request.sampling, row.generator)
-                    if self.speculative:
+                    if self.speculative:  # its begin waits for the first cycle that drafts (_catch_up)
                         row.drafter = self.free_drafters.pop()
-                        row.drafter.begin(list(request.prompt_ids), {l: h[0] for l, h in hidden.items()})
+                        prompt = list(request.prompt_ids)
+                        row.behind.append((prompt, hidden, 0, list(range(len(prompt)))))
                 firsts.append(token)
         firsts = self.channel.share(firsts if self.leader else None)
         for row, token in zip(new_rows, firsts):
@@ -205,10 +219,11 @@ class SpecEngine:
     def _cycle(self) -> None:
         """One draft -> verify -> keep -> commit cycle over every live row.
 
-        The leader times it with perf_counter (no device syncs but one, below): draft = the drafters' propose and
-        commit calls, verify = the target forward, other = the cycle's wall time less both (packing, verification,
-        cache rollback, bookkeeping: the engine's own overhead). Every row records the whole cycle's split, the
-        time its own cycle took, so a row's draft_s + verify_s + other_s is the wall time of its cycles.
+        The leader times it with perf_counter (no device syncs but one, below): draft = the drafters' catch-up
+        (begin / commit) and propose calls, verify = the target forward, other = the cycle's wall time less both
+        (packing, verification, cache rollback, bookkeeping: the engine's own overhead). Every row records the
+        whole cycle's split, the time its own cycle took, so a row's draft_s + verify_s + other_s is the wall time
+        of its cycles.
         """
         rows = self.rows
         trees: list[DraftTree] = []
@@ -240,7 +255,7 @@ class SpecEngine:
                 if row.error is None:
                     with self._isolated(row, "verification"):
                         accepted = self._verify(row, tree, logits_BTV[b, :tree.num_nodes])
-                        draft_s += self._commit(row, tree, accepted, {l: h[b] for l, h in hidden.items()})
+                        self._commit(row, b, tree, accepted, hidden)
                         verdict = (accepted.nodes, accepted.committed)
                 verdicts.append(verdict)
         verdicts = self.channel.share(verdicts)
@@ -259,11 +274,13 @@ class SpecEngine:
                 row.stats.other_s += other_s
 
     def _draft(self, row: _Row, limit: int | None) -> tuple[DraftTree, float]:
-        """The row's tree and the seconds its drafter's propose took."""
+        """The row's tree and the seconds its drafter's catch-up and propose took. Under a budget of 0 the drafter
+        is not called at all (a bare root, as vanilla's)."""
         root = row.out[-1]
         if row.drafter is None or limit == 0:
             return chain(root, []), 0.0
         start = time.perf_counter()
+        self._catch_up(row)
         tree = row.drafter.propose(root, list(row.request.prompt_ids) + row.out, row.request.sampling.temperature,
                                    row.generator)
         seconds = time.perf_counter() - start
@@ -277,23 +294,35 @@ class SpecEngine:
         probs_NV = process_logits(logits_NV.float(), sampling.temperature, sampling.top_p, sampling.top_k)
         return verify_sampling(tree, probs_NV, row.generator)
 
-    def _commit(self, row: _Row, tree: DraftTree, accepted: Accepted, hidden: dict[int, torch.Tensor]) -> float:
-        """The leader advances the row's drafter on the target's taps at the accepted path and records the cycle;
-        returns the seconds the drafter's commit took.
+    def _commit(self, row: _Row, b: int, tree: DraftTree, accepted: Accepted, hidden: dict[int, torch.Tensor]
+                ) -> None:
+        """The leader queues the root and the accepted tokens (row b of this cycle's forward) for the row's drafter
+        (``_catch_up`` hands them over when it next drafts) and records the cycle.
         Cycles whose tree load-adaptation emptied still count: tau is tokens per target forward for the request.
         A row without a drafter records no SpecStats cycle (tau stays None: vanilla does not speculate)."""
         if row.drafter is None:
             row.cycles.append((0, 0, 0))
-            return 0.0
-        path = torch.as_tensor(accepted.nodes, device=self.target.device)
-        taps = {l: h[path] for l, h in hidden.items()}
-        start = time.perf_counter()
-        row.drafter.commit([tree.tokens_list[0]] + accepted.tokens, taps)
-        seconds = time.perf_counter() - start
-        judged_depth, judged = judged_nodes(tree, accepted.nodes)
+            return
+        row.behind.append(([tree.tokens_list[0]] + accepted.tokens, hidden, b, accepted.nodes))
+        judged_depth, judged = judged_nodes(tree, accepted.nodes) if tree.num_nodes > 1 else (0, [])
         row.stats.record_cycle(accepted.num_accepted, judged_depth, judged, tree.num_nodes - 1)
         row.cycles.append((accepted.num_accepted, judged_depth, tree.num_nodes - 1))
-        return seconds
+
+    def _catch_up(self, row: _Row) -> None:
+        """Hand the row's drafter every token the target committed since it last ran, with their taps, in one call:
+        begin (the prompt and whatever followed it) the first time, commit after. The Drafter contract (base.py)
+        makes one call over several cycles' tokens the same as one call per cycle."""
+        if not row.behind:
+            return
+        tokens = [token for chunk, _, _, _ in row.behind for token in chunk]
+        taps = {l: torch.cat([_rows_of(hidden[l][b], nodes) for _, hidden, b, nodes in row.behind])
+                for l in self.taps}  # [len(tokens), E] each
+        row.behind = []
+        if row.begun:
+            row.drafter.commit(tokens, taps)
+        else:
+            row.drafter.begin(tokens, taps)
+            row.begun = True
 
     # -- bookkeeping -----------------------------------------------------
 
@@ -350,7 +379,7 @@ class SpecEngine:
             self.cache.move_row(last, i, moved.length)
             self.rows[i] = moved
         self.rows.pop()
-        if row.drafter is not None:
+        if row.drafter is not None:  # its next row begins it afresh
             self.free_drafters.append(row.drafter)
 
     def active_request_ids(self) -> list[str]:
@@ -371,3 +400,10 @@ class SpecEngine:
                 if out.finished:
                     done[out.request_id] = (tokens[out.request_id], out)
         return done
+
+
+def _rows_of(hidden_TE: torch.Tensor, nodes: list[int]) -> torch.Tensor:
+    """hidden_TE[nodes]: a view when the nodes are 0..k-1 (a prefill, a chain's accepted prefix, a bare root)."""
+    if nodes == list(range(len(nodes))):
+        return hidden_TE[:len(nodes)]
+    return hidden_TE[torch.as_tensor(nodes, device=hidden_TE.device)]

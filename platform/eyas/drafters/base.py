@@ -3,6 +3,11 @@
 A drafter never calls the target. The loop hands it the target's hidden states ("taps", Hugging Face
 ``hidden_states`` numbering) for the tokens that entered the target's KV cache, and asks it for a DraftTree.
 
+Its state is a function of those tokens and taps alone, however they are split into calls: ``commit(a + b, taps
+of a then b)`` is ``commit(a, ...)`` then ``commit(b, ...)``, and ``begin(p + a, ...)`` is ``begin(p, ...)`` then
+``commit(a, ...)``. The engine relies on it: a drafter that sits out cycles (a speculation budget of 0) gets all
+their tokens in one call, right before it next proposes (decoding/engine.py).
+
 Shape legend (docs/SHAPES.md): T tokens (the prompt's, or those committed in one cycle), E target hidden size.
 """
 from __future__ import annotations
@@ -31,4 +36,5 @@ class Drafter(Protocol):
         """
 
     def commit(self, tokens: list[int], taps: dict[int, torch.Tensor]) -> None:
-        """The root and the accepted drafted tokens entered the target's cache; taps[l] is [T, E] for them."""
+        """Tokens entered the target's cache (a cycle's root and accepted drafted tokens, or several cycles'
+        in order); taps[l] is [T, E] for them. Called only before a propose, never twice in a row by the engine."""

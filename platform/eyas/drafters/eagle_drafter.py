@@ -31,7 +31,7 @@ class EagleDrafter:
     for its next token (the root). ``propose`` runs every queued entry in one call, then grows the tree: ``expand``
     runs the not-yet-run parents in one call, each node attending the committed prefix and its own ancestors (tree
     attention over the drafter cache). The tree's slots are dropped afterwards, so the cache again ends at the
-    committed prefix. Commits may follow each other without a propose (a cycle that drafted nothing).
+    committed prefix. Commits may follow each other without a propose (base.py: any split of the tokens into calls).
     """
 
     def __init__(self, model: EagleModel, tree: TreeSpec, name: str | None = None,
@@ -89,7 +89,7 @@ class EagleDrafter:
         hidden_TE = self.model.initial_hidden(taps)
         if self._pending_hidden_TE is None:  # propose ran: the root's entry is committed already
             self._pending_hidden_TE, self._pending_next = hidden_TE, list(tokens[1:])
-        else:  # no propose this cycle (e.g. speculation switched off under load): the root completes the last entry
+        else:  # commits with no propose between them (base.py allows it): the root completes the last entry
             self._pending_hidden_TE = torch.cat([self._pending_hidden_TE, hidden_TE])
             self._pending_next = self._pending_next + list(tokens)
 

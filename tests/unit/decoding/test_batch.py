@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from eyas.methods import SpecConfig, build_drafter
+from eyas.methods import SpecConfig, build_drafter, load_drafter
 from eyas.models import load_target, load_tokenizer
 from eyas.decoding.engine import SpecEngine
 from eyas.decoding.requests import SequenceRequest, SpeculationSchedule
@@ -140,6 +140,117 @@ def test_batched_greedy_with_trained_drafter_families(setup, random_drafters, me
                          schedule=SpeculationSchedule({1: None, 2: 4}), eos_token_ids=eos)
     done = engine.run([SequenceRequest(str(i), ids, 16) for i, ids in enumerate(prompts[:3])])
     assert [done[str(i)][0] for i in range(3)] == expected
+
+
+class Recording:
+    """Wraps a drafter and checks the engine's side of the Drafter contract: at every propose, begin / commit (at
+    most one call since the last propose) have handed it exactly the tokens in the target's cache before the root.
+    Logs every call as (what, engine step, batch size, tokens handed over) and keeps the taps it was given."""
+
+    def __init__(self, inner, where) -> None:
+        self.inner, self.where = inner, where  # where(): (the engine's step, its live rows) at a call
+        self.name, self.max_draft_nodes, self.target_taps = inner.name, inner.max_draft_nodes, inner.target_taps
+        self.calls: list[tuple[str, int, int, int]] = []
+        self.tokens: list[int] = []
+        self.taps: dict[int, list[torch.Tensor]] = {}
+        self.since_propose = 0
+
+    def _log(self, what: str, num_tokens: int = 0) -> None:
+        self.calls.append((what, *self.where(), num_tokens))
+        self.since_propose = 0 if what == "propose" else self.since_propose + 1
+        assert self.since_propose <= 1, "the engine hands over a drafter's pending tokens in one call"
+
+    def begin(self, prompt_ids, taps) -> None:
+        self._log("begin", len(prompt_ids))
+        self.tokens, self.taps = list(prompt_ids), {l: [taps[l]] for l in self.target_taps}  # a tap may repeat
+        self.inner.begin(prompt_ids, taps)
+
+    def commit(self, tokens, taps) -> None:
+        self._log("commit", len(tokens))
+        self.tokens += tokens
+        for l in self.taps:
+            self.taps[l].append(taps[l])
+        self.inner.commit(tokens, taps)
+
+    def propose(self, root, context_ids, temperature, generator):
+        self._log("propose")
+        assert self.tokens == context_ids[:-1] and context_ids[-1] == root
+        assert all(sum(len(h) for h in taps) == len(self.tokens) for taps in self.taps.values())
+        return self.inner.propose(root, context_ids, temperature, generator)
+
+
+@pytest.mark.parametrize("method, family", [("eagle1", "eagle1"), ("eagle3", "eagle3"), ("medusa", "medusa"),
+                                            ("dflash", "dflash"), ("ngram", None), ("draft-lm", None)])
+def test_budget_switches_run_no_drafter_at_budget_0_and_stay_lossless(setup, random_drafters,
+                                                                      random_draft_checkpoint, method, family):
+    """Budget 0 -> full -> 0 -> full mid-generation (schedule {1: full, 2: 0}, requests joining and leaving): no
+    drafter call in a cycle of budget 0; when speculation resumes, one catch-up call brings the drafter level with
+    the target's cache, taps included (checked against a prefill of the same tokens), and greedy output is vanilla's.
+    B joins beside A (budget 0: its begin waits), drafts alone once A leaves (its begin carries the idle tokens),
+    sits out beside C, and drafts again once C leaves (one commit over the cycles it sat out)."""
+    target, prompts, _ = setup
+    spec = SpecConfig(method=method, drafter=str(random_drafters[family]) if family else None,
+                      draft_model=str(random_draft_checkpoint) if method == "draft-lm" else None)
+    num_new = 64  # B must still be running when C leaves at step 11, whatever its drafter accepts
+    vanilla = [generate(target, ids, num_new).token_ids for ids in prompts[:3]]
+    state = {"step": 0}
+    engine = SpecEngine(target, capacity=2, max_len=256, schedule=SpeculationSchedule({1: None, 2: 0}),
+                        drafter_factory=lambda: Recording(build_drafter(target, spec),
+                                                          lambda: (state["step"], len(engine.rows))))
+    requests = [SequenceRequest(name, prompts[i], num_new) for i, name in enumerate("ABC")]
+    pattern = {0: ([requests[0]], []), 2: ([requests[1]], []), 5: ([], ["A"]), 8: ([requests[2]], []),
+               11: ([], ["C"])}
+    got: dict[str, list[int]] = {name: [] for name in "ABC"}
+    for step in range(80):
+        state["step"] = step
+        for out in engine.step(*pattern.get(step, ([], []))):
+            got[out.request_id] += out.new_token_ids
+        if not engine.rows:
+            break
+    assert got["B"] == vanilla[1]
+    assert 0 < len(got["A"]) < num_new and got["A"] == vanilla[0][:len(got["A"])]
+    assert 0 < len(got["C"]) < num_new and got["C"] == vanilla[2][:len(got["C"])]
+    recorders = [d for d in engine.free_drafters if d.calls]
+    calls = [call for d in recorders for call in d.calls]
+    assert calls and all(size == 1 for _, _, size, _ in calls), "a drafter ran in a cycle of budget 0"
+    [b] = [d for d in recorders if d.tokens[:len(prompts[1])] == prompts[1]]  # A drafted alone; C never did
+    assert b.calls[0] == ("begin", 5, 1, len(prompts[1]) + 3)  # its prompt and the roots of 3 idle cycles
+    assert [(what, step) for what, step, _, n in b.calls if step == 11] == [("commit", 11), ("propose", 11)]
+    assert [n for what, step, _, n in b.calls if step == 11][0] >= 4  # step 7's path + 3 idle cycles' roots
+    for drafter in recorders:  # every tap handed over is the target's own for that token
+        if drafter.target_taps:
+            tokens = drafter.tokens
+            _, want = target(torch.tensor([tokens]), torch.arange(len(tokens))[None],
+                             target.new_cache(1, len(tokens)), taps=drafter.target_taps)
+            for l in drafter.taps:
+                torch.testing.assert_close(torch.cat(drafter.taps[l]), want[l][0], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["eagle1", "eagle3", "medusa", "dflash"])
+def test_drafter_state_does_not_depend_on_how_commits_split_the_tokens(setup, random_drafters, family):
+    """The contract the engine's catch-up relies on (drafters/base.py): one begin over everything, or begin then
+    one commit per token, or begin then one commit over the rest, propose the same tree."""
+    target, prompts, _ = setup
+    tokens = (prompts[0] * 3)[:14]
+    drafters = [load_drafter(random_drafters[family], target) for _ in range(3)]
+    _, hidden = target(torch.tensor([tokens]), torch.arange(len(tokens))[None], target.new_cache(1, len(tokens)),
+                       taps=drafters[0].target_taps)
+    taps = {l: h[0] for l, h in hidden.items()}
+
+    def part(start: int, stop: int) -> dict[int, torch.Tensor]:
+        return {l: h[start:stop] for l, h in taps.items()}
+
+    root, context = tokens[-1], tokens
+    drafters[0].begin(tokens[:-1], part(0, len(tokens) - 1))
+    drafters[1].begin(tokens[:6], part(0, 6))
+    for i in range(6, len(tokens) - 1):
+        drafters[1].commit(tokens[i:i + 1], part(i, i + 1))
+    drafters[2].begin(tokens[:6], part(0, 6))
+    drafters[2].commit(tokens[6:-1], part(6, len(tokens) - 1))
+    trees = [d.propose(root, context, 0.0, None) for d in drafters]
+    for tree in trees[1:]:
+        assert tree.tokens_list == trees[0].tokens_list and tree.parents_list == trees[0].parents_list
+        torch.testing.assert_close(tree.scores_N, trees[0].scores_N, atol=1e-5, rtol=1e-4)
 
 
 def test_joins_and_leaves_between_cycles(setup):
