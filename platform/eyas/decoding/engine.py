@@ -220,8 +220,9 @@ class SpecEngine:
         """One draft -> verify -> keep -> commit cycle over every live row.
 
         The leader times it with perf_counter (no device syncs but one, below): draft = the drafters' catch-up
-        (begin / commit) and propose calls, verify = the target forward, other = the cycle's wall time less both
-        (packing, verification, cache rollback, bookkeeping: the engine's own overhead). Every row records the
+        (begin / commit; a request's first drafting cycle carries its drafter's prefill, the begin) and propose
+        calls, verify = the target forward, other = the cycle's wall time less both (packing, verification, cache
+        rollback, bookkeeping: the engine's own overhead). Every row records the
         whole cycle's split, the time its own cycle took, so a row's draft_s + verify_s + other_s is the wall time
         of its cycles.
         """
