@@ -86,11 +86,9 @@ def client():
     return MlflowClient(tracking_uri=tracking_uri(), registry_uri=tracking_uri())
 
 
-# MLflow 3's UI files an experiment with no kind under its GenAI views ("Evaluation runs"), where the run comparison
-# charts are not offered; eyas experiments are model training, so they say so (the tag the UI reads).
+# eyas experiments are model training and say so (mlflow.experimentKind). MLflow 3.17's UI still opens them in its
+# GenAI view unless its sidebar switch says "Model training": links carry the switch's fragment.
 EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
-# MLflow 3.17's UI picks its view from a sidebar switch (GenAI by default), not from the experiment's kind: a link
-# to the experiments opens in the "Model training" view (runs table and chart comparison) with this fragment.
 MODEL_TRAINING_VIEW = "#/experiments?workflowType=machine_learning"
 
 

@@ -16,14 +16,8 @@ run this engine. Each row keeps its own accepted length and its own KV length: r
   cache.keep(accepted nodes per row)          per-row rollback: rejected branches leave nothing behind
   row_b.behind += (root + accepted, taps on the path); emit accepted + bonus; finished rows leave
 
-A row's drafter runs only in a cycle that drafts. The tokens each cycle commits wait in the row (``behind``: the
-tokens and a reference to the forward's taps, nothing copied) until the row drafts again; ``_catch_up`` then hands
-them all to the drafter in ONE begin or commit call, right before propose. So a cycle under a budget of 0 costs
-what a vanilla cycle costs: no drafter call, not even the begin of a request that joins then (its prompt's taps
-wait the same way), and when the batch shrinks and speculation resumes, each drafter advances over every token it
-sat out in one batched pass. While speculating, the catch-up is the previous cycle's commit, one cycle later.
-The price is memory: a row keeps the taps of the tokens it sat out, num_taps x E floats a token (on smollm2 EAGLE-3's
-1,728 and DFlash's 2,880, against the 11,520 its KV cache holds a token); the EAGLE drafter queued as much before.
+A row's drafter runs only in a cycle that drafts: committed tokens wait in the row (``behind``, with the forward's
+taps) until ``_catch_up`` hands them over in ONE begin or commit before propose (a budget-0 cycle is vanilla's).
 
 Requests join at cycle boundaries (each prefilled into the next free cache row) and leave when finished, cancelled
 or failed. Live rows always occupy cache rows [0, B): a leaving row's slot is filled by moving the last row into
@@ -75,8 +69,7 @@ class _Row:
     new: list[int] = field(default_factory=list)  # emitted this step, not yet reported
     drafter: Any = None
     begun: bool = False  # the drafter's begin ran; until then the prompt waits in ``behind`` like any commit
-    # tokens the target committed that the drafter has not seen, per cycle (or the prefill): (tokens, the forward's
-    # taps {layer: hidden_BTE}, the row's index b in that forward, the tokens' node indices in it)
+    # committed tokens the drafter has not seen, per cycle: (tokens, taps {layer: hidden_BTE}, row b, node indices)
     behind: list[tuple[list[int], dict[int, torch.Tensor], int, list[int]]] = field(default_factory=list)
     generator: torch.Generator | None = None
     stats: SpecStats = field(default_factory=SpecStats)
@@ -220,11 +213,10 @@ class SpecEngine:
         """One draft -> verify -> keep -> commit cycle over every live row.
 
         The leader times it with perf_counter (no device syncs but one, below): draft = the drafters' catch-up
-        (begin / commit; a request's first drafting cycle carries its drafter's prefill, the begin) and propose
-        calls, verify = the target forward, other = the cycle's wall time less both (packing, verification, cache
-        rollback, bookkeeping: the engine's own overhead). Every row records the
-        whole cycle's split, the time its own cycle took, so a row's draft_s + verify_s + other_s is the wall time
-        of its cycles.
+        (begin / commit: a request's first drafting cycle carries its drafter's prefill) and propose calls, verify =
+        the target forward, other = the cycle's wall time less both (packing, verification, cache rollback,
+        bookkeeping: the engine's own overhead). Every row records the whole cycle's split, the time its own cycle
+        took, so a row's draft_s + verify_s + other_s is the wall time of its cycles.
         """
         rows = self.rows
         trees: list[DraftTree] = []
@@ -297,10 +289,9 @@ class SpecEngine:
 
     def _commit(self, row: _Row, b: int, tree: DraftTree, accepted: Accepted, hidden: dict[int, torch.Tensor]
                 ) -> None:
-        """The leader queues the root and the accepted tokens (row b of this cycle's forward) for the row's drafter
-        (``_catch_up`` hands them over when it next drafts) and records the cycle.
-        Cycles whose tree load-adaptation emptied still count: tau is tokens per target forward for the request.
-        A row without a drafter records no SpecStats cycle (tau stays None: vanilla does not speculate)."""
+        """The leader queues the root and the accepted tokens (row b of this forward) for ``_catch_up`` and records
+        the cycle. Cycles whose tree load-adaptation emptied still count (tau is tokens per target forward); a row
+        without a drafter records no SpecStats cycle (tau stays None: vanilla does not speculate)."""
         if row.drafter is None:
             row.cycles.append((0, 0, 0))
             return
@@ -310,9 +301,8 @@ class SpecEngine:
         row.cycles.append((accepted.num_accepted, judged_depth, tree.num_nodes - 1))
 
     def _catch_up(self, row: _Row) -> None:
-        """Hand the row's drafter every token the target committed since it last ran, with their taps, in one call:
-        begin (the prompt and whatever followed it) the first time, commit after. The Drafter contract (base.py)
-        makes one call over several cycles' tokens the same as one call per cycle."""
+        """Hand the row's drafter every token committed since it last ran, with their taps, in one begin (the first
+        time) or commit call: the Drafter contract (base.py) makes that equal to one call per cycle."""
         if not row.behind:
             return
         tokens = [token for chunk, _, _, _ in row.behind for token in chunk]
