@@ -23,6 +23,7 @@ from torch import nn
 
 from eyas.models.cache import KVCache
 from eyas.models.config import ModelConfig
+from eyas.models.packing import PackedLinear, pack_module
 
 
 @dataclass(frozen=True)
@@ -139,15 +140,18 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(D, config.rms_norm_eps)
         self.qk_norm = config.qk_norm
         self.split_sizes = (self.num_heads * D, self.num_kv_heads * D, self.num_kv_heads * D)
-        self.fused_qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self.fused_qkv: PackedLinear | None = None
+        self.packed_o: PackedLinear | None = None
 
     def fuse(self) -> None:
-        """Concatenate q/k/v weights for inference (latency-bound decode pays per matmul call, not per FLOP).
-        The separate modules keep the Hugging Face parameter names; the fused copy is not a parameter."""
-        weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]).detach()
-        bias = (torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]).detach()
+        """Concatenate q/k/v weights for inference (latency-bound decode pays per matmul call, not per FLOP), and
+        pack them and o_proj in the device's fast layout (eyas.models.packing). The separate modules keep the
+        Hugging Face parameter names; the fused copy is not a parameter."""
+        weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
+        bias = (torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias])
                 if self.q_proj.bias is not None else None)
-        self.fused_qkv = (weight, bias)
+        self.fused_qkv = PackedLinear(weight, bias)
+        self.packed_o = pack_module(self.o_proj)
 
     def _apply(self, fn, recurse=True):
         # .to(dtype/device) converts parameters and buffers only; the fused copy is rebuilt from the converted ones
@@ -160,7 +164,7 @@ class Attention(nn.Module):
                 span: int, mask_B1TS: torch.Tensor | None, causal: bool) -> torch.Tensor:
         B, T, _ = x_BTE.shape
         if self.fused_qkv is not None:  # one matmul instead of three (inference; see fuse())
-            qkv_BTX = F.linear(x_BTE, *self.fused_qkv)
+            qkv_BTX = self.fused_qkv(x_BTE)
             q_BTX, k_BTX, v_BTX = qkv_BTX.split(self.split_sizes, dim=-1)
         else:
             q_BTX, k_BTX, v_BTX = self.q_proj(x_BTE), self.k_proj(x_BTE), self.v_proj(x_BTE)
@@ -174,7 +178,7 @@ class Attention(nn.Module):
         cache.write(self.layer, k_BHTD, v_BHTD)
         k_BHSD, v_BHSD = cache.view(self.layer, span)
         out_BHTD = attend(q_BHTD, k_BHSD, v_BHSD, mask_B1TS, causal)
-        out_BTE = self.o_proj(out_BHTD.transpose(1, 2).reshape(B, T, -1))
+        out_BTE = (self.packed_o or self.o_proj)(out_BHTD.transpose(1, 2).reshape(B, T, -1))
         return self.tp.all_reduce(out_BTE)
 
 
@@ -191,20 +195,21 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, inner, bias=config.mlp_bias)
         self.up_proj = nn.Linear(config.hidden_size, inner, bias=config.mlp_bias)
         self.down_proj = nn.Linear(inner, config.hidden_size, bias=config.mlp_bias and tp.rank == 0)
-        self.fused_gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self.fused_gate_up: PackedLinear | None = None
+        self.packed_down: PackedLinear | None = None
 
     def forward(self, x_BTE: torch.Tensor) -> torch.Tensor:
         if self.fused_gate_up is not None:
-            gate_BTI, up_BTI = F.linear(x_BTE, *self.fused_gate_up).chunk(2, dim=-1)
+            gate_BTI, up_BTI = self.fused_gate_up(x_BTE).chunk(2, dim=-1)
         else:
             gate_BTI, up_BTI = self.gate_proj(x_BTE), self.up_proj(x_BTE)
-        return self.tp.all_reduce(self.down_proj(F.silu(gate_BTI) * up_BTI))
+        return self.tp.all_reduce((self.packed_down or self.down_proj)(F.silu(gate_BTI) * up_BTI))
 
-    def fuse(self) -> None:
-        weight = torch.cat([self.gate_proj.weight, self.up_proj.weight]).detach()
-        bias = (torch.cat([self.gate_proj.bias, self.up_proj.bias]).detach()
-                if self.gate_proj.bias is not None else None)
-        self.fused_gate_up = (weight, bias)
+    def fuse(self) -> None:  # as Attention.fuse: gate/up as one packed matmul, down packed
+        weight = torch.cat([self.gate_proj.weight, self.up_proj.weight])
+        bias = torch.cat([self.gate_proj.bias, self.up_proj.bias]) if self.gate_proj.bias is not None else None
+        self.fused_gate_up = PackedLinear(weight, bias)
+        self.packed_down = pack_module(self.down_proj)
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)  # as Attention._apply: rebuild the fused copy from the converted weights
@@ -244,6 +249,7 @@ class Decoder(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
         self._rope_cos: torch.Tensor | None = None
         self._rope_sin: torch.Tensor | None = None
+        self.packed_lm_head: PackedLinear | None = None
 
     @property
     def device(self) -> torch.device:
@@ -265,13 +271,17 @@ class Decoder(nn.Module):
         super()._apply(fn, recurse)
         self.inv_freq = rope_inv_freq(self.config).to(self.inv_freq.device)
         self._rope_cos = self._rope_sin = None
+        if self.packed_lm_head is not None:
+            self.packed_lm_head = pack_module(self.lm_head)
         return self
 
     def fuse(self) -> "Decoder":
-        """Inference-only: fuse q/k/v and gate/up projections into single matmuls (after weights are final)."""
+        """Inference-only (after weights are final): fuse q/k/v and gate/up projections into single matmuls, and
+        pack every linear weight, the LM head included, in the device's fast layout (eyas.models.packing)."""
         for layer in self.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
+        self.packed_lm_head = pack_module(self.lm_head)
         return self
 
     def rope_tables(self, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -358,4 +368,4 @@ class Decoder(nn.Module):
         cache.finish(T)
         if logits_slice is not None:
             x_BTE = x_BTE[:, logits_slice]
-        return self.lm_head(x_BTE), hidden
+        return (self.packed_lm_head or self.lm_head)(x_BTE), hidden
