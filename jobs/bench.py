@@ -41,7 +41,7 @@ from eyas.config import ConfigError, eyas_home, from_dict, resolve_path
 from eyas.decoding import costs
 from eyas.decoding.tree import MAX_TREE_NODES
 from eyas.methods import METHODS, SpecConfig, build_drafter
-from eyas.models import CheckpointError, load_target, load_tokenizer
+from eyas.models import CheckpointError, load_target, load_tokenizer, torch_dtype
 from eyas.decoding.generate import generate
 from eyas.decoding.stats import SpecStats
 from eyas.threads import configure_threads, current_settings
@@ -173,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cost-repeats", type=int, default=5,
                         help="samples per t(N) size and of the read bandwidth (0: no cost model)")
     parser.add_argument("--threads", type=int, help="torch threads (default: eyas.threads' policy)")
+    parser.add_argument("--dtype", default="float32", help="the target's (and its drafters') dtype: float32, the "
+                        "exact reference, or bfloat16 / float16 (README 'Threads and dtype'); hf runs the same")
     parser.add_argument("--strict", action="store_true", help="fail instead of skipping unavailable methods")
     args = parser.parse_args(argv)
     configure_threads(args.threads)
@@ -200,7 +202,7 @@ def run_bench(args: argparse.Namespace) -> dict:
         if "method" not in spec_data:
             raise ConfigError(f"--spec {file}: the spec section names no method")
         overrides[spec_data["method"]] = spec_data
-    target = load_target(target_path)
+    target = load_target(target_path, dtype=torch_dtype(args.dtype, "--dtype"))
     tokenizer = load_tokenizer(target_path)
     eos = sorted(set(target.config.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None
                                                      else set()))

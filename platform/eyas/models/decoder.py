@@ -23,7 +23,7 @@ from torch import nn
 
 from eyas.models.cache import KVCache
 from eyas.models.config import ModelConfig
-from eyas.models.packing import PackedLinear, pack_module
+from eyas.models.packing import PackedLinear
 
 
 @dataclass(frozen=True)
@@ -151,7 +151,7 @@ class Attention(nn.Module):
         bias = (torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias])
                 if self.q_proj.bias is not None else None)
         self.fused_qkv = PackedLinear(weight, bias)
-        self.packed_o = pack_module(self.o_proj)
+        self.packed_o = PackedLinear.of(self.o_proj)
 
     def _apply(self, fn, recurse=True):
         # .to(dtype/device) converts parameters and buffers only; the fused copy is rebuilt from the converted ones
@@ -209,7 +209,7 @@ class MLP(nn.Module):
         weight = torch.cat([self.gate_proj.weight, self.up_proj.weight])
         bias = torch.cat([self.gate_proj.bias, self.up_proj.bias]) if self.gate_proj.bias is not None else None
         self.fused_gate_up = PackedLinear(weight, bias)
-        self.packed_down = pack_module(self.down_proj)
+        self.packed_down = PackedLinear.of(self.down_proj)
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)  # as Attention._apply: rebuild the fused copy from the converted weights
@@ -272,7 +272,7 @@ class Decoder(nn.Module):
         self.inv_freq = rope_inv_freq(self.config).to(self.inv_freq.device)
         self._rope_cos = self._rope_sin = None
         if self.packed_lm_head is not None:
-            self.packed_lm_head = pack_module(self.lm_head)
+            self.packed_lm_head = PackedLinear.of(self.lm_head)
         return self
 
     def fuse(self) -> "Decoder":
@@ -281,7 +281,7 @@ class Decoder(nn.Module):
         for layer in self.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
-        self.packed_lm_head = pack_module(self.lm_head)
+        self.packed_lm_head = PackedLinear.of(self.lm_head)
         return self
 
     def rope_tables(self, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:

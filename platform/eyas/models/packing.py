@@ -1,14 +1,22 @@
 """Inference layouts for the target's linear weights: the layout each device multiplies a few rows by fastest.
 
 A decode step or a tree verify multiplies a few rows (T of 1 to ~100) by every weight. On CPU that product is
-memory-bound, and its speed depends on how the weight lies in memory, not on its FLOPs. Measured on smollm2-135m,
-this project's 2-core AMD EPYC, 1 thread (README "Threads and dtype"):
-- float32: the [O, I] weight stored column-major (its transpose contiguous), so that ``x @ W^T`` streams contiguous
-  memory. t(1) fell from ~64 to ~48 ms. The same [O, I] tensor with other strides: a parameter re-laid out this way
-  costs no copy, and keeps its values, shape and name.
-- bfloat16: oneDNN's packed ("reordered") weight, through ``torch.ops.mkldnn._linear_pointwise``. It is a copy
-  (an opaque layout), and it is used where the CPU has native bfloat16 (``_is_mkldnn_bf16_supported``).
-- Everywhere else (CUDA, float16, a torch without oneDNN): plain ``F.linear`` on the weight as it is.
+memory-bound, and its speed depends on how the weight lies in memory, not on its FLOPs. On CPU (float32, and
+bfloat16 where the CPU has native bfloat16, ``_is_mkldnn_bf16_supported``) the weight is reordered once into
+oneDNN's packed layout and multiplied through ``torch.ops.mkldnn._linear_pointwise``. Measured on this project's
+2-core AMD EPYC, 1 thread, the smollm2-135m linears (README "Threads and dtype"), ms for all of one forward's
+weights at M rows:
+
+| M | 1 | 4 | 16 | 64 |
+|---|---|---|---|---|
+| float32 ``F.linear`` | 33.0 | 50.9 | 80.3 | 173.8 |
+| float32 packed | 25.8 | 23.8 | 40.7 | 117.3 |
+| bfloat16 ``F.linear`` | 22.2 | 24.9 | 34.6 | 74.9 |
+| bfloat16 packed | 16.2 | 11.7 | 20.6 | 65.2 |
+
+The packed weight is an opaque copy: a CPU target holds its linear weights twice (the parameters keep their
+Hugging Face names and layout for training and saving). Everywhere else (CUDA, float16, a torch without oneDNN):
+plain ``F.linear`` on the weight as it is.
 
 Shape legend: O output features, I input features; x_XI is any leading shape.
 """
@@ -17,50 +25,36 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-
-def column_major(weight_OI: torch.Tensor) -> torch.Tensor:
-    """The same [O, I] values, stored as the contiguous transpose (``weight.t().contiguous().t()``)."""
-    if weight_OI.dim() == 2 and weight_OI.t().is_contiguous():
-        return weight_OI
-    return weight_OI.t().contiguous().t()
+PACK_ROWS_HINT = 16  # oneDNN picks its blocking for this many rows; 16 measured best over 1-64 rows (table above)
 
 
-def _mkldnn_bf16(weight_OI: torch.Tensor) -> bool:
-    return (weight_OI.device.type == "cpu" and weight_OI.dtype == torch.bfloat16
-            and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+def packs(weight_OI: torch.Tensor) -> bool:
+    """Whether ``weight_OI`` gets oneDNN's packed layout (module docstring)."""
+    if weight_OI.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if weight_OI.dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return weight_OI.dtype == torch.float32
 
 
 class PackedLinear:
     """``x @ W^T + b`` on an inference copy of (weight_OI, bias_O) in the device's fast layout (module docstring).
     Not a parameter: build it after the weights are final, and again after ``.to()``."""
 
-    __slots__ = ("weight", "bias", "mkldnn")
+    __slots__ = ("weight", "bias", "packed")
 
     def __init__(self, weight_OI: torch.Tensor, bias_O: torch.Tensor | None = None) -> None:
         weight_OI, bias_O = weight_OI.detach(), None if bias_O is None else bias_O.detach()
-        self.mkldnn = _mkldnn_bf16(weight_OI)
-        if self.mkldnn:
-            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight_OI, 1)  # laid out for few-row products
-        elif weight_OI.device.type == "cpu" and weight_OI.dtype == torch.float32:
-            self.weight = column_major(weight_OI)
-        else:
-            self.weight = weight_OI
+        self.packed = packs(weight_OI)
+        self.weight = (torch.ops.mkldnn._reorder_linear_weight(weight_OI.contiguous(), PACK_ROWS_HINT)
+                       if self.packed else weight_OI)
         self.bias = bias_O
 
+    @classmethod
+    def of(cls, linear: torch.nn.Linear) -> "PackedLinear":
+        return cls(linear.weight, linear.bias)
+
     def __call__(self, x_XI: torch.Tensor) -> torch.Tensor:
-        if self.mkldnn:
+        if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x_XI, self.weight, self.bias, "none", [], "")
         return F.linear(x_XI, self.weight, self.bias)
-
-
-def pack_module(linear: torch.nn.Linear) -> PackedLinear:
-    """A PackedLinear of ``linear``'s weight. The parameter is re-laid out in place first (same values, shape and
-    name): column-major as a float32 CPU weight (``column_major``), so that the packed copy shares its memory
-    instead of doubling it, and row-major (contiguous) otherwise, so that a model converted with ``.to()`` computes
-    exactly what one loaded in that dtype does."""
-    weight_OI = linear.weight
-    if weight_OI.device.type == "cpu" and weight_OI.dtype == torch.float32:
-        weight_OI.data = column_major(weight_OI.data)
-    else:
-        weight_OI.data = weight_OI.data.contiguous()
-    return PackedLinear(weight_OI, linear.bias)
