@@ -40,6 +40,7 @@ from eyas.drafters.dflash_train import block_loss
 from eyas.drafters.trees import BLOCK_MODES, TreeSpec
 from eyas.models.cache import KVCache
 from eyas.models.config import ModelConfig
+from eyas.models.packing import frozen_head
 from eyas.models.decoder import MLP, Decoder, RMSNorm, TensorParallel, apply_rope, rope_inv_freq
 from eyas.decoding.builders import build_best_first_block
 from eyas.decoding.tree import DraftTree, chain
@@ -230,8 +231,7 @@ class DFlashModel(nn.Module):
 
     def logits(self, hidden_E: torch.Tensor) -> torch.Tensor:
         """The target's frozen LM head (gradients reach the drafter states, never the head)."""
-        weight_VE = self.lm_head.weight.detach()
-        return F.linear(hidden_E.to(weight_VE.dtype), weight_VE)
+        return frozen_head(self.lm_head, hidden_E)
 
     def forward(self, batch, features, generator: torch.Generator | None = None):
         """Training: ``(loss, metrics)`` of one batch (dflash_train.block_loss). Anchors are redrawn on every call

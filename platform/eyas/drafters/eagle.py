@@ -30,6 +30,7 @@ from torch import nn
 
 from eyas.config import require
 from eyas.models.config import ModelConfig
+from eyas.models.packing import frozen_head
 from eyas.models.decoder import MLP, Decoder, RMSNorm, TensorParallel, apply_rope, rope_inv_freq
 
 KV = tuple[torch.Tensor, torch.Tensor]  # (k_BHSD, v_BHSD)
@@ -162,8 +163,7 @@ class EagleModel(nn.Module):
 
     def target_logits(self, hidden_BTE: torch.Tensor) -> torch.Tensor:
         """The target's frozen LM head: gradients reach the input, never the weight."""
-        weight_VE = self.frozen.lm_head.weight.detach()
-        return F.linear(hidden_BTE.to(weight_VE.dtype), weight_VE)
+        return frozen_head(self.frozen.lm_head, hidden_BTE)
 
     def rope(self, positions_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs_BTd = positions_BT.to(self.inv_freq.dtype)[..., None] * self.inv_freq

@@ -31,6 +31,7 @@ from eyas.config import require
 from eyas.drafters.eagle import masked_mean, scalar, shift_left, soft_cross_entropy, step_mask
 from eyas.drafters.trees import EXPAND_MODES, TreeSpec, grow_tree
 from eyas.models.decoder import Decoder
+from eyas.models.packing import frozen_head
 from eyas.decoding.builders import EAGLE_DEFAULT
 from eyas.decoding.tree import DraftTree, PartialTree
 from eyas.models.features import TargetFeatures, TrainBatch
@@ -78,9 +79,8 @@ class MedusaModel(nn.Module):
 
     def head_logits(self, hidden_E: torch.Tensor) -> torch.Tensor:
         """[..., E] -> [..., K, V]: every head's logits."""
-        weight_VE = self.lm_head[0].weight.detach()
         hidden_E = hidden_E.to(self.heads[0][0].linear.weight.dtype)  # the heads may train in float32
-        return torch.stack([F.linear(head(hidden_E).to(weight_VE.dtype), weight_VE) for head in self.heads], dim=-2)
+        return torch.stack([frozen_head(self.lm_head[0], head(hidden_E)) for head in self.heads], dim=-2)
 
     def training_loss(self, batch: TrainBatch, features: TargetFeatures) -> tuple[torch.Tensor, dict[str, float]]:
         logits_BTKV = self.head_logits(features.taps[self.target_config.num_layers].detach())

@@ -23,7 +23,7 @@ from torch import nn
 
 from eyas.models.cache import KVCache
 from eyas.models.config import ModelConfig
-from eyas.models.packing import PackedLinear
+from eyas.models.packing import PackedLinear, frozen_head
 
 
 @dataclass(frozen=True)
@@ -249,7 +249,6 @@ class Decoder(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
         self._rope_cos: torch.Tensor | None = None
         self._rope_sin: torch.Tensor | None = None
-        self.packed_lm_head: PackedLinear | None = None
 
     @property
     def device(self) -> torch.device:
@@ -271,17 +270,18 @@ class Decoder(nn.Module):
         super()._apply(fn, recurse)
         self.inv_freq = rope_inv_freq(self.config).to(self.inv_freq.device)
         self._rope_cos = self._rope_sin = None
-        if self.packed_lm_head is not None:
-            self.packed_lm_head = PackedLinear.of(self.lm_head)
+        if getattr(self.lm_head, "packed", None) is not None:
+            self.lm_head.packed = PackedLinear.of(self.lm_head)
         return self
 
     def fuse(self) -> "Decoder":
         """Inference-only (after weights are final): fuse q/k/v and gate/up projections into single matmuls, and
-        pack every linear weight, the LM head included, in the device's fast layout (eyas.models.packing)."""
+        pack every linear weight in the device's fast layout (eyas.models.packing). The LM head's packed copy hangs
+        on the module (``lm_head.packed``), where drafters that share the head find it (``frozen_head``)."""
         for layer in self.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
-        self.packed_lm_head = PackedLinear.of(self.lm_head)
+        self.lm_head.packed = PackedLinear.of(self.lm_head)
         return self
 
     def rope_tables(self, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -368,4 +368,4 @@ class Decoder(nn.Module):
         cache.finish(T)
         if logits_slice is not None:
             x_BTE = x_BTE[:, logits_slice]
-        return (self.packed_lm_head or self.lm_head)(x_BTE), hidden
+        return frozen_head(self.lm_head, x_BTE), hidden

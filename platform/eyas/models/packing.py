@@ -58,3 +58,16 @@ class PackedLinear:
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x_XI, self.weight, self.bias, "none", [], "")
         return F.linear(x_XI, self.weight, self.bias)
+
+
+def frozen_head(linear: torch.nn.Linear, x_XI: torch.Tensor) -> torch.Tensor:
+    """A frozen linear (the target's LM head, which drafters share) applied to ``x_XI`` in the weight's dtype:
+    through the packed copy ``Decoder.fuse`` attached to it (``linear.packed``) when no gradient is wanted (drafting),
+    else ``F.linear`` on the detached weight (training: the gradient reaches the input, never the weight; the packed
+    op has no backward)."""
+    packed: PackedLinear | None = getattr(linear, "packed", None)
+    weight_OI = linear.weight.detach()
+    x_XI = x_XI.to(weight_OI.dtype)
+    if packed is not None and not (torch.is_grad_enabled() and x_XI.requires_grad):
+        return packed(x_XI)
+    return F.linear(x_XI, weight_OI)

@@ -35,7 +35,7 @@ def test_to_dtype_after_loading_equals_loading_in_that_dtype(random_checkpoint, 
     loaded = load_target(random_checkpoint, dtype=dtype)
     attn, mlp = converted.layers[0].self_attn, converted.layers[0].mlp
     assert attn.fused_qkv.weight.dtype == mlp.fused_gate_up.weight.dtype == converted.dtype == dtype
-    assert converted.packed_lm_head.weight.dtype == attn.packed_o.weight.dtype == dtype
+    assert converted.lm_head.packed.weight.dtype == attn.packed_o.weight.dtype == dtype
     x_1E = torch.randn(1, converted.config.hidden_size).to(dtype)
     qkv_weight = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
     torch.testing.assert_close(attn.fused_qkv(x_1E), torch.nn.functional.linear(x_1E, qkv_weight))
