@@ -26,11 +26,15 @@ import torch
 import torch.nn.functional as F
 
 PACK_ROWS_HINT = 16  # oneDNN picks its blocking for this many rows; 16 measured best over 1-64 rows (table above)
+# a packed product costs ~11 us more per call (same machine): a 512 x 512 weight at one row took 21 us plain and
+# 30 us packed, so weights up to that size (tiny targets, drafters' own layers) stay plain
+PACK_MIN_ELEMENTS = 512 * 512
 
 
 def packs(weight_OI: torch.Tensor) -> bool:
     """Whether ``weight_OI`` gets oneDNN's packed layout (module docstring)."""
-    if weight_OI.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+    if (weight_OI.device.type != "cpu" or weight_OI.numel() <= PACK_MIN_ELEMENTS
+            or not torch.backends.mkldnn.is_available()):
         return False
     if weight_OI.dtype == torch.bfloat16:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())

@@ -1,0 +1,43 @@
+"""jobs.bench_linear: every linear a forward reads, F.linear against its packed copy, on a small random target."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from eyas.models import load_target
+from eyas.models.packing import packs
+from jobs import bench_linear
+
+
+def test_pairs_cover_every_linear_and_compute_the_same(random_checkpoint):
+    target = load_target(random_checkpoint)
+    pairs = bench_linear.linears(target)
+    assert len(pairs) == 4 * target.config.num_layers + 1
+    for weight_OI, packed in pairs:
+        x_3I = torch.randn(3, weight_OI.shape[1])
+        torch.testing.assert_close(packed(x_3I), F.linear(x_3I, weight_OI), atol=1e-5, rtol=1e-5)
+
+
+def test_writes_one_row_per_dtype_and_row_count(random_checkpoint, tmp_path, capsys):
+    out = tmp_path / "linear.json"
+    assert bench_linear.main(["--target", str(random_checkpoint), "--dtypes", "float32", "--rows", "1,5",
+                              "--repeats", "1", "--threads", "1", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["threads"] == 1
+    assert [(r["dtype"], r["rows"]) for r in report["results"]] == [("float32", 1), ("float32", 5)]
+    weight = load_target(random_checkpoint).lm_head.weight
+    for row in report["results"]:
+        assert row["linear_ms"] > 0 and row["packed_ms"] > 0 and row["packed_on"] == packs(weight)
+        assert row["packed_gb_s"] == pytest.approx(row["weight_bytes"] / row["packed_ms"] / 1e6)
+    assert "F.linear ms" in capsys.readouterr().out
+
+
+def test_bad_rows_and_dtypes_fail_clearly(random_checkpoint, tmp_path, capsys):
+    for flag, value in (("--rows", "0,4"), ("--dtypes", "fp8")):
+        assert bench_linear.main(["--target", str(random_checkpoint), flag, value, "--out",
+                                  str(tmp_path / "x.json")]) == 2
+        assert "error:" in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()
