@@ -22,6 +22,9 @@ Shape legend: O output features, I input features; x_XI is any leading shape.
 """
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
 import torch.nn.functional as F
 
@@ -31,9 +34,24 @@ PACK_ROWS_HINT = 16  # oneDNN picks its blocking for this many rows; 16 measured
 PACK_MIN_ELEMENTS = 512 * 512
 
 
+_plain = False  # inside plain_layout()
+
+
+@contextlib.contextmanager
+def plain_layout() -> Iterator[None]:
+    """Within the block nothing is packed: a target loaded there multiplies through plain ``F.linear``, the kernels
+    transformers uses (``eyas.models.parity`` checks a conversion's logits on them)."""
+    global _plain
+    before, _plain = _plain, True
+    try:
+        yield
+    finally:
+        _plain = before
+
+
 def packs(weight_OI: torch.Tensor) -> bool:
     """Whether ``weight_OI`` gets oneDNN's packed layout (module docstring)."""
-    if (weight_OI.device.type != "cpu" or weight_OI.numel() <= PACK_MIN_ELEMENTS
+    if (_plain or weight_OI.device.type != "cpu" or weight_OI.numel() <= PACK_MIN_ELEMENTS
             or not torch.backends.mkldnn.is_available()):
         return False
     if weight_OI.dtype == torch.bfloat16:

@@ -71,3 +71,14 @@ def test_greedy_speculative_equals_vanilla_on_the_packed_target(random_checkpoin
         ids = tokenizer.encode(prompt)
         vanilla = generate(target, ids, 24).token_ids
         assert generate(target, ids, 24, drafter=build_drafter(target, spec)).token_ids == vanilla
+
+
+def test_plain_layout_packs_nothing_and_parity_reports_both(random_checkpoint, packed_everywhere):
+    from eyas.models.parity import check_checkpoint
+
+    with packing.plain_layout():
+        assert not any(all_packed(load_target(random_checkpoint)))
+    assert all(all_packed(load_target(random_checkpoint)))  # the switch ends with the block
+    report = check_checkpoint(random_checkpoint, num_new_tokens=8)
+    assert report.passed and report.max_logit_diff <= report.atol
+    assert report.max_logit_diff_packed is not None and "with packed weights" in report.summary()
