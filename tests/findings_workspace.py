@@ -5,11 +5,12 @@ findings look (``$EYAS_HOME/drafters/<family>-micro``). MLflow is a sqlite store
 from __future__ import annotations
 
 import contextlib
-import os
 from pathlib import Path
 from typing import Iterator
 
 import torch
+
+from testing_env import environ
 
 NUM_TRAIN, NUM_HELDOUT = 24, 8
 DRAFTERS = {"eagle1": {}, "eagle3": {"draft_vocab_size": 128, "ttt_steps": 2},
@@ -44,9 +45,7 @@ def findings_workspace(root: Path, tokenizer_dir: Path) -> Iterator[dict]:
     home = root / "eyas-home"
     env = {"EYAS_HOME": str(home), "MLFLOW_TRACKING_URI": f"sqlite:///{root / 'mlruns.db'}",
            "EYAS_MLFLOW_ARTIFACTS": str(root / "mlartifacts")}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with environ(env):
         target_dir = build_target(home / "targets" / "micro", tokenizer_dir)
         target, tokenizer = load_target(target_dir), load_tokenizer(target_dir)
         for split, prompts in (("train", corpus.train_prompts(NUM_TRAIN)),
@@ -60,9 +59,3 @@ def findings_workspace(root: Path, tokenizer_dir: Path) -> Iterator[dict]:
             model = registry.build_model(family, config, target, token_counts_V=counts_V)
             registry.save_drafter(model, home / "drafters" / f"{family}-micro", target_dir)
         yield {"root": root, "home": home, "target_dir": target_dir, "env": env}
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value

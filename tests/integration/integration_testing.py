@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import shutil
 import time
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Iterator
 from eyas import corpus
 from eyas.models import load_target, load_tokenizer
 from eyas.train.data import regenerate, response_row, shard_path, write_shard
+from testing_env import environ
 
 PROMPT_TOKENS, RESPONSE_TOKENS = 16, 24
 
@@ -42,22 +42,6 @@ def write_regenerated_data(target_dir: Path, data_dir: Path, num_train: int, num
         answers = regenerate(target, ids, RESPONSE_TOKENS, [tokenizer.eos_token_id])
         write_shard(shard_path(data_dir, split, 0), [response_row(p, r) for p, r in zip(ids, answers)])
     return target, tokenizer
-
-
-@contextlib.contextmanager
-def environ(values: dict[str, str]) -> Iterator[None]:
-    """``os.environ`` with ``values`` set inside the block; afterwards each key is as it was (unset ones removed).
-    For module-scoped fixtures, which pytest's ``monkeypatch`` (function-scoped) does not reach."""
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 @contextlib.contextmanager
