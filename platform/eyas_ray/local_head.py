@@ -21,6 +21,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -118,6 +119,10 @@ class RayStartProcess:
         self.proc = None
 
 
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
 class LocalRayHead:
     """``with LocalRayHead(num_cpus=2) as head: head.submit(...)``; ``head.address`` is the dashboard URL.
 
@@ -162,6 +167,12 @@ class LocalRayHead:
         return self.node.proc if self.node is not None else None
 
     def __enter__(self) -> "LocalRayHead":
+        # the nodes run in sessions of their own, so a SIGTERM to this process (a killed `make demo`) reaches none
+        # of them: turn it into SystemExit, which runs __exit__ and stops them, instead of leaving Ray running
+        self._sigterm = None
+        if (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL):
+            self._sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)
         self.temp_dir = short_temp_dir("eyr")
         self.env[auth.TOKEN_PATH] = str(auth.write_token_file(Path(self.temp_dir) / "auth_token"))
         cmd = [ray_cli(), "start", "--head", "--block", f"--port={self.gcs_port}", "--dashboard-host=127.0.0.1",
@@ -202,6 +213,9 @@ class LocalRayHead:
             self.node.stop()
         shutil.rmtree(self.temp_dir, ignore_errors=True)
         self.node = None
+        if getattr(self, "_sigterm", None) is not None:
+            signal.signal(signal.SIGTERM, self._sigterm)
+            self._sigterm = None
 
     # ------------------------------------------------------------ more nodes
 
