@@ -23,7 +23,7 @@ from torch import nn
 
 from eyas.models.cache import KVCache
 from eyas.models.config import ModelConfig
-from eyas.models.packing import PackedLinear, frozen_head
+from eyas.models.packing import PackedLinear
 
 
 @dataclass(frozen=True)
@@ -246,6 +246,7 @@ class Decoder(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.lm_head.packed: PackedLinear | None = None  # set by fuse(); drafters sharing the head use it too
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
         self._rope_cos: torch.Tensor | None = None
         self._rope_sin: torch.Tensor | None = None
@@ -270,7 +271,7 @@ class Decoder(nn.Module):
         super()._apply(fn, recurse)
         self.inv_freq = rope_inv_freq(self.config).to(self.inv_freq.device)
         self._rope_cos = self._rope_sin = None
-        if getattr(self.lm_head, "packed", None) is not None:
+        if self.lm_head.packed is not None:
             self.lm_head.packed = PackedLinear.of(self.lm_head)
         return self
 
@@ -368,4 +369,4 @@ class Decoder(nn.Module):
         cache.finish(T)
         if logits_slice is not None:
             x_BTE = x_BTE[:, logits_slice]
-        return frozen_head(self.lm_head, x_BTE), hidden
+        return (self.lm_head.packed or self.lm_head)(x_BTE), hidden
