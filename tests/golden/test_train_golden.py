@@ -8,6 +8,9 @@ import pytest
 from train_cases import CASES, FIXTURE, record, write_data
 from golden_cases import VOCAB
 
+RELATIVE = 1e-5  # 50x the largest difference seen between two CPUs
+ABSOLUTE = 1e-7  # metrics recorded as 0.0 (accuracies, a warm-up lr)
+
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
@@ -27,7 +30,3 @@ def test_reproduces_recorded_losses(case, data_dir):
     for got_step, expected_step in zip(got["steps"], expected["steps"]):
         assert got_step == pytest.approx(expected_step, rel=RELATIVE, abs=ABSOLUTE)
     assert got["heldout"] == pytest.approx(expected["heldout"], rel=RELATIVE, abs=ABSOLUTE)
-
-
-RELATIVE = 1e-5  # 50x the largest difference seen between two CPUs
-ABSOLUTE = 1e-7  # metrics recorded as 0.0 (accuracies, a warm-up lr)
