@@ -63,8 +63,11 @@ def overrides(workspace, name: str, *extra: str) -> list[str]:
 
 
 def train_command(workspace, head: LocalRayHead, args: list[str], submission_id: str) -> list[str]:
+    # RAY_DEDUP_LOGS=0: Ray's log deduplication drops every word holding a digit, so "rank 0 of 2 on node <id>" and
+    # "rank 1 of 2 on node <id>" from two workers read as one line; the second is held back and may never be
+    # printed before the job ends (ray-project/ray#45262). The checks below count those lines.
     return head.submit_command([sys.executable, "-m", "jobs.train_drafter", "--config", CONFIG, *args],
-                               env_vars=workspace["env"], submission_id=submission_id)
+                               env_vars={**workspace["env"], "RAY_DEDUP_LOGS": "0"}, submission_id=submission_id)
 
 
 def resumable_run(args: list[str]) -> ResumableRun:
