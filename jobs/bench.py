@@ -357,7 +357,10 @@ def print_table(report: dict) -> None:
               f"read at {band['read_GBps']['best']:.1f} GB/s -> limit {band['limit_tokens_per_s']:.1f} tok/s")
         for suite, v in cost["vanilla"].items():
             hf = f", {v['vs_hf']:.2f}x transformers generate()" if v["vs_hf"] else ""
-            print(f"vanilla on {suite}: {v['of_bandwidth_limit']:.0%} of the bandwidth limit{hf}")
+            decode = (f"; its decode steps alone {v['decode_tokens_per_s']:.1f} tok/s, "
+                      f"{v['decode_of_bandwidth_limit']:.0%}" if v.get("decode_tokens_per_s") else "")
+            print(f"vanilla on {suite}: {v['tokens_per_s']:.1f} tok/s end to end, {v['of_bandwidth_limit']:.0%} of the "
+                  f"bandwidth limit{decode}{hf}")
         cpu = cost["cpu"]
         load = cpu["load_average"]
         print(f"load average {load['start']:.2f} -> {load['end']:.2f} on {cost['cpu_count']} cores, "

@@ -94,7 +94,7 @@ def assert_micro_target(home: Path, uri: str, monkeypatch) -> None:
 
 def assert_lossless_on_trained_target(target_dir: Path, home: Path) -> None:
     """Greedy identity on the TRAINED micro target (its argmax is far from uniform, unlike a random model's):
-    every drafter family crossed with its tree shapes equals vanilla token for token over 20 held-out prompts."""
+    every drafter family crossed with its tree shapes equals vanilla token for token over 8 held-out prompts (20 took 42 s of CI)."""
     import torch
 
     from eyas import corpus
@@ -109,7 +109,7 @@ def assert_lossless_on_trained_target(target_dir: Path, home: Path) -> None:
     torch.manual_seed(0)
     target = load_target(target_dir)
     tokenizer = load_tokenizer(target_dir)
-    prompts = [tokenizer.encode(p)[:32] for p in corpus.heldout_prompts("all", 20)]  # micro context: 128
+    prompts = [tokenizer.encode(p)[:32] for p in corpus.heldout_prompts("all", 8)]  # micro context: 128
     expected = [generate(target, p, 24).token_ids for p in prompts]
     checkpoints = {}
     for family, config in (("eagle1", {}), ("eagle3", {"ttt_steps": 2}), ("medusa", {"num_heads": 3}),

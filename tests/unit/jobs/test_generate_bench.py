@@ -61,6 +61,12 @@ def test_bench_writes_schema_and_figure(random_checkpoint, random_draft_checkpoi
     cost = report["cost_model"]
     assert list(cost["t_forward_ms"]) == ["1", "2", "4", "8", "16", "32", "64"] and cost["t_ratio"]["1"] == 1.0
     assert cost["bandwidth"]["weight_bytes_per_token"] > 0 and cost["vanilla"]["custom"]["vs_hf"] > 0
+    # vanilla's decode steps alone: one over its mean step, and at least its end-to-end rate (no prefill in it)
+    vanilla = cost["vanilla"]["custom"]
+    assert vanilla["decode_tokens_per_s"] == pytest.approx(1e3 / rows["vanilla"]["t_cycle_ms"], rel=1e-3)
+    assert vanilla["decode_tokens_per_s"] >= vanilla["tokens_per_s"]
+    assert vanilla["decode_of_bandwidth_limit"] == pytest.approx(
+        vanilla["decode_tokens_per_s"] / cost["bandwidth"]["limit_tokens_per_s"], rel=1e-2)
     assert isinstance(cost["warnings"], list)
     # other processes' CPU while the bench measured, from /proc/stat (this test runs on Linux)
     assert cost["cpu"]["source"] == "/proc/stat" and cost["cpu"]["others_cores"] >= 0.0
