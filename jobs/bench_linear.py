@@ -1,12 +1,15 @@
-"""The target's linear layers at M rows: plain ``F.linear`` against eyas's packed layout (eyas.models.packing).
+"""The target's linear layers at M rows: plain ``F.linear``, eyas's packed layout (eyas.models.packing) and a
+transposed (column-major) copy, per weight kind.
 
     python -m jobs.bench_linear [--target PATH] [--dtypes float32,bfloat16] [--rows 1,4,16,64] [--repeats 5]
         [--threads N] [--out bench_linear.json]
 
 Per dtype and M, the milliseconds to multiply M rows by every linear weight one target forward reads (the fused
-q/k/v and gate/up, o_proj, down_proj and the LM head), through ``F.linear`` on the row-major weights and through
-the ``PackedLinear`` copies ``Decoder.fuse`` builds; the best of ``--repeats`` passes, the two interleaved, and
-the read bandwidth each reaches (weight bytes / time). A decode step is M = 1; a tree verify is M = its nodes.
+q/k/v and gate/up, o_proj, down_proj and the LM head), in three layouts: ``F.linear`` on the row-major weights, the
+``PackedLinear`` copies ``Decoder.fuse`` builds, and ``F.linear`` on a transposed view of a contiguous [I, O] copy
+(``x @ W_IO``, what a column-major weight costs); the best of ``--repeats`` passes, the layouts interleaved, and the
+read bandwidth each reaches (weight bytes / time), in all and per weight kind. A decode step is M = 1; a tree verify
+is M = its nodes.
 """
 from __future__ import annotations
 
@@ -26,8 +29,12 @@ from eyas.models.packing import PackedLinear
 from eyas.threads import configure_threads
 
 
+KINDS = ("qkv", "o_proj", "gate_up", "down_proj")  # per layer, in forward order; then "lm_head"
+LAYOUTS = ("linear", "packed", "transposed")
+
+
 def linears(target: Decoder) -> list[tuple[torch.Tensor, PackedLinear]]:
-    """(row-major weight_OI, its packed copy) of every linear one forward reads, in forward order."""
+    """(row-major weight_OI, its packed copy) of every linear one forward reads, in forward order (``kinds``)."""
     pairs = []
     for layer in target.layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -40,25 +47,42 @@ def linears(target: Decoder) -> list[tuple[torch.Tensor, PackedLinear]]:
     return pairs
 
 
+def kinds(target: Decoder) -> list[str]:
+    """The weight kind of each of ``linears(target)``."""
+    return [*KINDS * len(target.layers), "lm_head"]
+
+
 @torch.inference_mode()
 def measure(target: Decoder, rows: list[int], repeats: int) -> list[dict]:
-    pairs = linears(target)
+    pairs, names = linears(target), kinds(target)
+    transposed = [weight_OI.t().contiguous().t() for weight_OI, _ in pairs]  # [O, I] view of an [I, O] copy
     weight_bytes = sum(w.numel() * w.element_size() for w, _ in pairs)
+    kind_bytes = {k: sum(w.numel() * w.element_size() for (w, _), n in zip(pairs, names) if n == k)
+                  for k in dict.fromkeys(names)}
     out = []
     for M in rows:
         inputs = {w.shape[1]: torch.randn(M, w.shape[1], dtype=target.dtype) for w, _ in pairs}
-        best = {"linear": float("inf"), "packed": float("inf")}
+        best = {(layout, k): float("inf") for layout in LAYOUTS for k in kind_bytes}
         for _ in range(repeats + 1):  # the first pass warms up and is not counted
-            for kind in best:
-                start = time.perf_counter()
-                for weight_OI, packed in pairs:
+            for layout in LAYOUTS:
+                seconds = dict.fromkeys(kind_bytes, 0.0)
+                for (weight_OI, packed), weight_T, kind in zip(pairs, transposed, names):
                     x_MI = inputs[weight_OI.shape[1]]
-                    F.linear(x_MI, weight_OI) if kind == "linear" else packed(x_MI)
-                best[kind] = min(best[kind], time.perf_counter() - start)
+                    start = time.perf_counter()
+                    if layout == "packed":
+                        packed(x_MI)
+                    else:
+                        F.linear(x_MI, weight_OI if layout == "linear" else weight_T)
+                    seconds[kind] += time.perf_counter() - start
+                for kind, s in seconds.items():
+                    best[(layout, kind)] = min(best[(layout, kind)], s)
+        totals = {layout: sum(best[(layout, k)] for k in kind_bytes) for layout in LAYOUTS}
         out.append({"dtype": str(target.dtype).removeprefix("torch."), "rows": M, "weight_bytes": weight_bytes,
                     "packed_on": pairs[0][1].packed,
-                    **{f"{kind}_ms": seconds * 1e3 for kind, seconds in best.items()},
-                    **{f"{kind}_gb_s": weight_bytes / seconds / 1e9 for kind, seconds in best.items()}})
+                    **{f"{layout}_ms": seconds * 1e3 for layout, seconds in totals.items()},
+                    **{f"{layout}_gb_s": weight_bytes / seconds / 1e9 for layout, seconds in totals.items()},
+                    "by_kind_gb_s": {k: {layout: b / best[(layout, k)] / 1e9 for layout in LAYOUTS}
+                                     for k, b in kind_bytes.items()}})
     return out
 
 
@@ -82,11 +106,14 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(f"{'dtype':9s} {'rows':>4s} {'F.linear ms':>11s} {'packed ms':>9s} {'ratio':>6s} {'packed GB/s':>11s}")
+    print(f"{'dtype':9s} {'rows':>4s} {'F.linear ms':>11s} {'packed ms':>9s} {'transposed ms':>13s} {'ratio':>6s} "
+          f"{'packed GB/s':>11s}  GB/s per weight (F.linear / packed / transposed)")
     for r in results:
-        print(f"{r['dtype']:9s} {r['rows']:4d} {r['linear_ms']:11.1f} {r['packed_ms']:9.1f} "
-              f"{r['linear_ms'] / r['packed_ms']:5.2f}x {r['packed_gb_s']:11.1f}"
-              + ("" if r["packed_on"] else "  (not packed here: plain F.linear both ways)"))
+        kinds_gb_s = "  ".join(f"{k} {v['linear']:.1f}/{v['packed']:.1f}/{v['transposed']:.1f}"
+                               for k, v in r["by_kind_gb_s"].items())
+        print(f"{r['dtype']:9s} {r['rows']:4d} {r['linear_ms']:11.1f} {r['packed_ms']:9.1f} {r['transposed_ms']:13.1f} "
+              f"{r['linear_ms'] / r['packed_ms']:5.2f}x {r['packed_gb_s']:11.1f}  {kinds_gb_s}"
+              + ("" if r["packed_on"] else "  (not packed here: plain F.linear as packed)"))
     print(f"{settings.num_threads} torch thread(s); {results[0]['weight_bytes'] / 1e6:.0f} MB of "
           f"{results[0]['dtype']} weights")
     Path(args.out).write_text(json.dumps({"threads": settings.num_threads, "results": results}, indent=2) + "\n")

@@ -29,12 +29,6 @@ for _name in ("RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_
               "XDG_CACHE_HOME", "MLFLOW_TRACKING_URI"):
     os.environ.pop(_name, None)
 os.environ["HF_HUB_OFFLINE"] = "1"  # nothing comes from a model hub at run time
-# the tests' own local Rays (ray.init(address="local") in module fixtures) are one machine, as init_ray's and
-# LocalRayHead's are: the same Ray Train settings (eyas_ray.cluster.LOCAL_TRAIN_ENV)
-from eyas_ray.cluster import LOCAL_TRAIN_ENV  # noqa: E402
-
-for _name, _value in LOCAL_TRAIN_ENV.items():
-    os.environ.setdefault(_name, _value)
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -8,13 +8,6 @@ from eyas_ray import auth
 from eyas_ray.threads import with_openmp_env
 
 
-# Ray Train on one machine: no node is preempted, so no preemption watcher (one actor process fewer per run), and the
-# controller polls its workers every 0.5 s instead of 2 s. A no-op 2-worker TorchTrainer.fit took 15.2-15.3 s
-# instead of 18.1-19.8 s on this project's 2-core box (tests/unit/ray_glue/test_local_head_env.py). A fresh local Ray
-# (init_ray) and a LocalRayHead run with them; the caller's environment overrides both.
-LOCAL_TRAIN_ENV = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"}
-
-
 def init_ray(**kwargs: Any) -> None:
     """``ray.init()``: a fresh local Ray of its own unless ``RAY_ADDRESS`` names a cluster (``ray job submit`` sets it).
 
@@ -42,8 +35,6 @@ def init_ray(**kwargs: Any) -> None:
         ray.init(address=address, **kwargs)
     else:
         auth.ensure_user_token()
-        for name, value in LOCAL_TRAIN_ENV.items():  # read by Ray Train's controller, a child of this Ray
-            os.environ.setdefault(name, value)
         kwargs.setdefault("include_dashboard", False)
         # "local": a Ray of this process's own; a bare ray.init() would attach to whatever cluster
         # /tmp/ray/ray_current_cluster names (someone else's `ray start`, with another token)

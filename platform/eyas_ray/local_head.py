@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 from eyas_ray import auth
-from eyas_ray.cluster import LOCAL_TRAIN_ENV
 
 STOP_GRACE_S = 10.0  # a node's own shutdown (usually ~4 s); what is left after it is SIGKILLed with its group
 JOB_EXCLUDES = [".git", ".venv", "mlartifacts", "mlruns.db", "out", "bench.json", "bench.png"]
@@ -142,7 +141,7 @@ class LocalRayHead:
                                    f"(another Ray? `ray status`) or choose another port")
         self.client_port, self.agent_listen_port, self.agent_grpc_port = ports[2:]
         self.num_cpus, self.resources = num_cpus, dict(resources or {})
-        self.env = auth.token_env({**LOCAL_TRAIN_ENV, **os.environ, **(env or {})})
+        self.env = auth.token_env({**os.environ, **(env or {})})
         for name in ("RAY_ADDRESS", auth.TOKEN):  # a token of our own, never one inherited from the caller
             self.env.pop(name, None)
         # Ray's state API inside the cluster (Ray Train's placement-group cleaner asks it every second) finds the

@@ -1,4 +1,5 @@
-"""jobs.bench_linear: every linear a forward reads, F.linear against its packed copy, on a small random target."""
+"""jobs.bench_linear: every linear a forward reads, F.linear against its packed and transposed copies, on a small
+random target."""
 from __future__ import annotations
 
 import json
@@ -15,7 +16,8 @@ from jobs import bench_linear
 def test_pairs_cover_every_linear_and_compute_the_same(random_checkpoint):
     target = load_target(random_checkpoint)
     pairs = bench_linear.linears(target)
-    assert len(pairs) == 4 * target.config.num_layers + 1
+    assert len(pairs) == 4 * target.config.num_layers + 1 == len(bench_linear.kinds(target))
+    assert bench_linear.kinds(target)[-1] == "lm_head" and pairs[-1][0].shape == target.lm_head.weight.shape
     for weight_OI, packed in pairs:
         x_3I = torch.randn(3, weight_OI.shape[1])
         torch.testing.assert_close(packed(x_3I), F.linear(x_3I, weight_OI), atol=1e-5, rtol=1e-5)
@@ -32,6 +34,12 @@ def test_writes_one_row_per_dtype_and_row_count(random_checkpoint, tmp_path, cap
     for row in report["results"]:
         assert row["linear_ms"] > 0 and row["packed_ms"] > 0 and row["packed_on"] == packs(weight)
         assert row["packed_gb_s"] == pytest.approx(row["weight_bytes"] / row["packed_ms"] / 1e6)
+        assert row["transposed_ms"] > 0
+        assert set(row["by_kind_gb_s"]) == {"qkv", "o_proj", "gate_up", "down_proj", "lm_head"}
+        # the per-kind times add up to the total: the total's bandwidth lies within the kinds' range
+        for layout in bench_linear.LAYOUTS:
+            per_kind = [v[layout] for v in row["by_kind_gb_s"].values()]
+            assert min(per_kind) * 0.99 <= row[f"{layout}_gb_s"] <= max(per_kind) * 1.01
     assert "F.linear ms" in capsys.readouterr().out
 
 

@@ -66,7 +66,7 @@ def test_bench_writes_schema_and_figure(random_checkpoint, random_draft_checkpoi
     assert vanilla["decode_tokens_per_s"] == pytest.approx(1e3 / rows["vanilla"]["t_cycle_ms"], rel=1e-3)
     assert vanilla["decode_tokens_per_s"] >= vanilla["tokens_per_s"]
     assert vanilla["decode_of_bandwidth_limit"] == pytest.approx(
-        vanilla["decode_tokens_per_s"] / cost["bandwidth"]["limit_tokens_per_s"], rel=1e-2)
+        vanilla["decode_tokens_per_s"] / cost["bandwidth"]["limit_tokens_per_s"], rel=1e-2, abs=1e-3)  # 3 decimals
     assert isinstance(cost["warnings"], list)
     # other processes' CPU while the bench measured, from /proc/stat (this test runs on Linux)
     assert cost["cpu"]["source"] == "/proc/stat" and cost["cpu"]["others_cores"] >= 0.0
