@@ -29,44 +29,40 @@ from eyas.models.packing import PackedLinear
 from eyas.threads import configure_threads
 
 
-KINDS = ("qkv", "o_proj", "gate_up", "down_proj")  # per layer, in forward order; then "lm_head"
 LAYOUTS = ("linear", "packed", "transposed")
 
 
-def linears(target: Decoder) -> list[tuple[torch.Tensor, PackedLinear]]:
-    """(row-major weight_OI, its packed copy) of every linear one forward reads, in forward order (``kinds``)."""
-    pairs = []
+def linears(target: Decoder) -> list[tuple[str, torch.Tensor, PackedLinear]]:
+    """(weight kind, row-major weight_OI, its packed copy) of every linear one forward reads, in forward order."""
+    triples = []
     for layer in target.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        pairs.append((torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).detach(),
-                      attn.fused_qkv))
-        pairs.append((attn.o_proj.weight.detach(), attn.packed_o))
-        pairs.append((torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(), mlp.fused_gate_up))
-        pairs.append((mlp.down_proj.weight.detach(), mlp.packed_down))
-    pairs.append((target.lm_head.weight.detach(), target.lm_head.packed))
-    return pairs
-
-
-def kinds(target: Decoder) -> list[str]:
-    """The weight kind of each of ``linears(target)``."""
-    return [*KINDS * len(target.layers), "lm_head"]
+        triples.append(("qkv", torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).detach(),
+                        attn.fused_qkv))
+        triples.append(("o_proj", attn.o_proj.weight.detach(), attn.packed_o))
+        triples.append(("gate_up", torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(),
+                        mlp.fused_gate_up))
+        triples.append(("down_proj", mlp.down_proj.weight.detach(), mlp.packed_down))
+    triples.append(("lm_head", target.lm_head.weight.detach(), target.lm_head.packed))
+    return triples
 
 
 @torch.inference_mode()
 def measure(target: Decoder, rows: list[int], repeats: int) -> list[dict]:
-    pairs, names = linears(target), kinds(target)
-    transposed = [weight_OI.t().contiguous().t() for weight_OI, _ in pairs]  # [O, I] view of an [I, O] copy
-    weight_bytes = sum(w.numel() * w.element_size() for w, _ in pairs)
-    kind_bytes = {k: sum(w.numel() * w.element_size() for (w, _), n in zip(pairs, names) if n == k)
-                  for k in dict.fromkeys(names)}
+    triples = linears(target)
+    transposed = [weight_OI.t().contiguous().t() for _, weight_OI, _ in triples]  # [O, I] view of an [I, O] copy
+    kind_bytes: dict[str, int] = {}
+    for kind, weight_OI, _ in triples:
+        kind_bytes[kind] = kind_bytes.get(kind, 0) + weight_OI.numel() * weight_OI.element_size()
+    weight_bytes = sum(kind_bytes.values())
     out = []
     for M in rows:
-        inputs = {w.shape[1]: torch.randn(M, w.shape[1], dtype=target.dtype) for w, _ in pairs}
+        inputs = {w.shape[1]: torch.randn(M, w.shape[1], dtype=target.dtype) for _, w, _ in triples}
         best = {(layout, k): float("inf") for layout in LAYOUTS for k in kind_bytes}
         for _ in range(repeats + 1):  # the first pass warms up and is not counted
             for layout in LAYOUTS:
                 seconds = dict.fromkeys(kind_bytes, 0.0)
-                for (weight_OI, packed), weight_T, kind in zip(pairs, transposed, names):
+                for (kind, weight_OI, packed), weight_T in zip(triples, transposed):
                     x_MI = inputs[weight_OI.shape[1]]
                     start = time.perf_counter()
                     if layout == "packed":
@@ -78,7 +74,7 @@ def measure(target: Decoder, rows: list[int], repeats: int) -> list[dict]:
                     best[(layout, kind)] = min(best[(layout, kind)], s)
         totals = {layout: sum(best[(layout, k)] for k in kind_bytes) for layout in LAYOUTS}
         out.append({"dtype": str(target.dtype).removeprefix("torch."), "rows": M, "weight_bytes": weight_bytes,
-                    "packed_on": pairs[0][1].packed,
+                    "packed_on": triples[0][2].packed,
                     **{f"{layout}_ms": seconds * 1e3 for layout, seconds in totals.items()},
                     **{f"{layout}_gb_s": weight_bytes / seconds / 1e9 for layout, seconds in totals.items()},
                     "by_kind_gb_s": {k: {layout: b / best[(layout, k)] / 1e9 for layout in LAYOUTS}

@@ -95,7 +95,8 @@ def assert_micro_target(home: Path, uri: str, monkeypatch) -> None:
 
 def assert_lossless_on_trained_target(target_dir: Path, home: Path) -> None:
     """Greedy identity on the TRAINED micro target (its argmax is far from uniform, unlike a random model's):
-    every drafter family crossed with its tree shapes equals vanilla token for token over 8 held-out prompts (20 took 42 s of CI)."""
+    every drafter family crossed with its tree shapes equals vanilla token for token over 8 held-out prompts (20 took
+    42 s of CI)."""
     import torch
 
     from eyas import corpus

@@ -15,10 +15,11 @@ from jobs import bench_linear
 
 def test_pairs_cover_every_linear_and_compute_the_same(random_checkpoint):
     target = load_target(random_checkpoint)
-    pairs = bench_linear.linears(target)
-    assert len(pairs) == 4 * target.config.num_layers + 1 == len(bench_linear.kinds(target))
-    assert bench_linear.kinds(target)[-1] == "lm_head" and pairs[-1][0].shape == target.lm_head.weight.shape
-    for weight_OI, packed in pairs:
+    triples = bench_linear.linears(target)
+    kinds = [kind for kind, _, _ in triples]
+    assert len(triples) == 4 * target.config.num_layers + 1 == len(kinds)
+    assert kinds[-1] == "lm_head" and triples[-1][1].shape == target.lm_head.weight.shape
+    for _, weight_OI, packed in triples:
         x_3I = torch.randn(3, weight_OI.shape[1])
         torch.testing.assert_close(packed(x_3I), F.linear(x_3I, weight_OI), atol=1e-5, rtol=1e-5)
 
