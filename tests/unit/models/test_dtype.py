@@ -54,6 +54,20 @@ def test_low_precision_stays_close_to_float32(random_checkpoint):
     assert torch.equal(back_BTV, reference_BTV)  # float32 -> float64 -> float32 is lossless
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cpu_attention_and_its_cache_stay_float32(random_checkpoint, dtype):
+    """Decoder.new_cache: on CPU the KV cache is float32 whatever the weights' dtype (its batched matmuls are 2-3x
+    faster there), the logits keep the weights' dtype, and the reduced-precision model is no further from
+    float32 for it."""
+    target = load_target(random_checkpoint, dtype=dtype)
+    cache = target.new_cache(2, 8)
+    assert cache.k_LBHSD.dtype == cache.v_LBHSD.dtype == torch.float32
+    prefill_BTV, step_B1V = forward_and_decode(target)
+    assert prefill_BTV.dtype == step_B1V.dtype == dtype
+    reference_BTV, reference_B1V = forward_and_decode(load_target(random_checkpoint))
+    torch.testing.assert_close(step_B1V.float(), reference_B1V, atol=0.1, rtol=0.05)
+
+
 def test_dtype_names_from_configs_and_flags():
     assert torch_dtype("bfloat16") is torch.bfloat16 and torch_dtype("float32") is torch.float32
     with pytest.raises(ValueError, match=r"--dtype='bf16': must be one of \['float32', 'bfloat16', 'float16'\]"):
