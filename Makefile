@@ -31,8 +31,13 @@ $(SPECULATORS)/.eyas-installed: $(STAMP) Makefile
 # EYAS_SPECULATORS_PYTHON set by the caller (a python with speculators 0.9.0) replaces the tool folder.
 tools: $(if $(EYAS_SPECULATORS_PYTHON),,$(SPECULATORS)/.eyas-installed)
 
+# Two pytest workers: the integration tests (tests/integration, one unit of work: one Ray, MLflow or Serve at a time,
+# in file order) spend much of their time waiting on Ray's start-ups, and the unit tests fill that time on the
+# other worker (tests/conftest.py). TEST_WORKERS=0 runs everything in one process.
+TEST_WORKERS ?= 2
+
 test: setup tools
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest tests $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS))
 
 demo: setup
 	$(BIN)/python -m jobs.demo

@@ -31,6 +31,23 @@ for _name in ("RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_
 os.environ["HF_HUB_OFFLINE"] = "1"  # nothing comes from a model hub at run time
 
 
+def pytest_xdist_make_scheduler(config, log):
+    """Under pytest-xdist (``make test``: ``-n 2``) the integration tests are one unit of work, run by one worker
+    in file order: each starts its own local Ray (sharing /tmp/ray), MLflow or Serve, and two Ray clusters with
+    Serve on 2 cores at once made health checks miss (a 503 from a replica whose workers were declared failed, in
+    1 of 2 runs). The unit and golden tests start none of these and spread freely over both workers.
+
+    A scheduler rather than ``xdist_group`` marks: xdist 3.8 groups by rewriting ``item._nodeid``, which pytest 9.2's
+    nodes no longer read, so ``--dist loadgroup`` silently spreads a group."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class IntegrationInOrder(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "tests/integration" if nodeid.startswith("tests/integration/") else nodeid
+
+    return IntegrationInOrder(config, log)
+
+
 def pytest_sessionfinish(session, exitstatus):
     shutil.rmtree(SESSION_HOME, ignore_errors=True)
 
