@@ -1,13 +1,14 @@
 """The target's linear layers at M rows: plain ``F.linear``, eyas's packed layout (eyas.models.packing) and a
-transposed (column-major) copy, per weight kind.
+transposed (column-major) copy, per weight kind, and what eyas runs (``PackedLinear``: column-major parameters at
+one float32 row, the packed copy otherwise).
 
     python -m jobs.bench_linear [--target PATH] [--dtypes float32,bfloat16] [--rows 1,4,16,64] [--repeats 5]
         [--threads N] [--out bench_linear.json]
 
 Per dtype and M, the milliseconds to multiply M rows by every linear weight one target forward reads (the fused
-q/k/v and gate/up, o_proj, down_proj and the LM head), in three layouts: ``F.linear`` on the row-major weights, the
-``PackedLinear`` copies ``Decoder.fuse`` builds, and ``F.linear`` on a transposed view of a contiguous [I, O] copy
-(``x @ W_IO``, what a column-major weight costs); the best of ``--repeats`` passes, the layouts interleaved, and the
+q/k/v and gate/up, o_proj, down_proj and the LM head), in three layouts: ``F.linear`` on row-major copies of the
+weights, the packed copies ``Decoder.fuse`` builds (``PackedLinear.multi_row``), and ``F.linear`` on a transposed
+view of a contiguous [I, O] copy (``x @ W_IO``, what a column-major weight costs); the best of ``--repeats`` passes, the layouts interleaved, and the
 read bandwidth each reaches (weight bytes / time), in all and per weight kind. A decode step is M = 1; a tree verify
 is M = its nodes.
 """
@@ -29,21 +30,22 @@ from eyas.models.packing import PackedLinear
 from eyas.threads import configure_threads
 
 
-LAYOUTS = ("linear", "packed", "transposed")
+LAYOUTS = ("linear", "packed", "transposed", "eyas")
 
 
 def linears(target: Decoder) -> list[tuple[str, torch.Tensor, PackedLinear]]:
-    """(weight kind, row-major weight_OI, its packed copy) of every linear one forward reads, in forward order."""
+    """(weight kind, a row-major copy of weight_OI, its PackedLinear) of every linear one forward reads, in forward
+    order."""
     triples = []
     for layer in target.layers:
         attn, mlp = layer.self_attn, layer.mlp
         triples.append(("qkv", torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).detach(),
                         attn.fused_qkv))
-        triples.append(("o_proj", attn.o_proj.weight.detach(), attn.packed_o))
+        triples.append(("o_proj", attn.o_proj.weight.detach().contiguous(), attn.packed_o))
         triples.append(("gate_up", torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(),
                         mlp.fused_gate_up))
-        triples.append(("down_proj", mlp.down_proj.weight.detach(), mlp.packed_down))
-    triples.append(("lm_head", target.lm_head.weight.detach(), target.lm_head.packed))
+        triples.append(("down_proj", mlp.down_proj.weight.detach().contiguous(), mlp.packed_down))
+    triples.append(("lm_head", target.lm_head.weight.detach().contiguous(), target.lm_head.packed))
     return triples
 
 
@@ -66,6 +68,8 @@ def measure(target: Decoder, rows: list[int], repeats: int) -> list[dict]:
                     x_MI = inputs[weight_OI.shape[1]]
                     start = time.perf_counter()
                     if layout == "packed":
+                        packed.multi_row(x_MI)
+                    elif layout == "eyas":
                         packed(x_MI)
                     else:
                         F.linear(x_MI, weight_OI if layout == "linear" else weight_T)
@@ -102,13 +106,13 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(f"{'dtype':9s} {'rows':>4s} {'F.linear ms':>11s} {'packed ms':>9s} {'transposed ms':>13s} {'ratio':>6s} "
-          f"{'packed GB/s':>11s}  GB/s per weight (F.linear / packed / transposed)")
+    print(f"{'dtype':9s} {'rows':>4s} {'F.linear ms':>11s} {'packed ms':>9s} {'transposed ms':>13s} {'eyas ms':>7s} "
+          f"{'ratio':>6s} {'eyas GB/s':>9s}  GB/s per weight (F.linear / packed / transposed)")
     for r in results:
         kinds_gb_s = "  ".join(f"{k} {v['linear']:.1f}/{v['packed']:.1f}/{v['transposed']:.1f}"
                                for k, v in r["by_kind_gb_s"].items())
         print(f"{r['dtype']:9s} {r['rows']:4d} {r['linear_ms']:11.1f} {r['packed_ms']:9.1f} {r['transposed_ms']:13.1f} "
-              f"{r['linear_ms'] / r['packed_ms']:5.2f}x {r['packed_gb_s']:11.1f}  {kinds_gb_s}"
+              f"{r['eyas_ms']:7.1f} {r['linear_ms'] / r['eyas_ms']:5.2f}x {r['eyas_gb_s']:9.1f}  {kinds_gb_s}"
               + ("" if r["packed_on"] else "  (not packed here: plain F.linear as packed)"))
     print(f"{settings.num_threads} torch thread(s); {results[0]['weight_bytes'] / 1e6:.0f} MB of "
           f"{results[0]['dtype']} weights")

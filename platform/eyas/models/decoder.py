@@ -23,7 +23,7 @@ from torch import nn
 
 from eyas.models.cache import KVCache
 from eyas.models.config import ModelConfig
-from eyas.models.packing import PackedLinear
+from eyas.models.packing import PackedLinear, fuse_linears
 
 
 @dataclass(frozen=True)
@@ -145,13 +145,10 @@ class Attention(nn.Module):
 
     def fuse(self) -> None:
         """Concatenate q/k/v weights for inference (latency-bound decode pays per matmul call, not per FLOP), and
-        pack them and o_proj in the device's fast layout (eyas.models.packing). The separate modules keep the
-        Hugging Face parameter names; the fused copy is not a parameter."""
-        weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
-        bias = (torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias])
-                if self.q_proj.bias is not None else None)
-        self.fused_qkv = PackedLinear(weight, bias)
-        self.packed_o = PackedLinear.of(self.o_proj)
+        lay them and o_proj out in the device's fast layouts (eyas.models.packing.fuse_linears). The separate
+        modules keep the Hugging Face parameter names; the packed copy is not a parameter."""
+        self.fused_qkv = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+        self.packed_o = fuse_linears([self.o_proj])
 
     def _apply(self, fn, recurse=True):
         # .to(dtype/device) converts parameters and buffers only; the fused copy is rebuilt from the converted ones
@@ -206,11 +203,9 @@ class MLP(nn.Module):
             gate_BTI, up_BTI = self.gate_proj(x_BTE), self.up_proj(x_BTE)
         return self.tp.all_reduce((self.packed_down or self.down_proj)(F.silu(gate_BTI) * up_BTI))
 
-    def fuse(self) -> None:  # as Attention.fuse: gate/up as one packed matmul, down packed
-        weight = torch.cat([self.gate_proj.weight, self.up_proj.weight])
-        bias = torch.cat([self.gate_proj.bias, self.up_proj.bias]) if self.gate_proj.bias is not None else None
-        self.fused_gate_up = PackedLinear(weight, bias)
-        self.packed_down = PackedLinear.of(self.down_proj)
+    def fuse(self) -> None:  # as Attention.fuse: gate/up as one fused weight, down on its own
+        self.fused_gate_up = fuse_linears([self.gate_proj, self.up_proj])
+        self.packed_down = fuse_linears([self.down_proj])
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)  # as Attention._apply: rebuild the fused copy from the converted weights
@@ -278,17 +273,18 @@ class Decoder(nn.Module):
         self.inv_freq = rope_inv_freq(self.config).to(self.inv_freq.device)
         self._rope_cos = self._rope_sin = None
         if self.lm_head.packed is not None:
-            self.lm_head.packed = PackedLinear.of(self.lm_head)
+            self.lm_head.packed = fuse_linears([self.lm_head])
         return self
 
     def fuse(self) -> "Decoder":
         """Inference-only (after weights are final): fuse q/k/v and gate/up projections into single matmuls, and
-        pack every linear weight in the device's fast layout (eyas.models.packing). The LM head's packed copy hangs
-        on the module (``lm_head.packed``), where drafters that share the head find it (``frozen_head``)."""
+        lay every linear weight out in the device's fast layouts (eyas.models.packing.fuse_linears: a packed copy
+        for several rows, and in float32 column-major parameters for one). The LM head's ``PackedLinear`` hangs on
+        the module (``lm_head.packed``), where drafters that share the head find it (``frozen_head``)."""
         for layer in self.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
-        self.lm_head.packed = PackedLinear.of(self.lm_head)
+        self.lm_head.packed = fuse_linears([self.lm_head])  # tied: the embedding shares its layout
         return self
 
     def rope_tables(self, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:

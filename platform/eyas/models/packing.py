@@ -15,15 +15,24 @@ weights at M rows:
 | bfloat16 packed | 16.2 | 11.7 | 20.6 | 65.2 |
 
 The packed weight is an opaque copy: a CPU target holds its linear weights twice (the parameters keep their
-Hugging Face names and layout for training and saving). Everywhere else (CUDA, float16, a torch without oneDNN):
-plain ``F.linear`` on the weight as it is.
+Hugging Face names for training and saving). Everywhere else (CUDA, float16, a torch without oneDNN): plain
+``F.linear`` on the weight as it is.
+
+**One row in float32** (a decode step) goes through neither copy's packed kernel but through the parameters
+themselves, laid out column-major by ``fuse_linears`` (``F.linear`` on a transposed view of a contiguous [I, O]
+buffer; q/k/v and gate/up are views of one such buffer, so a step still makes one product per fused weight). On
+both 2-core boxes this project has measured (``jobs.bench_linear``), that is the fastest one-row float32 product
+and oneDNN's packed one the fastest at 4 rows and more: all of smollm2's weights at one row 33.4 ms column-major
+against 42.7 packed and 37.8 row-major (AVX-512 Xeon), 33.6 / 40.6 / 43.4 (AVX2 EPYC). It costs no memory (the
+parameters were a copy already). bfloat16 keeps row-major parameters: its packed kernel wins at one row too
+(24.8 ms against 43.3 column-major).
 
 Shape legend: O output features, I input features; x_XI is any leading shape.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -59,11 +68,21 @@ def packs(weight_OI: torch.Tensor) -> bool:
     return weight_OI.dtype == torch.float32
 
 
-class PackedLinear:
-    """``x @ W^T + b`` on an inference copy of (weight_OI, bias_O) in the device's fast layout (module docstring).
-    Not a parameter: build it after the weights are final, and again after ``.to()``."""
+def wants_column_major(weight_OI: torch.Tensor) -> bool:
+    """Whether ``fuse_linears`` lays ``weight_OI`` out column-major for one-row products (module docstring)."""
+    return weight_OI.dtype == torch.float32 and packs(weight_OI)
 
-    __slots__ = ("weight", "bias", "packed")
+
+def is_column_major(weight_OI: torch.Tensor) -> bool:
+    return weight_OI.dim() == 2 and weight_OI.stride(0) == 1 and weight_OI.shape[0] > 1
+
+
+class PackedLinear:
+    """``x @ W^T + b`` on an inference copy of (weight_OI, bias_O) in the device's fast layout (module docstring),
+    and one-row inputs on ``weight_OI`` itself when it lies column-major (``fuse_linears``). Not a parameter: build
+    it after the weights are final, and again after ``.to()``."""
+
+    __slots__ = ("weight", "bias", "packed", "one_row")
 
     def __init__(self, weight_OI: torch.Tensor, bias_O: torch.Tensor | None = None) -> None:
         weight_OI, bias_O = weight_OI.detach(), None if bias_O is None else bias_O.detach()
@@ -71,15 +90,47 @@ class PackedLinear:
         self.weight = (torch.ops.mkldnn._reorder_linear_weight(weight_OI.contiguous(), PACK_ROWS_HINT)
                        if self.packed else weight_OI)
         self.bias = bias_O
+        self.one_row = weight_OI if self.packed and is_column_major(weight_OI) else None
 
     @classmethod
     def of(cls, linear: torch.nn.Linear) -> "PackedLinear":
         return cls(linear.weight, linear.bias)
 
     def __call__(self, x_XI: torch.Tensor) -> torch.Tensor:
+        if self.one_row is not None and x_XI.numel() == x_XI.shape[-1]:
+            return F.linear(x_XI, self.one_row, self.bias)
+        return self.multi_row(x_XI)
+
+    def multi_row(self, x_XI: torch.Tensor) -> torch.Tensor:
+        """The packed product whatever the rows (``jobs.bench_linear`` times it apart from the one-row path)."""
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x_XI, self.weight, self.bias, "none", [], "")
         return F.linear(x_XI, self.weight, self.bias)
+
+
+def fuse_linears(linears: Sequence[torch.nn.Linear]) -> PackedLinear:
+    """One ``PackedLinear`` over the linears' weights stacked along O (q/k/v, gate/up, or a single linear).
+
+    Where one-row products want it (``wants_column_major``), the parameters become views of one contiguous [I, O]
+    buffer holding them all, so the fused weight is that buffer's transpose and costs no copy; elsewhere they are
+    made row-major again (after a ``.to()`` that left them strided). Values and names never change.
+    """
+    weights = [linear.weight for linear in linears]
+    biases = [linear.bias for linear in linears]
+    bias_O = torch.cat([b.detach() for b in biases]) if biases[0] is not None else None
+    with torch.no_grad():
+        if not wants_column_major(weights[0]):
+            for weight in weights:
+                if not weight.is_contiguous():
+                    weight.data = weight.data.contiguous()
+            weight_OI = weights[0] if len(weights) == 1 else torch.cat([w.detach() for w in weights])
+            return PackedLinear(weight_OI, bias_O)
+        sizes = [weight.shape[0] for weight in weights]
+        buffer_IO = torch.empty(weights[0].shape[1], sum(sizes), dtype=weights[0].dtype, device=weights[0].device)
+        for weight, piece_IO in zip(weights, buffer_IO.split(sizes, dim=1)):
+            piece_IO.copy_(weight.detach().t())
+            weight.data = piece_IO.t()
+        return PackedLinear(buffer_IO.t(), bias_O)
 
 
 def frozen_head(linear: torch.nn.Linear, x_XI: torch.Tensor) -> torch.Tensor:

@@ -35,7 +35,7 @@ def test_writes_one_row_per_dtype_and_row_count(random_checkpoint, tmp_path, cap
     for row in report["results"]:
         assert row["linear_ms"] > 0 and row["packed_ms"] > 0 and row["packed_on"] == packs(weight)
         assert row["packed_gb_s"] == pytest.approx(row["weight_bytes"] / row["packed_ms"] / 1e6)
-        assert row["transposed_ms"] > 0
+        assert row["transposed_ms"] > 0 and row["eyas_ms"] > 0
         assert set(row["by_kind_gb_s"]) == {"qkv", "o_proj", "gate_up", "down_proj", "lm_head"}
         # the per-kind times add up to the total: the total's bandwidth lies within the kinds' range
         for layout in bench_linear.LAYOUTS:

@@ -73,6 +73,44 @@ def test_greedy_speculative_equals_vanilla_on_the_packed_target(random_checkpoin
         assert generate(target, ids, 24, drafter=build_drafter(target, spec)).token_ids == vanilla
 
 
+def test_float32_one_row_products_run_on_column_major_parameters(random_checkpoint, packed_everywhere):
+    """fuse_linears: in float32 the parameters become views of one contiguous [I, O] buffer per fused weight (no
+    copy beside the packed one), one-row inputs multiply through it and more rows through the packed copy, the
+    values and names never change, and a .to(bfloat16) lays them out row-major again."""
+    target = load_target(random_checkpoint)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(packing, "PACK_MIN_ELEMENTS", 1 << 40)
+        plain = load_target(random_checkpoint)
+    ours, theirs = target.state_dict(), plain.state_dict()
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    attn = target.layers[0].self_attn
+    q, k, v = attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight
+    assert q.stride(0) == k.stride(0) == v.stride(0) == 1  # column-major
+    assert q.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()  # one buffer: q, k and v side by side
+    fused = attn.fused_qkv
+    assert fused.one_row is not None and fused.one_row.shape == (q.shape[0] + k.shape[0] + v.shape[0], q.shape[1])
+    weight_OI = torch.cat([theirs["layers.0.self_attn.q_proj.weight"], theirs["layers.0.self_attn.k_proj.weight"],
+                           theirs["layers.0.self_attn.v_proj.weight"]])
+    for rows in (1, 3):
+        x_RI = torch.randn(1, rows, weight_OI.shape[1])
+        torch.testing.assert_close(fused(x_RI), torch.nn.functional.linear(x_RI, weight_OI), atol=1e-5, rtol=1e-5)
+    tokens_BT = torch.tensor([[7, 3, 90, 12, 5]])
+    with torch.no_grad():  # a prefill (packed), then one decode step (column-major), against the plain target
+        for model in (target, plain):
+            cache = model.new_cache(1, 8)
+            model(tokens_BT, torch.arange(5)[None], cache)
+            step_11V, _ = model(torch.tensor([[9]]), torch.tensor([[5]]), cache)
+            if model is target:
+                ours_11V = step_11V
+    torch.testing.assert_close(ours_11V, step_11V, atol=1e-4, rtol=1e-4)
+    target.to(torch.bfloat16)  # bfloat16's packed kernel wins at one row too: row-major, no one-row path
+    attn = target.layers[0].self_attn
+    assert attn.q_proj.weight.is_contiguous() and target.lm_head.weight.is_contiguous()
+    assert attn.fused_qkv.one_row is None and target.lm_head.packed.one_row is None
+    target.to(torch.float32)
+    assert target.layers[0].mlp.gate_proj.weight.stride(0) == 1 and target.lm_head.packed.one_row is not None
+
+
 def test_plain_layout_packs_nothing_and_parity_reports_both(random_checkpoint, packed_everywhere):
     from eyas.models.parity import check_checkpoint
 
