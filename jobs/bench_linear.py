@@ -8,9 +8,9 @@ one float32 row, the packed copy otherwise).
 Per dtype and M, the milliseconds to multiply M rows by every linear weight one target forward reads (the fused
 q/k/v and gate/up, o_proj, down_proj and the LM head), in three layouts: ``F.linear`` on row-major copies of the
 weights, the packed copies ``Decoder.fuse`` builds (``PackedLinear.multi_row``), and ``F.linear`` on a transposed
-view of a contiguous [I, O] copy (``x @ W_IO``, what a column-major weight costs); the best of ``--repeats`` passes, the layouts interleaved, and the
-read bandwidth each reaches (weight bytes / time), in all and per weight kind. A decode step is M = 1; a tree verify
-is M = its nodes.
+view of a contiguous [I, O] copy (``x @ W_IO``, what a column-major weight costs), and as eyas runs them
+(``PackedLinear``); the best of ``--repeats`` passes, the layouts interleaved, and the read bandwidth each reaches
+(weight bytes / time), in all and per weight kind. A decode step is M = 1; a tree verify is M = its nodes.
 """
 from __future__ import annotations
 

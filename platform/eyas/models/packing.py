@@ -18,13 +18,13 @@ The packed weight is an opaque copy: a CPU target holds its linear weights twice
 Hugging Face names for training and saving). Everywhere else (CUDA, float16, a torch without oneDNN): plain
 ``F.linear`` on the weight as it is.
 
-**One row in float32** (a decode step) goes through neither copy's packed kernel but through the parameters
-themselves, laid out column-major by ``fuse_linears`` (``F.linear`` on a transposed view of a contiguous [I, O]
-buffer; q/k/v and gate/up are views of one such buffer, so a step still makes one product per fused weight). On
-both 2-core boxes this project has measured (``jobs.bench_linear``), that is the fastest one-row float32 product
-and oneDNN's packed one the fastest at 4 rows and more: all of smollm2's weights at one row 33.4 ms column-major
-against 42.7 packed and 37.8 row-major (AVX-512 Xeon), 33.6 / 40.6 / 43.4 (AVX2 EPYC). It costs no memory (the
-parameters were a copy already). bfloat16 keeps row-major parameters: its packed kernel wins at one row too
+**One row in float32** (a decode step) multiplies through the parameters themselves rather than the packed copy,
+laid out column-major by ``fuse_linears`` (``F.linear`` on a transposed view of a contiguous [I, O] buffer; q/k/v
+and gate/up are views of one such buffer, so a step still makes one product per fused weight). On both 2-core
+boxes this project has measured (``jobs.bench_linear``), that is the fastest one-row float32 product and oneDNN's
+packed one the fastest at 4 rows and more: all of smollm2's weights at one row 33.4 ms column-major against 42.7
+packed and 37.8 row-major (AVX-512 Xeon, e8fb852), 33.6 / 40.6 / 43.4 (AVX2 EPYC, 69b8857). It costs no memory
+(the parameters were a copy already). bfloat16 keeps row-major parameters: its packed kernel wins at one row too
 (24.8 ms against 43.3 column-major).
 
 Shape legend: O output features, I input features; x_XI is any leading shape.
@@ -91,10 +91,6 @@ class PackedLinear:
                        if self.packed else weight_OI)
         self.bias = bias_O
         self.one_row = weight_OI if self.packed and is_column_major(weight_OI) else None
-
-    @classmethod
-    def of(cls, linear: torch.nn.Linear) -> "PackedLinear":
-        return cls(linear.weight, linear.bias)
 
     def __call__(self, x_XI: torch.Tensor) -> torch.Tensor:
         if self.one_row is not None and x_XI.numel() == x_XI.shape[-1]:
