@@ -42,6 +42,7 @@ from eyas.config import (ConfigError, apply_overrides, eyas_home, from_dict, rea
 from eyas.decoding.tree import MAX_TREE_NODES
 from eyas.drafters import registry
 from eyas.methods import METHODS, SpecConfig
+from eyas.models.dtypes import DTYPES
 from eyas.train.config import SUITES, TrainConfig, target_path
 from tune.space import Param, parse_param
 
@@ -159,6 +160,8 @@ class SweepConfig:
     name: str                             # names the output dir and the MLflow parent run
     search: SearchConfig                  # what to search and the objective
     target: str | None = None             # inference, schedule: target checkpoint (training: training.target)
+    dtype: str = "float32"                # inference, schedule: the target's weights (eyas.models.DTYPES), as
+                                          #   serving's `dtype:`; a schedule for a bfloat16 replica is measured in it
     spec: SpecConfig | None = None        # inference, schedule sweep: the base speculative settings
     training: TrainConfig | None = None   # training sweep: the base drafter training config
     runner: Literal["trial", "ray-train"] = "trial"  # training: a loop inside the trial, or a TorchTrainer per trial
@@ -198,6 +201,7 @@ class SweepConfig:
         require(self.measure.num_prompts >= 1, "measure.num_prompts", self.measure.num_prompts,
                 "an inference sweep measures on at least one prompt")
         require(self.runner == "trial", "runner", self.runner, "ray-train runs training sweeps only")
+        require(self.dtype in DTYPES, "dtype", self.dtype, f"must be one of {list(DTYPES)}")
         if self.kind == "schedule":
             self._check_schedule()
 
@@ -224,6 +228,8 @@ class SweepConfig:
         drafter_config_class(self.training.drafter.type)  # an unknown family fails here, not per point
         require(self.target is None, "target", self.target,
                 "a training sweep reads its target from training.target; drop the top-level target")
+        require(self.dtype == "float32", "dtype", self.dtype,
+                "a training sweep trains in float32 (its drafter's weights); drop the top-level dtype")
         if self.runner == "ray-train":  # jobs.train_drafter's workers report sim_tau and (measured) tau
             require(objective != "speedup", "search.objective", objective,
                     "runner ray-train reports sim_tau and tau (training.measure), not speedup")

@@ -247,7 +247,7 @@ def schedule_usage(sweep: SweepConfig, schedule: dict[int, int]) -> str:
     return (f"paste it under applications[].args of a Serve config that serves this spec (best.yaml's spec:, e.g.\n"
             f"spec_file: {best} with no spec: keys of its own), or load-test it:\n"
             f"  python -m jobs.load --config serving/configs/X.yaml --arg 'spec={{}}' --arg spec_file={best} "
-            f"--arg 'speculation_by_batch={inline}'")
+            f"--arg dtype={sweep.dtype} --arg 'speculation_by_batch={inline}'")
 
 
 def best_documents(sweep: SweepConfig, best: dict[str, Any], output_dir: Path,
@@ -265,7 +265,9 @@ def best_documents(sweep: SweepConfig, best: dict[str, Any], output_dir: Path,
             choice = choose_schedule(list(rows))
             summary["schedule"] = {size: {k: round(v, 4) if isinstance(v, float) else v for k, v in cell.items()}
                                    for size, cell in choice.items()}
-            docs["schedule.yaml"] = {"speculation_by_batch": {s: c["max_draft_nodes"] for s, c in choice.items()}}
+            # the dtype it was measured in goes with it: a bfloat16 forward's t(N)/t(1) is not float32's
+            docs["schedule.yaml"] = {"dtype": sweep.dtype,
+                                     "speculation_by_batch": {s: c["max_draft_nodes"] for s, c in choice.items()}}
         return docs
     train_config = to_dict(sweep.trial_section(best["point"]))
     docs = {"best-train.yaml": train_config}

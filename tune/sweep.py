@@ -69,7 +69,8 @@ def build_context(sweep: SweepConfig) -> dict[str, Any]:
         "keys": list(sweep.search.space), "torch_threads": sweep.resources.torch_threads,
         "cpus_per_trial": sweep.resources.cpus_per_trial,
         "use_gpu": sweep.resources.gpus_per_trial > 0, "measure": to_dict(sweep.measure),
-        "target_dir": str(target_dir), "storage_path": str(resolve_path(sweep.output.storage_path).resolve())}
+        "target_dir": str(target_dir), "dtype": sweep.dtype,
+        "storage_path": str(resolve_path(sweep.output.storage_path).resolve())}
     if sweep.kind == "training":
         context["training"] = to_dict(sweep.training)
         context["data_dir"] = str(data_path(sweep.training.data).resolve())

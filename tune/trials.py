@@ -26,7 +26,7 @@ from ray.tune.integration.ray_train import TuneReportCallback
 from eyas import track
 from eyas.config import from_dict, to_dict
 from eyas.methods import SpecConfig, drafter_factory
-from eyas.models import load_target
+from eyas.models import load_target, torch_dtype
 from eyas.threads import configure_threads
 from eyas.train.config import TrainConfig
 from eyas.train.data import DataPosition
@@ -36,7 +36,7 @@ from tune.config import SCHEDULE_KEYS, point_of, set_dotted
 from tune.measure import TrialTrainer, heldout_prompt_ids, measure_speed
 
 # the target stays loaded in a reused trial actor (Tune reuses actors between function trials)
-_TARGETS: dict[tuple[str, str], Any] = {}
+_TARGETS: dict[tuple[str, str, str], Any] = {}
 
 
 def setup_torch(context: dict[str, Any]) -> str:
@@ -45,11 +45,11 @@ def setup_torch(context: dict[str, Any]) -> str:
     return "cuda" if context["use_gpu"] and torch.cuda.is_available() else "cpu"
 
 
-def cached_target(target_dir: str, device: str):
-    key = (target_dir, device)
+def cached_target(target_dir: str, device: str, dtype: str = "float32"):
+    key = (target_dir, device, dtype)
     if key not in _TARGETS:
         _TARGETS.clear()
-        _TARGETS[key] = load_target(target_dir, device=device)
+        _TARGETS[key] = load_target(target_dir, dtype=torch_dtype(dtype), device=device)
     return _TARGETS[key]
 
 
@@ -60,7 +60,7 @@ def inference_trial(config: dict[str, Any], context: dict[str, Any]) -> None:
     point = point_of(config, context["keys"])
     batch = {key: point.pop(key) for key in SCHEDULE_KEYS if key in point}
     spec = from_dict(SpecConfig, {**context["spec"], **point}, prefix="spec.")
-    target = cached_target(context["target_dir"], device)
+    target = cached_target(context["target_dir"], device, context["dtype"])
     measure = context["measure"]
     metrics = measure_speed(target, drafter_factory(target, spec), context["prompts"], measure["max_new_tokens"],
                             context["eos"], measure["warmup_prompts"], measure["repeats"], **batch)

@@ -168,7 +168,7 @@ def test_schedule_sweep_chooses_speculation_by_batch_that_serving_reads(workspac
         assert (metrics["draft_nodes_per_cycle"] == 0) == (budget == 0)
     fragment = yaml.safe_load((out / "schedule.yaml").read_text())
     chosen = {size: max((0, 4), key=lambda n: trials[(size, n)]["speedup"]) for size in (1, 2)}
-    assert fragment == {"speculation_by_batch": chosen}
+    assert fragment == {"dtype": "float32", "speculation_by_batch": chosen}
 
     args = ServeArgs.from_args({"target": str(workspace["target_dir"]), "spec_file": str(out / "best.yaml"),
                                 **fragment})

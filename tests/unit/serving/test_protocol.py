@@ -226,7 +226,7 @@ def test_api_key_comes_from_the_environment(monkeypatch):
     assert args.api_key == "s3cret" and ServeArgs(target="/x").api_key is None
 
 
-@pytest.mark.parametrize("name", ["tiny.yaml", "micro.yaml", "smollm2.yaml"])
+@pytest.mark.parametrize("name", ["tiny.yaml", "micro.yaml", "smollm2.yaml", "smollm2-bf16.yaml"])
 def test_shipped_serve_configs_are_valid(name):
     config = yaml.safe_load((REPO / "serving" / "configs" / name).read_text())
     assert config["http_options"]["host"] == "127.0.0.1"

@@ -152,6 +152,15 @@ def test_bad_schedule_input_names_the_yaml_key_and_file(tmp_path, space, change,
     assert str(err.value).endswith(f" in {tmp_path / 'sweep.yaml'}")
 
 
+def test_an_inference_sweep_measures_the_target_in_its_dtype(tmp_path):
+    assert load(tmp_path, SCHEDULE).dtype == "float32"
+    assert load(tmp_path, {**SCHEDULE, "dtype": "bfloat16"}).dtype == "bfloat16"
+    with pytest.raises(ConfigError, match=r"dtype='bf16': must be one of \['float32', 'bfloat16', 'float16'\]"):
+        load(tmp_path, {**INFERENCE, "dtype": "bf16"})
+    with pytest.raises(ConfigError, match="dtype='bfloat16': a training sweep trains in float32"):
+        load(tmp_path, {**TRAINING, "dtype": "bfloat16"})
+
+
 def test_a_schedule_sweep_needs_a_speculative_method(tmp_path):
     with pytest.raises(ConfigError, match="spec.method='vanilla': vanilla does not speculate"):
         load(tmp_path, {**SCHEDULE, "spec": {"method": "vanilla"}})

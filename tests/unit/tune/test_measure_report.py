@@ -116,7 +116,7 @@ def test_schedule_is_the_best_budget_per_batch_size_and_serving_reads_it_as_is(t
     path = tmp_path / "s.yaml"
     path.write_text(yaml.safe_dump({
         "name": "s", "target": str(tmp_path / "target"), "output": {"dir": str(tmp_path / "out")},
-        "spec": {"method": "eagle3", "drafter": str(tmp_path / "drafter"), "num_nodes": 8},
+        "dtype": "bfloat16", "spec": {"method": "eagle3", "drafter": str(tmp_path / "drafter"), "num_nodes": 8},
         "search": {"space": {"batch_size": [1, 2, 4], "max_draft_nodes": [0, 4, 8]}}}))
     s = load_sweep(path)
     rows = [schedule_row(1, 0, 0.97), schedule_row(1, 4, 1.30), schedule_row(1, 8, 1.25),
@@ -127,14 +127,16 @@ def test_schedule_is_the_best_budget_per_batch_size_and_serving_reads_it_as_is(t
     assert choice[1]["speedup"] == 1.30 and choice[1]["tokens_per_s"] == 13.0
     files = write_outputs(s, rows, best_row(s, rows), "python -m tune.sweep --config s.yaml")
     fragment = yaml.safe_load(files["schedule.yaml"].read_text())
-    assert fragment == {"speculation_by_batch": {1: 4, 2: 0, 4: 0}}
+    # the dtype it was measured in travels with the schedule (serving's `dtype:`)
+    assert fragment == {"dtype": "bfloat16", "speculation_by_batch": {1: 4, 2: 0, 4: 0}}
     assert "python -m jobs.load" in files["schedule.yaml"].read_text()
+    assert "--arg dtype=bfloat16" in files["schedule.yaml"].read_text()
     best = yaml.safe_load(files["best.yaml"].read_text())
     assert best["spec"]["num_nodes"] == 8 and best["sweep"]["schedule"][1]["max_draft_nodes"] == 4
     # the fragment pasted as is under a Serve config's args, next to the spec it was measured with
     args = ServeArgs.from_args({"target": str(tmp_path / "target"), "spec_file": str(files["best.yaml"]),
                                 **fragment})
-    assert args.spec.method == "eagle3" and args.schedule.max_draft_nodes(3) == 0
+    assert args.spec.method == "eagle3" and args.schedule.max_draft_nodes(3) == 0 and args.dtype == "bfloat16"
     assert args.schedule.max_draft_nodes(1) == 4 and args.schedule.max_draft_nodes(8) == 0
 
 
