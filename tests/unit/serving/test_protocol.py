@@ -242,6 +242,17 @@ def test_shipped_serve_configs_are_valid(name):
     assert deployment["max_ongoing_requests"] > args.max_batch_size + args.max_waiting_requests
 
 
+def test_the_bfloat16_serve_config_is_the_float32_one_but_for_dtype_and_its_schedule():
+    float32, bfloat16 = (yaml.safe_load((REPO / "serving" / "configs" / name).read_text())
+                         for name in ("smollm2.yaml", "smollm2-bf16.yaml"))
+    args32, args16 = float32["applications"][0].pop("args"), bfloat16["applications"][0].pop("args")
+    assert float32 == bfloat16
+    assert args32.get("dtype", "float32") == "float32" and args16.pop("dtype") == "bfloat16"
+    assert {k: v for k, v in args32.items() if k != "speculation_by_batch"} == \
+        {k: v for k, v in args16.items() if k != "speculation_by_batch"}
+    assert ServeArgs.from_args({**args16, "dtype": "bfloat16"}).schedule.max_draft_nodes(1) == 4
+
+
 def test_back_pressure_needs_serve_to_hand_the_replica_more_than_it_admits():
     from eyas_ray.serve_config import check_back_pressure
 
