@@ -10,7 +10,7 @@ Deploys the config's application twice on the local Ray (or ``RAY_ADDRESS``): as
 off, so both numbers are per replica). At concurrency c, c closed-loop clients stream completions over loopback (a
 client sends its next request when its last one ends) until ``--requests-per-level`` requests are done; spec and
 vanilla alternate, in a rotating order per level, so slow drifts of the machine hit both alike. Greedy by default,
-so both modes generate the very same tokens.
+so both modes generate the very same tokens (in float32; in bfloat16 near-ties in the argmax can flip).
 
 Per (mode, c): tokens/s (generated tokens over the level's wall time), p50/p99 request latency, p50 time to first
 token, mean tau; ``speedup`` = spec tokens/s over vanilla tokens/s at the same c; ``scaling`` = tokens/s over the

@@ -160,8 +160,7 @@ class SweepConfig:
     name: str                             # names the output dir and the MLflow parent run
     search: SearchConfig                  # what to search and the objective
     target: str | None = None             # inference, schedule: target checkpoint (training: training.target)
-    dtype: str = "float32"                # inference, schedule: the target's weights (eyas.models.DTYPES), as
-                                          #   serving's `dtype:`; a schedule for a bfloat16 replica is measured in it
+    dtype: str = "float32"                # inference, schedule: the target's weights, as serving's dtype
     spec: SpecConfig | None = None        # inference, schedule sweep: the base speculative settings
     training: TrainConfig | None = None   # training sweep: the base drafter training config
     runner: Literal["trial", "ray-train"] = "trial"  # training: a loop inside the trial, or a TorchTrainer per trial
