@@ -45,7 +45,7 @@ def setup_torch(context: dict[str, Any]) -> str:
     return "cuda" if context["use_gpu"] and torch.cuda.is_available() else "cpu"
 
 
-def cached_target(target_dir: str, device: str, dtype: str = "float32"):
+def cached_target(target_dir: str, device: str, dtype: str):
     key = (target_dir, device, dtype)
     if key not in _TARGETS:
         _TARGETS.clear()
