@@ -243,10 +243,22 @@ def scalar(x: torch.Tensor) -> float:
     return float(x.detach())
 
 
-def soft_cross_entropy(logits_BTX: torch.Tensor, target_probs_BTX: torch.Tensor, mask_BT: torch.Tensor
-                       ) -> torch.Tensor:
-    """Masked mean over positions of -sum_x p_target(x) log q(x)."""
-    return masked_mean(-(target_probs_BTX * logits_BTX.float().log_softmax(-1)).sum(-1), mask_BT)
+def soft_cross_entropy(logits_BTX: torch.Tensor, target_probs_BTX: torch.Tensor, mask_BT: torch.Tensor,
+                       ahead: int = 0) -> torch.Tensor:
+    """Masked mean over positions i of -sum_x p_target(x) log q_i(x), p taken ``ahead`` positions later (index i
+    reads target_probs[i + ahead]; the last ``ahead`` indices have none and must be masked). Reading ahead through a
+    view, rather than shifting the [B, T, V] targets, saves a copy of them per drafted step."""
+    T = logits_BTX.shape[1]
+    kept = max(T - ahead, 0)
+    ce_BT = -(target_probs_BTX[:, ahead:] * logits_BTX[:, :kept].float().log_softmax(-1)).sum(-1)
+    return masked_mean(F.pad(ce_BT, (0, T - kept)), mask_BT)
+
+
+def hard_cross_entropy(logits_BTX: torch.Tensor, labels_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+    """Masked mean over positions of -log q(label): soft_cross_entropy against one-hot targets, without building
+    them ([B, T, X]); labels outside [0, X) must be masked."""
+    ce_BT = F.cross_entropy(logits_BTX.float().flatten(0, 1), labels_BT.clamp(min=0).flatten(), reduction="none")
+    return masked_mean(ce_BT.view_as(labels_BT), mask_BT)
 
 
 def step_mask(batch, offset: int) -> torch.Tensor:

@@ -83,18 +83,19 @@ class Eagle1Model(EagleModel):
         num_steps = max(config.ttt_steps, config.metric_steps)
         steps = unroll(self, batch.input_ids_BT, self.add_noise(feature_BTE, config.noise_scale), num_steps,
                        config.ttt_steps)
+        target_argmax_BT = features.logits_BTV.argmax(-1)
+        target_probs_BTV = features.logits_BTV.float().softmax(-1)  # once: step j reads it 1 + j ahead
         loss = feature_BTE.new_zeros((), dtype=torch.float32)
         metrics: dict[str, float] = {}
         for j, (pred_BTE, logits_BTV) in enumerate(steps):
             mask_BT = step_mask(batch, 2 + j)  # step j at index i predicts t_{i+2+j}
-            target_logits_BTV = shift_left(features.logits_BTV, 1 + j)
-            agree_BT = (logits_BTV.argmax(-1) == target_logits_BTV.argmax(-1)).float()
+            agree_BT = (logits_BTV.argmax(-1) == shift_left(target_argmax_BT, 1 + j)).float()
             metrics[f"acc_{j + 1}"] = scalar(masked_mean(agree_BT, mask_BT))
             if j >= config.ttt_steps:
                 continue
             reg = masked_mean(F.smooth_l1_loss(pred_BTE.float(), shift_left(feature_BTE, 1 + j).float(),
                                                reduction="none").mean(-1), mask_BT)
-            cls = soft_cross_entropy(logits_BTV, target_logits_BTV.float().softmax(-1), mask_BT)
+            cls = soft_cross_entropy(logits_BTV, target_probs_BTV, mask_BT, ahead=1 + j)
             loss = loss + config.step_decay ** j * (config.reg_weight * reg + config.cls_weight * cls)
             if j == 0:
                 metrics["reg_loss"], metrics["cls_loss"] = scalar(reg), scalar(cls)

@@ -27,8 +27,8 @@ import torch
 from torch import nn
 
 from eyas.config import require
-from eyas.drafters.eagle import (KV, DraftLayerConfig, EagleModel, check_taps, masked_mean, scalar, shift_left,
-                                 soft_cross_entropy, step_mask, unroll)
+from eyas.drafters.eagle import (KV, DraftLayerConfig, EagleModel, check_taps, hard_cross_entropy, masked_mean,
+                                 scalar, shift_left, soft_cross_entropy, step_mask, unroll)
 from eyas.models.decoder import Decoder, RMSNorm
 from eyas.models.features import TargetFeatures, TrainBatch
 
@@ -134,29 +134,27 @@ class Eagle3Model(EagleModel):
         full[..., self.d2t] = probs
         return full
 
-    def loss_target_probs(self, target_logits_BTV: torch.Tensor, target_draft_BT: torch.Tensor) -> torch.Tensor:
-        """What step j's CE is taken against, over the draft vocabulary [B, T, X]: the target's distribution
-        restricted and renormalised ("soft"), or a one-hot on its argmax ("argmax"; rows whose argmax lies outside
-        the draft vocabulary are masked by the caller)."""
-        if self.config.loss_target == "argmax":
-            return torch.nn.functional.one_hot(target_draft_BT.clamp(min=0), self.d2t.numel()).float()
-        return target_logits_BTV[..., self.d2t].softmax(-1)
-
     def training_loss(self, batch: TrainBatch, features: TargetFeatures) -> tuple[torch.Tensor, dict[str, float]]:
+        """Step j's CE against the target's next-token choice 1 + j positions ahead, over the draft vocabulary: a
+        one-hot on its argmax ("argmax"; argmaxes outside the draft vocabulary are masked) or its distribution
+        restricted and renormalised ("soft"). The targets are derived once for all steps."""
         config = self.config
         taps = {layer: features.taps[layer].detach() for layer in self.target_taps}
         hidden_BTE = self.add_noise(self.initial_hidden(taps), config.noise_scale)
+        target_draft_BT = self.t2d[features.logits_BTV.argmax(-1)]  # -1: outside the draft vocabulary
+        soft_BTX = (features.logits_BTV[..., self.d2t].float().softmax(-1) if config.loss_target == "soft"
+                    else None)
         loss = hidden_BTE.new_zeros((), dtype=torch.float32)
         metrics: dict[str, float] = {}
         for j, (_, logits_BTX) in enumerate(unroll(self, batch.input_ids_BT, hidden_BTE, config.ttt_steps)):
-            target_logits_BTV = shift_left(features.logits_BTV, 1 + j).float()
-            target_draft_BT = self.t2d[target_logits_BTV.argmax(-1)]  # -1: outside the draft vocabulary
+            draft_BT = shift_left(target_draft_BT, 1 + j)  # zero-padded at the end, where learn_BT is 0
             learn_BT = step_mask(batch, 2 + j)
-            ce = soft_cross_entropy(logits_BTX, self.loss_target_probs(target_logits_BTV, target_draft_BT),
-                                    learn_BT * (target_draft_BT >= 0))
+            in_vocab_BT = learn_BT * (draft_BT >= 0)
+            ce = (hard_cross_entropy(logits_BTX, draft_BT, in_vocab_BT) if soft_BTX is None
+                  else soft_cross_entropy(logits_BTX, soft_BTX, in_vocab_BT, ahead=1 + j))
             loss = loss + config.step_decay ** j * ce
             # acceptance counts out-of-vocabulary targets as misses: the drafter can never propose them
-            agree_BT = (logits_BTX.argmax(-1) == target_draft_BT).float()
+            agree_BT = (logits_BTX.argmax(-1) == draft_BT).float()
             metrics[f"acc_{j + 1}"] = scalar(masked_mean(agree_BT, learn_BT))
             metrics[f"ce_{j + 1}"] = scalar(ce)
         metrics["loss"] = scalar(loss)

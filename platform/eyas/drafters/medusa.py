@@ -86,12 +86,13 @@ class MedusaModel(nn.Module):
         logits_BTKV = self.head_logits(features.taps[self.target_config.num_layers].detach())
         loss = logits_BTKV.new_zeros((), dtype=torch.float32)
         metrics: dict[str, float] = {}
+        target_probs_BTV = features.logits_BTV.float().softmax(-1)  # once: each head reads it k + 1 ahead
+        target_argmax_BT = features.logits_BTV.argmax(-1)
         for k in range(self.config.num_heads):
             mask_BT = step_mask(batch, 2 + k)  # head k at position i predicts t_{i+2+k}
-            target_logits_BTV = shift_left(features.logits_BTV, 1 + k).float()
-            ce = soft_cross_entropy(logits_BTKV[:, :, k], target_logits_BTV.softmax(-1), mask_BT)
+            ce = soft_cross_entropy(logits_BTKV[:, :, k], target_probs_BTV, mask_BT, ahead=1 + k)
             loss = loss + self.config.step_decay ** k * ce
-            agree_BT = (logits_BTKV[:, :, k].argmax(-1) == target_logits_BTV.argmax(-1)).float()
+            agree_BT = (logits_BTKV[:, :, k].argmax(-1) == shift_left(target_argmax_BT, 1 + k)).float()
             metrics[f"acc_{k + 1}"] = scalar(masked_mean(agree_BT, mask_BT))
             metrics[f"ce_{k + 1}"] = scalar(ce)
         metrics["loss"] = scalar(loss)

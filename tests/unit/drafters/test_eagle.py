@@ -119,3 +119,20 @@ def test_configs_validate(target):
         Eagle3Model(Eagle3Config(draft_vocab_size=10), target)
     with pytest.raises(ConfigError, match="taps"):
         Eagle3Model(Eagle3Config(taps=(1, 9)), target)
+
+
+def test_cross_entropy_ahead_equals_shifting_the_targets():
+    from eyas.drafters.eagle import hard_cross_entropy, soft_cross_entropy
+
+    torch.manual_seed(0)
+    logits_BTX, probs_BTX = torch.randn(2, 7, 11), torch.randn(2, 7, 11).softmax(-1)
+    mask_BT = (torch.rand(2, 7) > 0.3).float()
+    for ahead in (0, 1, 3, 7):
+        shifted_mask_BT = mask_BT * (torch.arange(7) < 7 - ahead)
+        assert torch.allclose(soft_cross_entropy(logits_BTX, probs_BTX, shifted_mask_BT, ahead=ahead),
+                              soft_cross_entropy(logits_BTX, shift_left(probs_BTX, ahead), shifted_mask_BT))
+    labels_BT = torch.randint(-1, 11, (2, 7))
+    inside_BT = mask_BT * (labels_BT >= 0)
+    one_hot_BTX = torch.nn.functional.one_hot(labels_BT.clamp(min=0), 11).float()
+    assert torch.allclose(hard_cross_entropy(logits_BTX, labels_BT, inside_BT),
+                          soft_cross_entropy(logits_BTX, one_hot_BTX, inside_BT))

@@ -50,20 +50,31 @@ def test_sampled_run_completes(setup):
     assert len(result.token_ids) == 40 and all(0 <= t < 64 for t in result.token_ids)
 
 
-def test_argmax_loss_target_is_one_hot_on_target_argmax(setup):
+@pytest.mark.parametrize("loss_target", ["argmax", "soft"])
+def test_loss_is_ce_against_the_shifted_target(setup, loss_target):
+    """The loss, computed from targets derived once, equals step j's CE against the target's logits shifted 1 + j
+    by hand: a one-hot on their argmax (masked outside the draft vocabulary) or their restricted softmax."""
+    from eyas.drafters.eagle import shift_left, soft_cross_entropy, step_mask, unroll
+    from eyas.models.features import target_features
+
     target, batch = setup["target"], regenerated_batch(setup["target"])
     counts_V = torch.bincount(batch.input_ids_BT.flatten(), minlength=64)
-    model = Eagle3Model(Eagle3Config(ttt_steps=2, draft_vocab_size=48, loss_target="argmax"), target,
-                        build_draft_vocab(counts_V, 48))
-    logits_BTV = torch.randn(2, 5, 64)
-    target_draft_BT = model.t2d[logits_BTV.argmax(-1)]
-    probs_BTX = model.loss_target_probs(logits_BTV, target_draft_BT)
-    inside_BT = target_draft_BT >= 0
-    assert torch.equal(probs_BTX.sum(-1), torch.ones(2, 5))
-    assert torch.equal(model.d2t[probs_BTX.argmax(-1)][inside_BT], logits_BTV.argmax(-1)[inside_BT])
-    soft = Eagle3Model(Eagle3Config(ttt_steps=2, draft_vocab_size=48), target, build_draft_vocab(counts_V, 48))
-    assert torch.allclose(soft.loss_target_probs(logits_BTV, target_draft_BT),
-                          logits_BTV[..., soft.d2t].softmax(-1))
+    torch.manual_seed(3)
+    model = Eagle3Model(Eagle3Config(ttt_steps=3, draft_vocab_size=48, loss_target=loss_target, noise_scale=0.0),
+                        target, build_draft_vocab(counts_V, 48))
+    features = target_features(target, batch.input_ids_BT, tuple(model.target_taps))
+    loss, metrics = model.training_loss(batch, features)
+    hidden_BTE = model.initial_hidden({layer: features.taps[layer] for layer in model.target_taps})
+    expected = 0.0
+    for j, (_, logits_BTX) in enumerate(unroll(model, batch.input_ids_BT, hidden_BTE, 3)):
+        shifted_BTV = shift_left(features.logits_BTV, 1 + j)
+        draft_BT = model.t2d[shifted_BTV.argmax(-1)]
+        probs_BTX = (torch.nn.functional.one_hot(draft_BT.clamp(min=0), 48).float() if loss_target == "argmax"
+                     else shifted_BTV[..., model.d2t].softmax(-1))
+        expected = expected + 0.8 ** j * soft_cross_entropy(logits_BTX, probs_BTX,
+                                                            step_mask(batch, 2 + j) * (draft_BT >= 0))
+    assert torch.allclose(loss, expected, rtol=1e-5, atol=1e-6), (float(loss), float(expected))
+    assert metrics["acc_1"] >= 0 and "ce_3" in metrics
 
 
 def test_argmax_loss_target_trains_and_stays_lossless(setup):
