@@ -42,15 +42,33 @@ def build_drafter(cfg: TrainConfig, target, rows) -> nn.Module:
     return registry.build_model(cfg.drafter.type, options, target, token_counts_V=counts_V)
 
 
-class LossModule(nn.Module):
-    """``forward(batch, features) = drafter.training_loss(batch, features)``; parameters are the drafter's."""
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """``auto`` -> bfloat16 where the device multiplies bfloat16 natively (a CUDA GPU that supports it, a CPU with
+    AVX512-BF16 / AMX), else float32; float32 and bfloat16 are kept."""
+    if precision != "auto":
+        return precision
+    if device.type == "cuda":
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
+    return "bfloat16" if device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported() else "float32"
 
-    def __init__(self, drafter: nn.Module) -> None:
+
+def autocast(precision: str, device: torch.device):
+    """Mixed precision for the drafter's forward and loss (``train.precision``): bfloat16 matmuls over float32
+    weights, gradients and optimizer state; float32 runs as is. The loss helpers take their softmaxes in float32."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bfloat16")
+
+
+class LossModule(nn.Module):
+    """``forward(batch, features) = drafter.training_loss(batch, features)`` in ``precision`` (float32 or bfloat16
+    autocast); parameters are the drafter's."""
+
+    def __init__(self, drafter: nn.Module, precision: str = "float32") -> None:
         super().__init__()
-        self.drafter = drafter
+        self.drafter, self.precision = drafter, precision
 
     def forward(self, batch: TrainBatch, features: TargetFeatures):
-        return self.drafter.training_loss(batch, features)
+        with autocast(self.precision, batch.input_ids_BT.device):
+            return self.drafter.training_loss(batch, features)
 
 
 def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -151,14 +169,17 @@ def simulated_accept_length(acc: Iterable[float]) -> float:
 
 
 @torch.no_grad()
-def evaluate(drafter: nn.Module, batches: Iterable[tuple[TrainBatch, TargetFeatures]]) -> dict[str, float]:
-    """Held-out loss and acc_j averaged over ``batches`` (weighted by loss tokens), plus the simulated length."""
+def evaluate(drafter: nn.Module, batches: Iterable[tuple[TrainBatch, TargetFeatures]], precision: str = "float32"
+             ) -> dict[str, float]:
+    """Held-out loss and acc_j averaged over ``batches`` (weighted by loss tokens), plus the simulated length; the
+    forward runs in the training ``precision``."""
     was_training = drafter.training
     drafter.eval()
     sums: dict[str, float] = {}
     weight = 0.0
     for batch, features in batches:
-        loss, metrics = drafter.training_loss(batch, features)
+        with autocast(precision, batch.input_ids_BT.device):
+            loss, metrics = drafter.training_loss(batch, features)
         w = float(batch.loss_mask_BT.sum()) or 1.0
         for key, value in {**as_floats(metrics), "loss": float(loss)}.items():
             sums[key] = sums.get(key, 0.0) + w * value
@@ -186,11 +207,11 @@ class DDPStrategy:
     """LossModule(drafter) in DistributedDataParallel (a plain module when there is one process)."""
 
     def __init__(self, drafter: nn.Module, optim: OptimConfig, batch_size: int, total_steps: int,
-                 world_size: int, device: torch.device) -> None:
+                 world_size: int, device: torch.device, precision: str = "float32") -> None:
         from torch.nn.parallel import DistributedDataParallel
 
         self.drafter, self.grad_clip = drafter, optim.grad_clip
-        module = LossModule(drafter)
+        module = LossModule(drafter, precision)
         self.optimizer = build_optimizer(module, optim)
         self.scheduler = build_scheduler(self.optimizer, optim, total_steps)
         device_ids = [device.index] if device.type == "cuda" else None
@@ -234,13 +255,13 @@ class ZeroStrategy:
     already be initialised (gloo on CPU, NCCL on GPU)."""
 
     def __init__(self, drafter: nn.Module, optim: OptimConfig, batch_size: int, total_steps: int,
-                 world_size: int, device: torch.device, stage: int = 2) -> None:
+                 world_size: int, device: torch.device, stage: int = 2, precision: str = "float32") -> None:
         import logging
 
         import deepspeed
 
         deepspeed.utils.logger.setLevel(logging.WARNING)
-        module = LossModule(drafter)
+        module = LossModule(drafter, precision)
         optimizer = build_optimizer(module, optim)
         scheduler = build_scheduler(optimizer, optim, total_steps)
         self.drafter = drafter
@@ -265,12 +286,14 @@ class ZeroStrategy:
 
 
 def make_strategy(name: str, drafter: nn.Module, optim: OptimConfig, batch_size: int, total_steps: int,
-                  world_size: int, device: torch.device):
-    """``ddp``, ``zero1`` or ``zero2`` (TrainConfig.scaling.strategy)."""
+                  world_size: int, device: torch.device, precision: str = "float32"):
+    """``ddp``, ``zero1`` or ``zero2`` (TrainConfig.scaling.strategy), the loss in ``precision`` (resolved: float32
+    or bfloat16)."""
     if name == "ddp":
-        return DDPStrategy(drafter, optim, batch_size, total_steps, world_size, device)
+        return DDPStrategy(drafter, optim, batch_size, total_steps, world_size, device, precision)
     if name in ("zero1", "zero2"):
-        return ZeroStrategy(drafter, optim, batch_size, total_steps, world_size, device, stage=int(name[-1]))
+        return ZeroStrategy(drafter, optim, batch_size, total_steps, world_size, device, stage=int(name[-1]),
+                            precision=precision)
     raise ValueError(f"strategy {name!r}: must be ddp, zero1 or zero2")
 
 

@@ -28,7 +28,7 @@ from eyas.models.features import TrainBatch
 from eyas.train.config import TrainConfig
 from eyas.train.data import SequenceDataset, to_device
 from eyas.train.feature_cache import FeatureCache, feature_cache_key
-from eyas.train.step import build_drafter, evaluate, make_strategy, measure_tau
+from eyas.train.step import build_drafter, evaluate, make_strategy, measure_tau, resolve_precision
 
 
 @dataclass
@@ -101,8 +101,9 @@ class Trainer:
         self.total_steps = train.num_epochs * self.steps_per_epoch
         if train.max_steps is not None:
             self.total_steps = min(self.total_steps, train.max_steps)
+        self.precision = resolve_precision(train.precision, self.device)
         self.strategy = make_strategy(strategy or cfg.scaling.strategy, self.drafter, cfg.optim, train.batch_size,
-                                      self.total_steps, world_size, self.device)
+                                      self.total_steps, world_size, self.device, self.precision)
         mode = feature_cache or train.feature_cache
         self.feature_dir = Path(feature_dir) if mode == "disk" and feature_dir is not None else None
         self.features = self._feature_cache(data, mode)
@@ -155,7 +156,7 @@ class Trainer:
         """Held-out loss, acc_j and simulated acceptance, prefixed ``heldout_`` (empty without held-out data)."""
         if not self.heldout:
             return {}
-        return {f"heldout_{k}": v for k, v in evaluate(self.drafter, self.heldout).items()}
+        return {f"heldout_{k}": v for k, v in evaluate(self.drafter, self.heldout, self.precision).items()}
 
     def spec_drafter(self, where: str = "measure.tree.") -> Any:
         """The live drafter model as the speculative loop drafts with it (``measure.method`` and ``.tree``); the

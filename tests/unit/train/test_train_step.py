@@ -100,6 +100,44 @@ def test_loss_falls_and_evaluation_reports_acceptance():
     assert after["sim_tau"] == pytest.approx(1 + after["sim_accept_len"])
 
 
+def test_bfloat16_precision_trains_float32_weights_with_bfloat16_matmuls():
+    """train.precision bfloat16: the loss is computed under autocast (the heads' matmuls in bfloat16), while the
+    weights, their gradients and the optimizer state stay float32; it learns as float32 does."""
+    target = tiny_target()
+    tap = target.config.num_layers
+    batch = regenerated(target, 6, seed=0)
+    features = target_features(target, batch.input_ids_BT, (tap,))
+    seen = []
+    torch.manual_seed(0)
+    drafter = ToyDrafter(32, 64, tap)
+    drafter.heads[0].register_forward_hook(lambda module, args, out: seen.append(out.dtype))
+    model = LossModule(drafter, "bfloat16")
+    optim = OptimConfig(lr=3e-2, warmup_steps=2)
+    optimizer = build_optimizer(model, optim)
+    losses = [train_step(model, batch, features, optimizer, None, grad_clip=1.0)["loss"] for _ in range(30)]
+    assert seen[0] == torch.bfloat16
+    assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in drafter.parameters())
+    assert all(v.dtype == torch.float32 for state in optimizer.state.values() for v in state.values()
+               if v.ndim > 0)
+    assert losses[-1] < 0.5 * losses[0]
+    seen.clear()
+    evaluate(drafter, [(batch, features)], precision="bfloat16")
+    assert seen == [torch.bfloat16]
+    evaluate(drafter, [(batch, features)])
+    assert seen[-1] == torch.float32
+
+
+def test_auto_precision_follows_the_device():
+    from eyas.train.step import resolve_precision
+
+    cpu = torch.device("cpu")
+    native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert resolve_precision("auto", cpu) == ("bfloat16" if native else "float32")
+    assert resolve_precision("float32", cpu) == "float32" and resolve_precision("bfloat16", cpu) == "bfloat16"
+    with pytest.raises(ConfigError, match="train.precision"):
+        load_config(TrainConfig, REPO / "jobs/configs/eagle3-micro.yaml", ["train.precision=bf16"])
+
+
 @pytest.fixture()
 def process_group():
     """A one-process gloo group: what DDP and DeepSpeed need, without Ray."""
