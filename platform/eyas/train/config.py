@@ -130,9 +130,9 @@ class LoopConfig:
     # reuse target features across epochs: "memory" per worker (each worker then keeps its share of the data and
     # reshuffles only within it), "disk" under <data>/features/ (shared by the workers, global reshuffling)
     feature_cache: Literal["none", "memory", "disk"] = "none"
-    # the drafter's forward and loss: float32, or bfloat16 autocast over float32 weights and optimizer state (3-4x
-    # faster steps on a CPU with AMX / AVX512-BF16, and on GPUs); auto = bfloat16 where the device has it natively
-    precision: Literal["float32", "bfloat16", "auto"] = "float32"
+    # the drafter's forward and loss: bfloat16 autocast over float32 weights and optimizer state (2-4x faster steps
+    # on a CPU with AMX / AVX512-BF16, and on GPUs; README "Training in bfloat16")
+    precision: Literal["float32", "bfloat16", "auto"] = "float32"  # float32, bfloat16 (autocast) or auto (bfloat16 where native)
     fail_at_step: int | None = None  # testing: rank `fail_rank` dies once at this step (a marker file guards)
     hold_at_step: int | None = None  # testing: rank `fail_rank` waits there once, for a test to kill driver or node
     fail_rank: int = 1
