@@ -1,6 +1,7 @@
 """Connect a job, a sweep or a load test to Ray, with token auth on."""
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -36,6 +37,27 @@ def init_ray(**kwargs: Any) -> None:
     else:
         auth.ensure_user_token()
         kwargs.setdefault("include_dashboard", False)
+        if not kwargs["include_dashboard"]:
+            kwargs["runtime_env"] = with_quiet_state_api(kwargs.get("runtime_env"))
         # "local": a Ray of this process's own; a bare ray.init() would attach to whatever cluster
         # /tmp/ray/ray_current_cluster names (someone else's `ray start`, with another token)
         ray.init(address="local", **kwargs)
+
+
+# Ray Train's PlacementGroupCleaner asks the State API, which the dashboard serves, once a second whether the train
+# controller lives; a local Ray without a dashboard has no State API, so it warned every second of a training
+# ("Failed to query Ray Train Controller actor state") and can never clean anything there. The placement groups of
+# a local Ray end with it.
+PG_CLEANER_LOGGER = "ray.train.v2._internal.execution.controller.placement_group_cleaner"
+
+
+def quiet_state_api_warnings() -> None:
+    """Worker process setup hook of a local Ray without a dashboard: only errors from the PlacementGroupCleaner."""
+    logging.getLogger(PG_CLEANER_LOGGER).setLevel(logging.ERROR)
+
+
+def with_quiet_state_api(runtime_env: dict[str, Any] | None) -> dict[str, Any]:
+    """``runtime_env`` with ``quiet_state_api_warnings`` as its worker setup hook, unless it has a hook already."""
+    runtime_env = dict(runtime_env or {})
+    runtime_env.setdefault("worker_process_setup_hook", f"{__name__}.{quiet_state_api_warnings.__name__}")
+    return runtime_env
