@@ -18,7 +18,7 @@ impossible combination is an error naming the key. ``--dry-run`` stops after the
 
 Resources: each trial holds ``resources.cpus_per_trial`` / ``gpus_per_trial`` (tune.with_resources) and Tune runs
 as many trials at once as the cluster fits (``resources.max_concurrent_trials`` caps it). ``RAY_ADDRESS`` selects a
-running cluster (jobs.common.init_ray); on a multi-node cluster put ``output.storage_path`` on shared storage.
+running cluster (eyas_ray.cluster.init_ray); on a multi-node cluster put ``output.storage_path`` on shared storage.
 ``runner: ray-train`` (training) launches a TorchTrainer per trial with ``training.scaling`` workers instead of a
 loop inside the trial (tune/trials.py); its trials reserve no CPU themselves, so concurrency is capped to the
 workers the cluster fits.
