@@ -83,7 +83,7 @@ class Eagle1Model(EagleModel):
         num_steps = max(config.ttt_steps, config.metric_steps)
         steps = unroll(self, batch.input_ids_BT, self.add_noise(feature_BTE, config.noise_scale), num_steps,
                        config.ttt_steps)
-        target_argmax_BT = features.logits_BTV.argmax(-1)
+        target_argmax_BT = features.argmax_BT
         target_probs_BTV = features.logits_BTV.float().softmax(-1)  # once: step j reads it 1 + j ahead
         loss = feature_BTE.new_zeros((), dtype=torch.float32)
         metrics: dict[str, float] = {}

@@ -141,7 +141,7 @@ class Eagle3Model(EagleModel):
         config = self.config
         taps = {layer: features.taps[layer].detach() for layer in self.target_taps}
         hidden_BTE = self.add_noise(self.initial_hidden(taps), config.noise_scale)
-        target_draft_BT = self.t2d[features.logits_BTV.argmax(-1)]  # -1: outside the draft vocabulary
+        target_draft_BT = self.t2d[features.argmax_BT]  # -1: outside the draft vocabulary
         soft_BTX = (features.logits_BTV[..., self.d2t].float().softmax(-1) if config.loss_target == "soft"
                     else None)
         loss = hidden_BTE.new_zeros((), dtype=torch.float32)

@@ -87,7 +87,7 @@ class MedusaModel(nn.Module):
         loss = logits_BTKV.new_zeros((), dtype=torch.float32)
         metrics: dict[str, float] = {}
         target_probs_BTV = features.logits_BTV.float().softmax(-1)  # once: each head reads it k + 1 ahead
-        target_argmax_BT = features.logits_BTV.argmax(-1)
+        target_argmax_BT = features.argmax_BT
         for k in range(self.config.num_heads):
             mask_BT = step_mask(batch, 2 + k)  # head k at position i predicts t_{i+2+k}
             ce = soft_cross_entropy(logits_BTKV[:, :, k], target_probs_BTV, mask_BT, ahead=1 + k)

@@ -15,6 +15,8 @@ import torch
 from eyas.models.decoder import Decoder
 from eyas.models.features import TargetFeatures, TrainBatch, target_features
 
+ARGMAX = "argmax"  # a row's key for the target's greedy next tokens (its taps are keyed by layer number)
+
 
 def target_fingerprint(target: Decoder) -> str:
     """The loaded target's weights, named by content (not by a path or a file time, which change when a job's
@@ -52,8 +54,11 @@ class FeatureCache:
 
     mode "none": computed for every batch (online). "memory": kept per sequence in this worker. "disk": also written
     to ``directory/<index>.safetensors`` (atomic rename), so other workers, later epochs and resumed runs read them
-    instead of running the target. Logits are not stored: they are the target's LM head on the final-normed state
-    (tap ``num_layers``), which is stored with the requested taps and costs one small matmul to re-derive.
+    instead of running the target. A row holds the requested taps, the final-normed state (tap ``num_layers``) and
+    the target's greedy next tokens (``ARGMAX``, from the forward's own logits). Logits are not stored: they are the
+    LM head on the final-normed state, re-derived only when a loss reads them (``TargetFeatures.logits_BTV``: the
+    soft-target losses), as that product over the whole vocabulary costs more than the rest of an argmax-target
+    step's inputs together. Files written before ``ARGMAX`` was stored read as before (their argmax re-derived).
     """
 
     def __init__(self, target: Decoder, taps: Sequence[int], mode: str = "none", directory: Path | None = None
@@ -65,7 +70,7 @@ class FeatureCache:
         self.target, self.taps, self.mode = target, tuple(taps), mode
         self.stored_taps = tuple(sorted(set(self.taps) | {target.config.num_layers}))
         self.directory = Path(directory) if directory is not None else None
-        self.memory: dict[int, dict[int, torch.Tensor]] = {}
+        self.memory: dict[int, dict[int | str, torch.Tensor]] = {}
         self.hits = self.misses = 0
         if self.directory is not None:
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -83,22 +88,32 @@ class FeatureCache:
             computed = target_features(self.target, batch.input_ids_BT[missing, :T], self.stored_taps)
             for j, b in enumerate(missing):
                 rows[b] = {t: computed.taps[t][j, :lengths[b]].clone() for t in self.stored_taps}
+                rows[b][ARGMAX] = computed.argmax_BT[j, :lengths[b]].clone()
                 self._store(indices[b], rows[b])
         return self._assemble(rows, batch.input_ids_BT.shape[1])
 
-    def _assemble(self, rows: list[dict[int, torch.Tensor] | None], T: int) -> TargetFeatures:
+    def _assemble(self, rows: list[dict[int | str, torch.Tensor] | None], T: int) -> TargetFeatures:
         taps: dict[int, torch.Tensor] = {}
-        for t in self.stored_taps:
+        for t in self.stored_taps:  # ARGMAX is assembled below
             first = rows[0][t]
             out_BTE = first.new_zeros(len(rows), T, first.shape[-1])
             for b, row in enumerate(rows):
                 out_BTE[b, :row[t].shape[0]] = row[t]
             taps[t] = out_BTE
-        with torch.no_grad():
-            logits_BTV = self.target.lm_head(taps[self.target.config.num_layers])
-        return TargetFeatures(taps={t: taps[t] for t in self.taps}, logits_BTV=logits_BTV)
+        final_BTE = taps[self.target.config.num_layers]
 
-    def _lookup(self, index: int) -> dict[int, torch.Tensor] | None:
+        def logits_from() -> torch.Tensor:
+            return self.target.lm_head(final_BTE)
+
+        if all(ARGMAX in row for row in rows):
+            argmax_BT = rows[0][ARGMAX].new_zeros(len(rows), T)
+            for b, row in enumerate(rows):
+                argmax_BT[b, :row[ARGMAX].shape[0]] = row[ARGMAX]
+            return TargetFeatures({t: taps[t] for t in self.taps}, argmax_BT=argmax_BT, logits_from=logits_from)
+        with torch.no_grad():  # an older disk cache without ARGMAX
+            return TargetFeatures({t: taps[t] for t in self.taps}, logits_from())
+
+    def _lookup(self, index: int) -> dict[int | str, torch.Tensor] | None:
         if index in self.memory:
             return self.memory[index]
         if self.directory is not None:
@@ -106,12 +121,13 @@ class FeatureCache:
             if file.is_file():
                 from safetensors.torch import load_file
 
-                row = {int(k): v.to(self.target.device) for k, v in load_file(str(file)).items()}
+                row = {(k if k == ARGMAX else int(k)): v.to(self.target.device)
+                       for k, v in load_file(str(file)).items()}
                 self.memory[index] = row
                 return row
         return None
 
-    def _store(self, index: int, row: dict[int, torch.Tensor]) -> None:
+    def _store(self, index: int, row: dict[int | str, torch.Tensor]) -> None:
         self.memory[index] = row
         if self.directory is not None:
             from safetensors.torch import save_file

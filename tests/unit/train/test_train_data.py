@@ -8,7 +8,7 @@ from eyas.models import load_target
 from eyas.decoding.generate import generate
 from eyas.train.data import (DataPosition, SequenceDataset, collate, corpus_chunks, regenerate,
                              response_row, shard_path, slot_window, write_shard)
-from eyas.models.features import target_features
+from eyas.models.features import TargetFeatures, target_features
 from eyas.train.feature_cache import FeatureCache
 
 
@@ -136,9 +136,43 @@ def test_feature_cache_matches_online(target, dataset_dir, tmp_path, mode):
             valid = batch.valid_BT.bool()
             for t in taps:
                 torch.testing.assert_close(cached.taps[t][valid], online.taps[t][valid], atol=1e-5, rtol=1e-5)
+            assert torch.equal(cached.argmax_BT[valid], online.logits_BTV.argmax(-1)[valid])
+            assert cached._logits_BTV is None  # the LM head over every position runs only when a loss reads it
             torch.testing.assert_close(cached.logits_BTV[valid], online.logits_BTV[valid], atol=1e-4, rtol=1e-4)
     assert cache.misses == 4 and cache.hits == 6
     if mode == "disk":  # a fresh cache (another worker, a resumed run) reads the files
         fresh = FeatureCache(target, taps, "disk", tmp_path / "features")
         fresh.features([0, 21], data.batch([0, 21]))
         assert fresh.hits == 2 and fresh.misses == 0
+
+
+def test_feature_cache_reads_files_written_without_the_argmax(target, dataset_dir, tmp_path):
+    """A disk cache from before the greedy next tokens were stored still serves its rows (argmax re-derived)."""
+    from safetensors.torch import load_file, save_file
+
+    data = SequenceDataset(dataset_dir, "train")
+    taps = (1,)
+    directory = tmp_path / "features"
+    FeatureCache(target, taps, "disk", directory).features([0, 5], data.batch([0, 5]))
+    for file in directory.glob("*.safetensors"):
+        row = load_file(str(file))
+        assert "argmax" in row
+        del row["argmax"]
+        save_file(row, str(file))
+    old = FeatureCache(target, taps, "disk", directory)
+    batch = data.batch([0, 5])
+    cached = old.features([0, 5], batch)
+    assert old.hits == 2 and old.misses == 0
+    online = target_features(target, batch.input_ids_BT, taps)
+    valid = batch.valid_BT.bool()
+    assert torch.equal(cached.argmax_BT[valid], online.logits_BTV.argmax(-1)[valid])
+
+
+def test_target_features_needs_logits_or_an_argmax():
+    taps = {1: torch.zeros(1, 2, 4)}
+    with pytest.raises(ValueError, match="needs logits_BTV or logits_from"):
+        TargetFeatures(taps)
+    with pytest.raises(ValueError, match="needs argmax_BT"):
+        TargetFeatures(taps, logits_from=lambda: torch.zeros(1, 2, 8))
+    lazy = TargetFeatures(taps, argmax_BT=torch.tensor([[3, 1]]), logits_from=lambda: torch.ones(1, 2, 8))
+    assert lazy.argmax_BT.tolist() == [[3, 1]] and lazy.logits_BTV.shape == (1, 2, 8)
