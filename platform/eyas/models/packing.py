@@ -24,8 +24,11 @@ and gate/up are views of one such buffer, so a step still makes one product per 
 boxes this project has measured (``jobs.bench_linear``), that is the fastest one-row float32 product and oneDNN's
 packed one the fastest at 4 rows and more: all of smollm2's weights at one row 33.4 ms column-major against 42.7
 packed and 37.8 row-major (AVX-512 Xeon, e8fb852), 33.6 / 40.6 / 43.4 (AVX2 EPYC, 69b8857). It costs no memory
-(the parameters were a copy already). bfloat16 keeps row-major parameters: its packed kernel wins at one row too
-(24.8 ms against 43.3 column-major).
+(the parameters were a copy already). The exception is a wide weight (more inputs than outputs: down_proj), which
+read fastest row-major at one row on both boxes (GB/s row-major / packed / column-major: 15.9 / 13.4 / 12.8 on the
+AVX-512 Xeon, ea59c6f; 15.9 / 12.7 / 12.5 on the AVX2 EPYC): it stays row-major and takes one-row products on
+itself (``one_row_layout``), which made all of smollm2's one-row products 29.6 ms against 31.3 all column-major.
+bfloat16 keeps row-major parameters: its packed kernel wins at one row too (24.8 ms against 43.3 column-major).
 
 Shape legend: O output features, I input features; x_XI is any leading shape.
 """
@@ -68,9 +71,15 @@ def packs(weight_OI: torch.Tensor) -> bool:
     return weight_OI.dtype == torch.float32
 
 
-def wants_column_major(weight_OI: torch.Tensor) -> bool:
-    """Whether ``fuse_linears`` lays ``weight_OI`` out column-major for one-row products (module docstring)."""
-    return weight_OI.dtype == torch.float32 and packs(weight_OI)
+def one_row_layout(weights_OI: Sequence[torch.Tensor]) -> str | None:
+    """How ``fuse_linears`` lays out the weights stacked along O for one-row products (module docstring):
+    "column-major" for a tall or square float32 stack (q/k/v, o_proj, gate/up, the LM head), "row-major" for a
+    wide one (down_proj: more inputs than outputs, where a plain row-major product read fastest on both boxes
+    measured), None where the packed copy takes every product (bfloat16, unpacked weights)."""
+    first = weights_OI[0]
+    if first.dtype != torch.float32 or not packs(first):
+        return None
+    return "column-major" if sum(w.shape[0] for w in weights_OI) >= first.shape[1] else "row-major"
 
 
 def is_column_major(weight_OI: torch.Tensor) -> bool:
@@ -79,18 +88,21 @@ def is_column_major(weight_OI: torch.Tensor) -> bool:
 
 class PackedLinear:
     """``x @ W^T + b`` on an inference copy of (weight_OI, bias_O) in the device's fast layout (module docstring),
-    and one-row inputs on ``weight_OI`` itself when it lies column-major (``fuse_linears``). Not a parameter: build
-    it after the weights are final, and again after ``.to()``."""
+    and one-row inputs on ``weight_OI`` itself where ``fuse_linears`` laid it out for them (``one_row``). Not a
+    parameter: build it after the weights are final, and again after ``.to()``."""
 
     __slots__ = ("weight", "bias", "packed", "one_row")
 
-    def __init__(self, weight_OI: torch.Tensor, bias_O: torch.Tensor | None = None) -> None:
+    def __init__(self, weight_OI: torch.Tensor, bias_O: torch.Tensor | None = None, one_row: bool | None = None
+                 ) -> None:
         weight_OI, bias_O = weight_OI.detach(), None if bias_O is None else bias_O.detach()
         self.packed = packs(weight_OI)
         self.weight = (torch.ops.mkldnn._reorder_linear_weight(weight_OI.contiguous(), PACK_ROWS_HINT)
                        if self.packed else weight_OI)
         self.bias = bias_O
-        self.one_row = weight_OI if self.packed and is_column_major(weight_OI) else None
+        if one_row is None:  # not said: the weight's own layout says it (a column-major weight was laid out for it)
+            one_row = is_column_major(weight_OI)
+        self.one_row = weight_OI if self.packed and one_row else None
 
     def __call__(self, x_XI: torch.Tensor) -> torch.Tensor:
         if self.one_row is not None and x_XI.numel() == x_XI.shape[-1]:
@@ -107,26 +119,28 @@ class PackedLinear:
 def fuse_linears(linears: Sequence[torch.nn.Linear]) -> PackedLinear:
     """One ``PackedLinear`` over the linears' weights stacked along O (q/k/v, gate/up, or a single linear).
 
-    Where one-row products want it (``wants_column_major``), the parameters become views of one contiguous [I, O]
-    buffer holding them all, so the fused weight is that buffer's transpose and costs no copy; elsewhere they are
-    made row-major again (after a ``.to()`` that left them strided). Values and names never change.
+    Where one-row products want it (``one_row_layout``: "column-major"), the parameters become views of one
+    contiguous [I, O] buffer holding them all, so the fused weight is that buffer's transpose and costs no copy;
+    elsewhere they are made row-major again (after a ``.to()`` that left them strided), and a "row-major" weight
+    takes one-row products on itself. Values and names never change.
     """
     weights = [linear.weight for linear in linears]
     biases = [linear.bias for linear in linears]
     bias_O = torch.cat([b.detach() for b in biases]) if biases[0] is not None else None
     with torch.no_grad():
-        if not wants_column_major(weights[0]):
+        layout = one_row_layout(weights)
+        if layout != "column-major":
             for weight in weights:
                 if not weight.is_contiguous():
                     weight.data = weight.data.contiguous()
             weight_OI = weights[0] if len(weights) == 1 else torch.cat([w.detach() for w in weights])
-            return PackedLinear(weight_OI, bias_O)
+            return PackedLinear(weight_OI, bias_O, one_row=layout == "row-major")
         sizes = [weight.shape[0] for weight in weights]
         buffer_IO = torch.empty(weights[0].shape[1], sum(sizes), dtype=weights[0].dtype, device=weights[0].device)
         for weight, piece_IO in zip(weights, buffer_IO.split(sizes, dim=1)):
             piece_IO.copy_(weight.detach().t())
             weight.data = piece_IO.t()
-        return PackedLinear(buffer_IO.t(), bias_O)
+        return PackedLinear(buffer_IO.t(), bias_O, one_row=True)
 
 
 def frozen_head(linear: torch.nn.Linear, x_XI: torch.Tensor) -> torch.Tensor:

@@ -74,9 +74,10 @@ def test_greedy_speculative_equals_vanilla_on_the_packed_target(random_checkpoin
 
 
 def test_float32_one_row_products_run_on_column_major_parameters(random_checkpoint, packed_everywhere):
-    """fuse_linears: in float32 the parameters become views of one contiguous [I, O] buffer per fused weight (no
-    copy beside the packed one), one-row inputs multiply through it and more rows through the packed copy, the
-    values and names never change, and a .to(bfloat16) lays them out row-major again."""
+    """fuse_linears: in float32 the tall and square parameters become views of one contiguous [I, O] buffer per
+    fused weight (no copy beside the packed one), wide ones (down_proj) stay row-major, one-row inputs multiply
+    through the parameters and more rows through the packed copy, the values and names never change, and a
+    .to(bfloat16) lays them out row-major again."""
     target = load_target(random_checkpoint)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(packing, "PACK_MIN_ELEMENTS", 1 << 40)
@@ -103,10 +104,17 @@ def test_float32_one_row_products_run_on_column_major_parameters(random_checkpoi
             if model is target:
                 ours_11V = step_11V
     torch.testing.assert_close(ours_11V, step_11V, atol=1e-4, rtol=1e-4)
+    mlp = target.layers[0].mlp  # down_proj is wide (I > O): row-major, and its one-row products run on it
+    assert mlp.down_proj.weight.is_contiguous()
+    assert mlp.packed_down.one_row.data_ptr() == mlp.down_proj.weight.data_ptr()
+    x_1I = torch.randn(1, 1, mlp.down_proj.in_features)
+    torch.testing.assert_close(mlp.packed_down(x_1I), torch.nn.functional.linear(x_1I, mlp.down_proj.weight),
+                               atol=1e-5, rtol=1e-5)
     target.to(torch.bfloat16)  # bfloat16's packed kernel wins at one row too: row-major, no one-row path
     attn = target.layers[0].self_attn
     assert attn.q_proj.weight.is_contiguous() and target.lm_head.weight.is_contiguous()
     assert attn.fused_qkv.one_row is None and target.lm_head.packed.one_row is None
+    assert target.layers[0].mlp.packed_down.one_row is None
     target.to(torch.float32)
     assert target.layers[0].mlp.gate_proj.weight.stride(0) == 1 and target.lm_head.packed.one_row is not None
 
