@@ -13,16 +13,15 @@ machine runs one such step per optimizer step, on its own core.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
 from eyas.config import resolve_path
+from eyas.datasets import atomic_write
 from eyas.models import CheckpointError, load_target
 from eyas.threads import configure_threads
 from eyas.train.config import TrainConfig, target_path
@@ -53,7 +52,7 @@ def measure(cfg: TrainConfig, steps: int) -> dict:
     batch = collate(rows, cfg.train.max_len)
     indices = list(range(len(rows)))
     samples = []
-    for i in range(steps + 1):
+    for _ in range(steps + 1):
         start = time.perf_counter()
         features = cache.features(indices, batch)
         assembled = time.perf_counter()
@@ -86,11 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    out = resolve_path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(json.dumps(report, indent=2))
-    tmp.replace(out)
+    out = atomic_write(resolve_path(args.out), lambda tmp: tmp.write_text(json.dumps(report, indent=2)))
     print(f"{report['drafter']} on {report['target']}: batch {report['batch_size']} x {report['max_len']}, "
           f"{report['precision']}, {report['threads']} thread(s); first step (target features) "
           f"{report['first_step_s']:.2f} s")

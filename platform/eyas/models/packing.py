@@ -82,10 +82,6 @@ def one_row_layout(weights_OI: Sequence[torch.Tensor]) -> str | None:
     return "column-major" if sum(w.shape[0] for w in weights_OI) >= first.shape[1] else "row-major"
 
 
-def is_column_major(weight_OI: torch.Tensor) -> bool:
-    return weight_OI.dim() == 2 and weight_OI.stride(0) == 1 and weight_OI.shape[0] > 1
-
-
 class PackedLinear:
     """``x @ W^T + b`` on an inference copy of (weight_OI, bias_O) in the device's fast layout (module docstring),
     and one-row inputs on ``weight_OI`` itself where ``fuse_linears`` laid it out for them (``one_row``). Not a
@@ -93,15 +89,12 @@ class PackedLinear:
 
     __slots__ = ("weight", "bias", "packed", "one_row")
 
-    def __init__(self, weight_OI: torch.Tensor, bias_O: torch.Tensor | None = None, one_row: bool | None = None
-                 ) -> None:
+    def __init__(self, weight_OI: torch.Tensor, bias_O: torch.Tensor | None = None, one_row: bool = False) -> None:
         weight_OI, bias_O = weight_OI.detach(), None if bias_O is None else bias_O.detach()
         self.packed = packs(weight_OI)
         self.weight = (torch.ops.mkldnn._reorder_linear_weight(weight_OI.contiguous(), PACK_ROWS_HINT)
                        if self.packed else weight_OI)
         self.bias = bias_O
-        if one_row is None:  # not said: the weight's own layout says it (a column-major weight was laid out for it)
-            one_row = is_column_major(weight_OI)
         self.one_row = weight_OI if self.packed and one_row else None
 
     def __call__(self, x_XI: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,14 @@ from eyas.models.features import TargetFeatures, TrainBatch, target_features
 ARGMAX = "argmax"  # a row's key for the target's greedy next tokens (its taps are keyed by layer number)
 
 
+def right_padded(rows_T: Sequence[torch.Tensor], T: int) -> torch.Tensor:
+    """[B, T, ...]: each row's values (its own length first) zero-padded on the right to ``T``."""
+    out_BT = rows_T[0].new_zeros(len(rows_T), T, *rows_T[0].shape[1:])
+    for b, row_T in enumerate(rows_T):
+        out_BT[b, :row_T.shape[0]] = row_T
+    return out_BT
+
+
 def target_fingerprint(target: Decoder) -> str:
     """The loaded target's weights, named by content (not by a path or a file time, which change when a job's
     working dir is a copy): every tensor's name, shape, dtype and float64 sum, plus a strided sample of ~1024 of
@@ -93,22 +101,14 @@ class FeatureCache:
         return self._assemble(rows, batch.input_ids_BT.shape[1])
 
     def _assemble(self, rows: list[dict[int | str, torch.Tensor] | None], T: int) -> TargetFeatures:
-        taps: dict[int, torch.Tensor] = {}
-        for t in self.stored_taps:  # ARGMAX is assembled below
-            first = rows[0][t]
-            out_BTE = first.new_zeros(len(rows), T, first.shape[-1])
-            for b, row in enumerate(rows):
-                out_BTE[b, :row[t].shape[0]] = row[t]
-            taps[t] = out_BTE
+        taps = {t: right_padded([row[t] for row in rows], T) for t in self.stored_taps}
         final_BTE = taps[self.target.config.num_layers]
 
         def logits_from() -> torch.Tensor:
             return self.target.lm_head(final_BTE)
 
         if all(ARGMAX in row for row in rows):
-            argmax_BT = rows[0][ARGMAX].new_zeros(len(rows), T)
-            for b, row in enumerate(rows):
-                argmax_BT[b, :row[ARGMAX].shape[0]] = row[ARGMAX]
+            argmax_BT = right_padded([row[ARGMAX] for row in rows], T)
             return TargetFeatures({t: taps[t] for t in self.taps}, argmax_BT=argmax_BT, logits_from=logits_from)
         with torch.no_grad():  # an older disk cache without ARGMAX
             return TargetFeatures({t: taps[t] for t in self.taps}, logits_from())
