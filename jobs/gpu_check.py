@@ -8,6 +8,7 @@ On a random-weight Llama (``1b``: hidden 2048, 16 layers, GQA 32/8, vocab 32000,
 CI), nothing downloaded, it runs in order and times each step:
 
   parity      eyas's decoder against transformers on the same weights: max logit difference, greedy agreement
+              (judged in float32; a reduced --dtype is reported, then the same checkpoint is judged in float32)
   curve       the target's t(N) for N = 1 ... 64 new tokens after a 512-token context, and the memory read
               bandwidth against the weight bytes a decode step reads (eyas.decoding.costs)
   speed       vanilla and speculative tokens/s (ngram; EAGLE-3 and DFlash drafters with random weights: their tau is
@@ -282,6 +283,9 @@ def run(size_name: str, device: torch.device, dtype: torch.dtype, out: Path, new
         if target is not None:
             summary["num_parameters"] = summary["steps"]["load"]["result"]["num_parameters"]
             run_step("parity", summary, lambda: parity(checkpoint, target, size, dtype))
+            if dtype != torch.float32:  # reduced precision is reported, not judged: judge the same weights in float32
+                run_step("parity_float32", summary, lambda: parity(
+                    checkpoint, load_target(checkpoint, dtype=torch.float32, device=device), size, torch.float32))
             measured = run_step("curve", summary, lambda: curve(target, size))
             curve_s = ({int(n): t["median"] / 1e3 for n, t in measured["t_forward_ms"].items()}
                        if measured else None)
@@ -314,9 +318,10 @@ def markdown(summary: dict[str, Any]) -> str:
     lines += [f"| {name} | {'yes' if s['ok'] else 'FAILED: ' + s['error']} | {s['seconds']} |"
               for name, s in steps.items()]
     result = lambda name: steps.get(name, {}).get("result")  # noqa: E731
-    if (p := result("parity")):
-        lines += ["", f"Parity: max logit diff {p['max_logit_diff']:.3e} (limit {p['atol']}); greedy first mismatch "
-                      f"per prompt {p['greedy_first_mismatch']} of {p['greedy_new_tokens']} tokens"]
+    for name, label in (("parity", summary["dtype"]), ("parity_float32", "float32")):
+        if (p := result(name)):
+            lines += ["", f"Parity ({label}): max logit diff {p['max_logit_diff']:.3e} (limit {p['atol']}); greedy "
+                          f"first mismatch per prompt {p['greedy_first_mismatch']} of {p['greedy_new_tokens']} tokens"]
     if (c := result("curve")):
         lines += ["", f"t(N) after {c['context_tokens']} tokens (ms, median): " +
                   ", ".join(f"t({n}) {t['median']:.3f}" for n, t in c["t_forward_ms"].items()),

@@ -42,6 +42,16 @@ def test_tiny_run_on_cpu_writes_every_step(tmp_path):
     assert markdown.startswith("# eyas GPU check: cpu, float32") and "| eagle3 |" in markdown
 
 
+def test_a_reduced_dtype_is_also_judged_in_float32(tmp_path):
+    exit_code = gpu_check.main(["--size", "tiny", "--device", "cpu", "--dtype", "bfloat16", "--threads", "1",
+                                "--new-tokens", "4", "--out", str(tmp_path)])
+    steps = json.loads((tmp_path / "gpu_check.json").read_text())["steps"]
+    assert steps["parity"]["result"]["passed"] is None  # bfloat16: reported, not judged
+    judged = steps["parity_float32"]["result"]
+    assert judged["passed"] and judged["atol"] == 1e-4 and exit_code == 0
+    assert "Parity (float32)" in (tmp_path / "gpu_check.md").read_text()
+
+
 def test_a_failed_step_is_recorded_and_fails_the_run():
     summary = {"steps": {}}
     assert gpu_check.run_step("broken", summary, lambda: 1 / 0) is None
