@@ -40,6 +40,8 @@ from typing import Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
+from eyas.models import panels
+
 PACK_ROWS_HINT = 16  # oneDNN picks its blocking for this many rows; 16 measured best over 1-64 rows (table above)
 # a packed product costs ~11 us more per call (same machine): a 512 x 512 weight at one row took 21 us plain and
 # 30 us packed, so weights up to that size (tiny targets, drafters' own layers) stay plain
@@ -87,7 +89,7 @@ class PackedLinear:
     and one-row inputs on ``weight_OI`` itself where ``fuse_linears`` laid it out for them (``one_row``). Not a
     parameter: build it after the weights are final, and again after ``.to()``."""
 
-    __slots__ = ("weight", "bias", "packed", "one_row")
+    __slots__ = ("weight", "bias", "packed", "one_row", "panels_PIW", "num_out")
 
     def __init__(self, weight_OI: torch.Tensor, bias_O: torch.Tensor | None = None, one_row: bool = False) -> None:
         weight_OI, bias_O = weight_OI.detach(), None if bias_O is None else bias_O.detach()
@@ -96,8 +98,14 @@ class PackedLinear:
                        if self.packed else weight_OI)
         self.bias = bias_O
         self.one_row = weight_OI if self.packed and one_row else None
+        # float32 on CPU: a few rows go through the panel kernel (eyas.models.panels), the fastest at 1-32 rows
+        self.panels_PIW = panels.pack(weight_OI) if not _plain and panels.applies(weight_OI) else None
+        self.num_out = weight_OI.shape[0]
 
     def __call__(self, x_XI: torch.Tensor) -> torch.Tensor:
+        if self.panels_PIW is not None and panels.uses_panels(x_XI):
+            y_XO = panels.matmul(x_XI, self.panels_PIW, self.num_out)
+            return y_XO if self.bias is None else y_XO + self.bias
         if self.one_row is not None and x_XI.numel() == x_XI.shape[-1]:
             return F.linear(x_XI, self.one_row, self.bias)
         return self.multi_row(x_XI)

@@ -1,0 +1,50 @@
+"""eyas.models.panels: the panel kernel's products equal F.linear's, a row's outputs do not depend on how many rows
+are multiplied with it, PackedLinear routes a few float32 rows through it, and a missing compiler falls back."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from eyas.models import panels
+from eyas.models.packing import PackedLinear
+
+pytestmark = pytest.mark.skipif(not panels.available(), reason="no C compiler here: the fallback test covers it")
+
+
+@pytest.mark.parametrize("num_out,num_in", [(96, 64), (70, 33), (5, 16), (960, 576)])
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 32])
+def test_panel_product_equals_linear(num_out, num_in, rows):
+    generator = torch.Generator().manual_seed(num_out * 100 + rows)
+    weight_OI = torch.randn(num_out, num_in, generator=generator)
+    x_MI = torch.randn(rows, num_in, generator=generator)
+    y_MO = panels.matmul(x_MI, panels.pack(weight_OI), num_out)
+    assert y_MO.shape == (rows, num_out)
+    torch.testing.assert_close(y_MO, F.linear(x_MI, weight_OI), atol=1e-4, rtol=1e-5)
+
+
+def test_a_row_is_bit_identical_at_any_number_of_rows():
+    generator = torch.Generator().manual_seed(0)
+    weight_OI = torch.randn(200, 96, generator=generator)
+    panels_PIW = panels.pack(weight_OI)
+    x_MI = torch.randn(32, 96, generator=generator)
+    together_MO = panels.matmul(x_MI, panels_PIW, 200)
+    for row in range(32):
+        assert torch.equal(panels.matmul(x_MI[row:row + 1], panels_PIW, 200)[0], together_MO[row])
+
+
+def test_packed_linear_uses_panels_for_few_rows_only(monkeypatch):
+    torch.set_num_threads(1)
+    weight_OI, bias_O = torch.randn(64, 48), torch.randn(64)
+    linear = PackedLinear(weight_OI, bias_O)
+    assert linear.panels_PIW is not None
+    calls = []
+    real = panels.matmul
+    monkeypatch.setattr(panels, "matmul", lambda *a: calls.append(a[0].shape) or real(*a))
+    for shape in [(1, 48), (2, 3, 48), (40, 48)]:
+        x = torch.randn(*shape)
+        torch.testing.assert_close(linear(x), F.linear(x, weight_OI, bias_O), atol=1e-4, rtol=1e-5)
+    assert calls == [(1, 48), (2, 3, 48)]  # 40 rows: past MAX_ROWS, torch's kernel
+    x = torch.randn(1, 48, requires_grad=True)
+    linear(x)  # a gradient is wanted: torch's kernel
+    assert len(calls) == 2
