@@ -30,6 +30,10 @@ AVX-512 Xeon, ea59c6f; 15.9 / 12.7 / 12.5 on the AVX2 EPYC): it stays row-major 
 itself (``one_row_layout``), which made all of smollm2's one-row products 29.6 ms against 31.3 all column-major.
 bfloat16 keeps row-major parameters: its packed kernel wins at one row too (24.8 ms against 43.3 column-major).
 
+**Panels** (``eyas.models.panels``): where its C kernel builds, up to 32 float32 rows at one torch thread go through
+a panel copy of the weight instead, faster than every layout above at 1-32 rows and the same numbers for a row at
+any number of rows (README "Threads and dtype").
+
 Shape legend: O output features, I input features; x_XI is any leading shape.
 """
 from __future__ import annotations
