@@ -54,9 +54,9 @@ def _cache_dir() -> Path:
 def _library() -> ctypes.CDLL | None:
     if os.environ.get("EYAS_PANELS", "1") == "0":
         return None
-    source = SOURCE.read_bytes()
-    target = _cache_dir() / f"panels-{hashlib.sha256(source).hexdigest()[:12]}-{_cpu_key()}.so"
     try:
+        source = SOURCE.read_bytes()  # an install without the package data (panels.c) falls back too
+        target = _cache_dir() / f"panels-{hashlib.sha256(source).hexdigest()[:12]}-{_cpu_key()}.so"
         if not target.exists():
             compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
             if not compiler:

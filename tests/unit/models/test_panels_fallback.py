@@ -2,6 +2,7 @@
 kernels (a fresh process: the build is cached per process)."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -18,7 +19,6 @@ def test_no_compiler_falls_back_with_a_warning(tmp_path):
             "torch.testing.assert_close(lin(x), F.linear(x, w))\nprint('fallback ok')\n")
     env = {"PATH": "/usr/bin:/bin", "CC": str(tmp_path / "no-such-cc"), "XDG_CACHE_HOME": str(tmp_path / "cache"),
            "HOME": str(tmp_path), "OMP_NUM_THREADS": "1"}
-    import os
     env["PYTHONPATH"] = os.pathsep.join(sys.path)
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "fallback ok" in done.stdout, done.stderr
