@@ -102,12 +102,12 @@ class PackedLinear:
                        if self.packed else weight_OI)
         self.bias = bias_O
         self.one_row = weight_OI if self.packed and one_row else None
-        # float32 on CPU: a few rows go through the panel kernel (eyas.models.panels), the fastest at 1-32 rows
+        # float32 or bfloat16 on CPU: a few rows go through the panel kernel (eyas.models.panels), the fastest at 1-32 rows
         self.panels_PIW = panels.pack(weight_OI) if not _plain and panels.applies(weight_OI) else None
         self.num_out = weight_OI.shape[0]
 
     def __call__(self, x_XI: torch.Tensor) -> torch.Tensor:
-        if self.panels_PIW is not None and panels.uses_panels(x_XI):
+        if self.panels_PIW is not None and panels.uses_panels(x_XI, self.panels_PIW):
             y_XO = panels.matmul(x_XI, self.panels_PIW, self.num_out)
             return y_XO if self.bias is None else y_XO + self.bias
         if self.one_row is not None and x_XI.numel() == x_XI.shape[-1]:

@@ -1,4 +1,4 @@
-/* eyas.models.panels: x[M, I] @ W^T for a few rows (a decode step, a tree verify) on CPU in float32.
+/* eyas.models.panels: x[M, I] @ W^T for a few rows (a decode step, a tree verify) on CPU in float32 (and bfloat16, below).
 
 W lies in panels of 32 outputs, [ceil(O/32), I, 32] (zero-padded), so a product streams the weight once, in order,
 and keeps each row's 32 sums in registers. Every row's sums run over i in the same order whatever M is: a row's
@@ -40,3 +40,53 @@ void eyas_panel_matmul(const float* x, int64_t M, int64_t ldx, const float* pane
     }
   }
 }
+
+/* bfloat16, where the CPU has AVX512_BF16 (elsewhere panels.py keeps torch's kernels): W in panels
+[ceil(O/32), I/2, 32, 2] (each output's inputs i, i+1 side by side, zero-padded), x[M, I] bfloat16 with I even (the
+caller pads), y bfloat16 rounded to nearest even from the float32 sums. Half the bytes of float32 per weight, and
+each pair of inputs is one vdpbf16ps. As in float32, a row's sums run in the same order at any M. */
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+static inline uint16_t to_bf16(float f) {
+  uint32_t u; memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  /* NaN stays NaN */
+  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+static inline __attribute__((always_inline)) void chunk_bf16(const uint16_t* x, int64_t ldx, const uint16_t* panel,
+                                                              int64_t I2, uint16_t* y, int64_t ldy, int mb,
+                                                              int64_t nvalid) {
+  __m512 acc[8][2];
+  for (int m = 0; m < mb; ++m) { acc[m][0] = _mm512_setzero_ps(); acc[m][1] = _mm512_setzero_ps(); }
+  for (int64_t i = 0; i < I2; ++i) {
+    __m512bh w0 = (__m512bh)_mm512_loadu_si512(panel + i * 2 * W);
+    __m512bh w1 = (__m512bh)_mm512_loadu_si512(panel + i * 2 * W + W);
+    for (int m = 0; m < mb; ++m) {
+      uint32_t pair; memcpy(&pair, x + m * ldx + 2 * i, 4);
+      __m512bh xv = (__m512bh)_mm512_set1_epi32((int)pair);
+      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], w0, xv); acc[m][1] = _mm512_dpbf16_ps(acc[m][1], w1, xv);
+    }
+  }
+  for (int m = 0; m < mb; ++m) {
+    float t[W]; _mm512_storeu_ps(t, acc[m][0]); _mm512_storeu_ps(t + 16, acc[m][1]);
+    for (int64_t j = 0; j < nvalid; ++j) y[m * ldy + j] = to_bf16(t[j]);
+  }
+}
+#define CHUNK_BF16(MB) static void chunk_bf16_##MB(const uint16_t* x, int64_t ldx, const uint16_t* p, int64_t I2, uint16_t* y, int64_t ldy, int64_t nv) { chunk_bf16(x, ldx, p, I2, y, ldy, MB, nv); }
+CHUNK_BF16(1) CHUNK_BF16(2) CHUNK_BF16(3) CHUNK_BF16(4) CHUNK_BF16(5) CHUNK_BF16(6) CHUNK_BF16(7) CHUNK_BF16(8)
+typedef void (*chunk_bf16_fn)(const uint16_t*, int64_t, const uint16_t*, int64_t, uint16_t*, int64_t, int64_t);
+static const chunk_bf16_fn CHUNKS_BF16[9] = {0, chunk_bf16_1, chunk_bf16_2, chunk_bf16_3, chunk_bf16_4, chunk_bf16_5,
+                                             chunk_bf16_6, chunk_bf16_7, chunk_bf16_8};
+/* y[M, O] = x[M, I] @ W^T in bfloat16, W given as bfloat16 panels [ceil(O/32), I/2, 32, 2]; I even */
+void eyas_panel_matmul_bf16(const uint16_t* x, int64_t M, int64_t ldx, const uint16_t* panels, int64_t I, int64_t O,
+                            uint16_t* y, int64_t ldy) {
+  const int64_t npanel = (O + W - 1) / W, I2 = I / 2;
+  for (int64_t p = 0; p < npanel; ++p) {
+    const uint16_t* panel = panels + p * I * W;
+    const int64_t nv = (O - p * W) < W ? (O - p * W) : W;
+    for (int64_t m = 0; m < M; m += 8) {
+      const int mb = (M - m) < 8 ? (int)(M - m) : 8;
+      CHUNKS_BF16[mb](x + m * ldx, ldx, panel, I2, y + m * ldy + p * W, ldy, nv);
+    }
+  }
+}
+#endif

@@ -1,10 +1,15 @@
-"""Panel products: ``x @ W^T`` for a few float32 rows on CPU through a small C kernel (``panels.c``).
+"""Panel products: ``x @ W^T`` for a few float32 or bfloat16 rows on CPU through a small C kernel (``panels.c``).
 
 A decode step or a tree verify multiplies a few rows by every weight, and that product is memory-bound. torch's
 float32 kernels read smollm2's weights at 11-22 GB/s at one row on this project's AVX-512 box, where ``sum`` reads
 ~28 GB/s. The kernel here streams a weight laid out in panels of 32 outputs ([ceil(O/32), I, 32]) once, in order,
 and reads at about ``sum``'s rate (``jobs.bench_linear``). Each row's sums run in the same order at any number of
 rows, so a row's outputs are bit-identical whether it is decoded alone or verified among others.
+
+bfloat16 weights (where the CPU has AVX512_BF16; elsewhere torch's kernels) lie in panels [ceil(O/32), I/2, 64]:
+each output's inputs i and i+1 side by side, one ``vdpbf16ps`` per pair, float32 sums rounded to bfloat16 once. They
+read half float32's bytes at the same rate, and keep the row invariance: in bfloat16 too a verify's linear outputs
+are a decode step's. (oneDNN's bfloat16 kernels change their blocking with the rows, which flips near-ties.)
 
 The kernel is compiled once per CPU kind with the host's C compiler (``$CC``, else ``cc``) into
 ``$XDG_CACHE_HOME/eyas/kernels`` (default ``~/.cache``), written atomically. Where no compiler works, or with
@@ -28,6 +33,7 @@ from functools import lru_cache
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 WIDTH = 32     # outputs per panel (panels.c's W)
 MAX_ROWS = 32  # measured faster than oneDNN's packed product up to 32 rows (README "Threads and dtype")
@@ -77,42 +83,63 @@ def _library() -> ctypes.CDLL | None:
         warnings.warn(f"eyas.models.panels: the panel kernel did not build ({detail}); torch's kernels are used",
                       RuntimeWarning, stacklevel=2)
         return None
-    function = library.eyas_panel_matmul
-    function.restype = None
-    function.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                         ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
+    for name in ("eyas_panel_matmul", "eyas_panel_matmul_bf16"):
+        function = getattr(library, name, None)  # the bfloat16 kernel is built only where the CPU has AVX512_BF16
+        if function is not None:
+            function.restype = None
+            function.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                                 ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
     return library
 
 
-def available() -> bool:
-    return _library() is not None
+def available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether the kernel for ``dtype`` (float32 or bfloat16) built here."""
+    library = _library()
+    return library is not None and getattr(library, _KERNELS.get(dtype, ""), None) is not None
+
+
+_KERNELS = {torch.float32: "eyas_panel_matmul", torch.bfloat16: "eyas_panel_matmul_bf16"}
 
 
 def applies(weight_OI: torch.Tensor) -> bool:
-    """Whether ``weight_OI`` gets a panel copy: float32 on CPU, with the kernel built."""
-    return weight_OI.device.type == "cpu" and weight_OI.dtype == torch.float32 and weight_OI.dim() == 2 and available()
+    """Whether ``weight_OI`` gets a panel copy: float32 or bfloat16 on CPU, with that dtype's kernel built."""
+    return weight_OI.device.type == "cpu" and weight_OI.dim() == 2 and available(weight_OI.dtype)
 
 
 def pack(weight_OI: torch.Tensor) -> torch.Tensor:
-    """``weight_OI`` as panels [P, I, WIDTH], the last panel zero-padded."""
+    """``weight_OI`` as panels, the last one zero-padded: float32 [P, I, WIDTH]; bfloat16 [P, I/2, 2 WIDTH] (I padded
+    to even), each output's inputs 2i and 2i+1 side by side."""
     num_out, num_in = weight_OI.shape
     num_panels = -(-num_out // WIDTH)
-    padded_OI = torch.zeros(num_panels * WIDTH, num_in, dtype=weight_OI.dtype)
-    padded_OI[:num_out] = weight_OI.detach()
+    pairs = weight_OI.dtype == torch.bfloat16
+    num_in_padded = num_in + (num_in % 2 if pairs else 0)
+    padded_OI = torch.zeros(num_panels * WIDTH, num_in_padded, dtype=weight_OI.dtype)
+    padded_OI[:num_out, :num_in] = weight_OI.detach()
+    if pairs:
+        return (padded_OI.reshape(num_panels, WIDTH, num_in_padded // 2, 2).permute(0, 2, 1, 3)
+                .reshape(num_panels, num_in_padded // 2, 2 * WIDTH).contiguous())
     return padded_OI.reshape(num_panels, WIDTH, num_in).transpose(1, 2).contiguous()
 
 
-def uses_panels(x_XI: torch.Tensor) -> bool:
-    """Whether a product on ``x_XI`` goes through the kernel: few rows, one torch thread, no gradient wanted."""
-    return (x_XI.numel() <= MAX_ROWS * x_XI.shape[-1] and x_XI.dtype == torch.float32
+def uses_panels(x_XI: torch.Tensor, panels_PIW: torch.Tensor) -> bool:
+    """Whether a product on ``x_XI`` goes through the kernel: few rows of the panels' dtype, one torch thread, no
+    gradient wanted."""
+    return (x_XI.numel() <= MAX_ROWS * x_XI.shape[-1] and x_XI.dtype == panels_PIW.dtype
             and torch.get_num_threads() == 1 and not (torch.is_grad_enabled() and x_XI.requires_grad))
 
 
 def matmul(x_XI: torch.Tensor, panels_PIW: torch.Tensor, num_out: int) -> torch.Tensor:
-    """``x_XI @ W^T`` for the ``W`` that ``pack`` laid out in ``panels_PIW`` (``num_out`` = W's O)."""
-    num_in = panels_PIW.shape[1]
+    """``x_XI @ W^T`` for the ``W`` that ``pack`` laid out in ``panels_PIW`` (``num_out`` = W's O), in the panels'
+    dtype."""
+    num_in = x_XI.shape[-1]
     x_MI = x_XI.reshape(-1, num_in).contiguous()
-    y_MO = torch.empty(x_MI.shape[0], num_out, dtype=torch.float32)
-    _library().eyas_panel_matmul(x_MI.data_ptr(), x_MI.shape[0], num_in, panels_PIW.data_ptr(), num_in, num_out,
-                                 y_MO.data_ptr(), num_out)
+    if panels_PIW.dtype == torch.bfloat16:
+        kernel, num_in_padded = _library().eyas_panel_matmul_bf16, panels_PIW.shape[1] * 2
+        if num_in_padded != num_in:
+            x_MI = F.pad(x_MI, (0, num_in_padded - num_in))
+    else:
+        kernel, num_in_padded = _library().eyas_panel_matmul, panels_PIW.shape[1]
+    y_MO = torch.empty(x_MI.shape[0], num_out, dtype=panels_PIW.dtype)
+    kernel(x_MI.data_ptr(), x_MI.shape[0], num_in_padded, panels_PIW.data_ptr(), num_in_padded, num_out,
+           y_MO.data_ptr(), num_out)
     return y_MO.reshape(*x_XI.shape[:-1], num_out)

@@ -48,3 +48,45 @@ def test_packed_linear_uses_panels_for_few_rows_only(monkeypatch):
     x = torch.randn(1, 48, requires_grad=True)
     linear(x)  # a gradient is wanted: torch's kernel
     assert len(calls) == 2
+
+
+bf16 = pytest.mark.skipif(not panels.available(torch.bfloat16), reason="no AVX512_BF16 here: torch's kernels")
+
+
+@bf16
+@pytest.mark.parametrize("num_out,num_in", [(96, 64), (70, 33), (5, 16), (960, 576)])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 32])
+def test_bfloat16_panel_product_is_the_float32_product_rounded(num_out, num_in, rows):
+    generator = torch.Generator().manual_seed(num_out * 100 + rows)
+    weight_OI = torch.randn(num_out, num_in, generator=generator).bfloat16()
+    x_MI = torch.randn(rows, num_in, generator=generator).bfloat16()
+    y_MO = panels.matmul(x_MI, panels.pack(weight_OI), num_out)
+    assert y_MO.shape == (rows, num_out) and y_MO.dtype == torch.bfloat16
+    exact_MO = x_MI.float() @ weight_OI.float().t()  # bfloat16 inputs' products are exact in float32
+    # one rounding to bfloat16 (relative 2^-8) on top of float32 sums in another order
+    torch.testing.assert_close(y_MO.float(), exact_MO, atol=1e-3, rtol=2 ** -8)
+
+
+@bf16
+def test_a_bfloat16_row_is_bit_identical_at_any_number_of_rows():
+    generator = torch.Generator().manual_seed(1)
+    weight_OI = torch.randn(200, 97, generator=generator).bfloat16()
+    panels_PIW = panels.pack(weight_OI)
+    x_MI = torch.randn(32, 97, generator=generator).bfloat16()
+    together_MO = panels.matmul(x_MI, panels_PIW, 200)
+    for row in range(32):
+        assert torch.equal(panels.matmul(x_MI[row:row + 1], panels_PIW, 200)[0], together_MO[row])
+
+
+@bf16
+def test_packed_linear_uses_bfloat16_panels_for_bfloat16_rows_only(monkeypatch):
+    torch.set_num_threads(1)
+    weight_OI = torch.randn(64, 48).bfloat16()
+    linear = PackedLinear(weight_OI)
+    assert linear.panels_PIW is not None and linear.panels_PIW.dtype == torch.bfloat16
+    calls = []
+    real = panels.matmul
+    monkeypatch.setattr(panels, "matmul", lambda *a: calls.append(a[0].dtype) or real(*a))
+    x = torch.randn(2, 48).bfloat16()
+    torch.testing.assert_close(linear(x).float(), F.linear(x, weight_OI).float(), atol=1e-2, rtol=2 ** -7)
+    assert calls == [torch.bfloat16]
