@@ -1,7 +1,7 @@
 """The target's linear layers at M rows: plain ``F.linear``, eyas's packed layout (eyas.models.packing) and a
 transposed (column-major) copy, per weight kind, and what eyas runs (``PackedLinear``: the panel kernel for up to
-32 float32 rows at one thread, eyas.models.panels; else column-major parameters at one float32 row, the packed copy
-otherwise).
+32 float32 or bfloat16 rows at one thread, eyas.models.panels; else column-major parameters at one float32 row, the
+packed copy otherwise).
 
     python -m jobs.bench_linear [--target PATH] [--dtypes float32,bfloat16] [--rows 1,4,16,64] [--repeats 5]
         [--threads N] [--out bench_linear.json]

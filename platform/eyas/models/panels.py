@@ -9,7 +9,7 @@ rows, so a row's outputs are bit-identical whether it is decoded alone or verifi
 bfloat16 weights (where the CPU has AVX512_BF16; elsewhere torch's kernels) lie in panels [ceil(O/32), I/2, 64]:
 each output's inputs i and i+1 side by side, one ``vdpbf16ps`` per pair, float32 sums rounded to bfloat16 once. They
 read half float32's bytes at the same rate, and keep the row invariance: in bfloat16 too a verify's linear outputs
-are a decode step's. (oneDNN's bfloat16 kernels change their blocking with the rows, which flips near-ties.)
+are a decode step's (the rest of a bfloat16 forward is not yet: README "Threads and dtype").
 
 The kernel is compiled once per CPU kind with the host's C compiler (``$CC``, else ``cc``) into
 ``$XDG_CACHE_HOME/eyas/kernels`` (default ``~/.cache``), written atomically. Where no compiler works, or with
