@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eyas.models import attention, panels
 from eyas.models.cache import KVCache
 from eyas.models.config import ModelConfig
 from eyas.models.packing import PackedLinear, fuse_linears
@@ -102,9 +103,11 @@ def attend(q_BHTD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor, mas
     On CPU, decode and tree verification (T of 1 to ~100) are latency-bound: torch's fused SDPA kernel costs
     milliseconds of fixed overhead per call there, plain matmuls a few microseconds. Long prefills still go to SDPA.
     """
+    if attention.applies(q_BHTD, k_BGSD):  # CPU float32: the same bits for a query at any T (eyas.models.attention)
+        return attention.attend(q_BHTD, k_BGSD, v_BGSD, mask_B1TS, causal)
     B, H, T, D = q_BHTD.shape
     G, S = k_BGSD.shape[1], k_BGSD.shape[2]
-    if T > 128 or q_BHTD.is_cuda:
+    if T > attention.MAX_QUERIES or q_BHTD.is_cuda:
         return F.scaled_dot_product_attention(q_BHTD, k_BGSD, v_BGSD, attn_mask=mask_B1TS, is_causal=causal,
                                               enable_gqa=True)
     R = H // G
@@ -286,6 +289,21 @@ class Decoder(nn.Module):
             layer.mlp.fuse()
         self.lm_head.packed = fuse_linears([self.lm_head])  # tied: the embedding shares its layout
         return self
+
+    def verify_is_exact(self, num_rows: int) -> bool:
+        """Whether a forward over ``num_rows`` new tokens (a tree verify; rows of a batch count together) gives each
+        token the same bits as decoding it alone, so that greedy speculative output is vanilla's in any dtype: on
+        CPU at one torch thread, with every linear on the panel kernel for this dtype (float32, or bfloat16 where
+        the CPU has AVX512_BF16; at most ``panels.MAX_ROWS`` rows) and attention on eyas's kernel. Elsewhere the
+        kernels' blocking follows the shapes: float32 differs in the last bits (greedy output has matched in every
+        test and bench), reduced precision can flip near-ties (README "Threads and dtype")."""
+        fused = [self.lm_head.packed] + [m for layer in self.layers for m in (layer.self_attn.fused_qkv,
+                                                                              layer.self_attn.packed_o,
+                                                                              layer.mlp.fused_gate_up,
+                                                                              layer.mlp.packed_down)]
+        return (self.device.type == "cpu" and torch.get_num_threads() == 1 and num_rows <= panels.MAX_ROWS
+                and all(linear is not None and linear.panels_PIW is not None for linear in fused)
+                and attention.supports(self.config.head_dim))
 
     def rope_tables(self, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin tables over positions [0, num_positions), built once and grown on demand."""

@@ -11,9 +11,8 @@ each output's inputs i and i+1 side by side, one ``vdpbf16ps`` per pair, float32
 read half float32's bytes at the same rate, and keep the row invariance: in bfloat16 too a verify's linear outputs
 are a decode step's (the rest of a bfloat16 forward is not yet: README "Threads and dtype").
 
-The kernel is compiled once per CPU kind with the host's C compiler (``$CC``, else ``cc``) into
-``$XDG_CACHE_HOME/eyas/kernels`` (default ``~/.cache``), written atomically. Where no compiler works, or with
-``EYAS_PANELS=0``, ``available()`` is False and ``PackedLinear`` keeps torch's kernels. The kernel is single-
+The kernel is compiled once per CPU kind with the host's C compiler (``eyas.models.kernels``). Where no compiler
+works, or with ``EYAS_PANELS=0``, ``available()`` is False and ``PackedLinear`` keeps torch's kernels. The kernel is single-
 threaded: it is used at one torch thread (eyas's policy on small machines, ``eyas.threads``) and at most
 ``MAX_ROWS`` rows; more rows or threads go to oneDNN.
 
@@ -22,66 +21,23 @@ Shape legend: O output features, I input features, M rows, P panels.
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import warnings
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from eyas.models import kernels
+
 WIDTH = 32     # outputs per panel (panels.c's W)
 MAX_ROWS = 32  # measured faster than oneDNN's packed product up to 32 rows (README "Threads and dtype")
 SOURCE = Path(__file__).with_name("panels.c")
 
 
-def _cpu_key() -> str:
-    flags = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = line
-                break
-    except OSError:
-        pass
-    return hashlib.sha256(f"{platform.machine()} {flags}".encode()).hexdigest()[:12]
-
-
-def _cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "eyas" / "kernels"
-
-
 @lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
-    if os.environ.get("EYAS_PANELS", "1") == "0":
-        return None
-    try:
-        source = SOURCE.read_bytes()  # an install without the package data (panels.c) falls back too
-        target = _cache_dir() / f"panels-{hashlib.sha256(source).hexdigest()[:12]}-{_cpu_key()}.so"
-        if not target.exists():
-            compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-            if not compiler:
-                raise OSError("no C compiler (set CC)")
-            target.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
-            os.close(fd)
-            try:
-                subprocess.run([compiler, "-O3", "-march=native", "-shared", "-fPIC", "-o", tmp, str(SOURCE)],
-                               check=True, capture_output=True, text=True, timeout=120)
-                os.replace(tmp, target)  # atomic: concurrent builders each write their own temp file
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
-        library = ctypes.CDLL(str(target))
-    except (OSError, subprocess.SubprocessError) as err:
-        detail = getattr(err, "stderr", "") or err
-        warnings.warn(f"eyas.models.panels: the panel kernel did not build ({detail}); torch's kernels are used",
-                      RuntimeWarning, stacklevel=2)
+    library = kernels.library(SOURCE.name, "EYAS_PANELS")
+    if library is None:
         return None
     for name in ("eyas_panel_matmul", "eyas_panel_matmul_bf16"):
         function = getattr(library, name, None)  # the bfloat16 kernel is built only where the CPU has AVX512_BF16

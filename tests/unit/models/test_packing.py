@@ -1,5 +1,5 @@
 """Packed linear weights (eyas.models.packing): the packed target computes what the plain one does, and greedy
-speculative output on it equals its greedy vanilla output for every drafter family.
+speculative output on it equals its greedy vanilla output for every drafter family, in float32 and bfloat16.
 
 The small random targets of the test suite fall under PACK_MIN_ELEMENTS, so these tests pack every weight.
 """
@@ -11,7 +11,7 @@ import torch
 from eyas.decoding.generate import generate
 from eyas.methods import SpecConfig, build_drafter
 from eyas.models import load_target, load_tokenizer
-from eyas.models import packing
+from eyas.models import attention, packing, panels
 
 PROMPTS = ["def add(a, b):\n    return", "import os\nimport sys\n", "The quick brown fox"]
 
@@ -53,12 +53,16 @@ def test_packed_target_matches_the_plain_one(random_checkpoint, packed_everywher
 
 @pytest.mark.parametrize("method, family", [("eagle2", "eagle1"), ("eagle3", "eagle3"), ("medusa", "medusa"),
                                             ("dflash", "dflash"), ("ngram", None)])
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    not panels.available(torch.bfloat16) or not attention.available(), reason="no AVX512_BF16 or C compiler here"))])
 def test_greedy_speculative_equals_vanilla_on_the_packed_target(random_checkpoint, packed_everywhere,
-                                                                 tmp_path, method, family):
+                                                                 tmp_path, method, family, dtype):
+    """In bfloat16 too: where the verify forward is exact (Decoder.verify_is_exact: the panel and attention
+    kernels) greedy speculative output is vanilla's token for token."""
     from eyas.drafters.registry import build_model, save_drafter
 
     torch.set_num_threads(1)
-    target = load_target(random_checkpoint)
+    target = load_target(random_checkpoint, dtype=dtype)
     tokenizer = load_tokenizer(random_checkpoint)
     drafter_dir = None
     if family is not None:
@@ -67,6 +71,8 @@ def test_greedy_speculative_equals_vanilla_on_the_packed_target(random_checkpoin
                             token_counts_V=torch.ones(target.config.vocab_size))
         drafter_dir = str(save_drafter(model, tmp_path / family, random_checkpoint))
     spec = SpecConfig(method=method, drafter=drafter_dir)
+    if dtype == torch.bfloat16:
+        assert target.verify_is_exact(build_drafter(target, spec).max_draft_nodes + 1)
     for prompt in PROMPTS:
         ids = tokenizer.encode(prompt)
         vanilla = generate(target, ids, 24).token_ids
