@@ -101,9 +101,10 @@ static inline v16 vexp(v16 x) {
   return (v16)((i16)(y * (v16)scale) & keep);
 }
 
-/* the weighted sum of values for one query over its visible keys with a nonzero weight (n of them, in slot
-order: idx, p), and the sum of the weights. Four chains take the keys in turn (key i into chain i % 4: the same
-chain for a key whatever hides between) and are added as (0 + 1) + (2 + 3); ND = D / 16 sums in registers. */
+/* the weighted sum of values for one query over the visible keys (n of them, in slot order: idx; weights p by
+slot, 0 where exp underflowed, which adds an exact zero), and the sum of the weights. Four chains take the keys in
+turn (key i into chain i % 4: the same chain for a key whatever hides between) and are added as (0 + 1) + (2 + 3);
+ND = D / 16 sums in registers. */
 #define WEIGHTED_SUM(ND)                                                                                          \
   static inline __attribute__((always_inline)) float weighted_sum_##ND(const int32_t* idx, const float* p,      \
                                                                       int64_t n, const float* vg, int64_t vss, \
@@ -116,14 +117,16 @@ chain for a key whatever hides between) and are added as (0 + 1) + (2 + 3); ND =
     for (; i + 4 <= n; i += 4)                                                                                 \
       for (int c = 0; c < 4; ++c) {                                                                            \
         const float* vr = vg + (int64_t)idx[i + c] * vss;                                                      \
-        const v16 pv = (v16){0} + p[i + c];                                                                    \
-        den[c] += p[i + c];                                                                                    \
+        const float w = p[idx[i + c]];                                                                         \
+        const v16 pv = (v16){0} + w;                                                                           \
+        den[c] += w;                                                                                           \
         for (int j = 0; j < ND; ++j) acc[c][j] += pv * ld(vr + 16 * j);                                        \
       }                                                                                                        \
     for (int c = 0; i + c < n; ++c) {                                                                          \
       const float* vr = vg + (int64_t)idx[i + c] * vss;                                                        \
-      const v16 pv = (v16){0} + p[i + c];                                                                      \
-      den[c] += p[i + c];                                                                                      \
+      const float w = p[idx[i + c]];                                                                           \
+      const v16 pv = (v16){0} + w;                                                                             \
+      den[c] += w;                                                                                             \
       for (int j = 0; j < ND; ++j) acc[c][j] += pv * ld(vr + 16 * j);                                          \
     }                                                                                                          \
     for (int j = 0; j < ND; ++j) st(o + 16 * j, (acc[0][j] + acc[1][j]) + (acc[2][j] + acc[3][j]));            \
@@ -153,49 +156,55 @@ block of 16 (dot16t); few: straight from their rows (dot16). The two give the sa
     }                                                                                                          \
   }
 
-/* one query's output row o (D = 16 ND) from its raw scores e (S16 floats): scaled, hidden keys to -inf, their
-max, exp, the weighted sum of values divided by the weights' sum. p: S16 floats, idx: S16 ints of scratch. */
+/* the R query heads of one kv head at one new token (they see the same keys: the mask is per token): raw score
+rows e (row r at e + r * es, S16 floats each, turned into weights in place), visibility (the mask row mr, or keys
+[0, end)), output rows o (row r at o + r * 16 ND). The visible keys, in slot order, go into idx once; each head's
+scores are scaled, hidden keys set to -inf, their max taken (exact in any order), exp applied, and its weighted sum
+of values divided by the weights' sum. */
 #define QUERY(ND)                                                                                                 \
   DOT16(ND) DOT16T(ND) SCORES(ND) WEIGHTED_SUM(ND)                                                             \
-  static void query_##ND(float* e, const float* vg, int64_t vss, const uint8_t* mr, int64_t end, int64_t S,    \
-                         float scale, float* p, int32_t* idx, float* o) {                                      \
+  static void query_##ND(float* e, int64_t es, int64_t R, const float* vg, int64_t vss, const uint8_t* mr,      \
+                         int64_t end, int64_t S, float scale, int32_t* idx, float* o) {                        \
     const int64_t S16 = (S + 15) / 16 * 16;                                                                    \
     const v16 minus_inf = (v16){0} - INFINITY;                                                                 \
-    v16 iota, mv = minus_inf;                                                                                  \
+    v16 iota;                                                                                                  \
     for (int j = 0; j < 16; ++j) iota[j] = (float)j;                                                           \
-    for (int64_t s = 0; s < S16; s += 16) {                                                                    \
-      v16 x = ld(e + s) * scale;                                                                               \
-      i16 visible;                                                                                             \
-      if (mr) {                                                                                                \
-        u8x16 bytes = {0};                                                                                     \
-        memcpy(&bytes, mr + s, (size_t)(S - s < 16 ? S - s : 16));                                             \
-        visible = __builtin_convertvector(bytes, i16) != 0;                                                    \
-      } else {                                                                                                 \
-        visible = iota + (float)s < (float)end;                                                                \
+    int64_t n = 0;                                                                                             \
+    for (int64_t s = 0; s < S; ++s)                                                                            \
+      if (mr ? mr[s] != 0 : s < end) idx[n++] = (int32_t)s;                                                    \
+    for (int64_t r = 0; r < R; ++r) {                                                                          \
+      float* er = e + r * es;                                                                                  \
+      v16 mv = minus_inf;                                                                                      \
+      for (int64_t s = 0; s < S16; s += 16) {                                                                  \
+        v16 x = ld(er + s) * scale;                                                                            \
+        i16 visible;                                                                                           \
+        if (mr) {                                                                                              \
+          u8x16 bytes = {0};                                                                                   \
+          memcpy(&bytes, mr + s, (size_t)(S - s < 16 ? S - s : 16));                                           \
+          visible = __builtin_convertvector(bytes, i16) != 0;                                                  \
+        } else {                                                                                               \
+          visible = iota + (float)s < (float)end;                                                              \
+        }                                                                                                      \
+        x = (v16)(((i16)x & visible) | ((i16)minus_inf & ~visible));                                           \
+        st(er + s, x);                                                                                         \
+        mv = (v16)(((i16)mv & (mv >= x)) | ((i16)x & (mv < x)));                                               \
       }                                                                                                        \
-      x = (v16)(((i16)x & visible) | ((i16)minus_inf & ~visible));                                             \
-      st(e + s, x);                                                                                            \
-      mv = (v16)(((i16)mv & (mv >= x)) | ((i16)x & (mv < x))); /* lane max: exact in any order */              \
+      float m = mv[0];                                                                                         \
+      for (int j = 1; j < 16; ++j) m = mv[j] > m ? mv[j] : m;                                                  \
+      mv = (v16){0} + m;                                                                                       \
+      for (int64_t s = 0; s < S16; s += 16) st(er + s, vexp(ld(er + s) - mv));                                \
+      float* orow = o + r * 16 * ND;                                                                           \
+      const float den = weighted_sum_##ND(idx, er, n, vg, vss, orow);                                          \
+      for (int d = 0; d < 16 * ND; ++d) orow[d] = orow[d] / den;                                               \
     }                                                                                                          \
-    float m = mv[0];                                                                                           \
-    for (int j = 1; j < 16; ++j) m = mv[j] > m ? mv[j] : m;                                                    \
-    mv = (v16){0} + m;                                                                                         \
-    int64_t n = 0; /* the visible keys with a nonzero weight, in slot order */                                 \
-    for (int64_t s = 0; s < S16; s += 16) {                                                                    \
-      const v16 w = vexp(ld(e + s) - mv);                                                                      \
-      for (int j = 0; j < 16; ++j)                                                                             \
-        if (w[j] != 0.0f) { idx[n] = (int32_t)(s + j); p[n] = w[j]; ++n; }                                     \
-    }                                                                                                          \
-    const float den = weighted_sum_##ND(idx, p, n, vg, vss, o);                                                \
-    for (int d = 0; d < 16 * ND; ++d) o[d] = o[d] / den;                                                       \
   }
 QUERY(1) QUERY(2) QUERY(3) QUERY(4) QUERY(5) QUERY(6) QUERY(7) QUERY(8)
 typedef void (*scores_fn)(const float*, int64_t, int64_t, int64_t, int64_t, const float*, int64_t, int64_t, int64_t,
                           float*);
 static const scores_fn SCORES_BY_ND[9] = {0, scores_1, scores_2, scores_3, scores_4, scores_5, scores_6, scores_7,
                                           scores_8};
-typedef void (*query_fn)(float*, const float*, int64_t, const uint8_t*, int64_t, int64_t, float, float*, int32_t*,
-                         float*);
+typedef void (*query_fn)(float*, int64_t, int64_t, const float*, int64_t, const uint8_t*, int64_t, int64_t, float,
+                         int32_t*, float*);
 static const query_fn QUERIES[9] = {0, query_1, query_2, query_3, query_4, query_5, query_6, query_7, query_8};
 
 /* 1 where eyas_attend can run this head dim (D <= 128) */
@@ -210,16 +219,16 @@ void eyas_attend(const float* q, int64_t qsb, int64_t qsh, int64_t qst,
   const int padded = Dp != D;  /* a head dim off the 16-lane grid: q, k, v copied with zeros up to Dp */
   const scores_fn scores = SCORES_BY_ND[ND];
   const query_fn query = QUERIES[ND];
-  float* e = malloc(sizeof(float) * (size_t)(S16 * (R * T + 1)));  /* a kv head's score rows, then p */
+  float* e = malloc(sizeof(float) * (size_t)(S16 * R * T));  /* a kv head's score rows */
   int32_t* idx = malloc(sizeof(int32_t) * (size_t)S16);
-  float* pad = padded ? calloc((size_t)(2 * S + R * T + 1) * (size_t)Dp, sizeof(float)) : NULL;
+  float* pad = padded ? calloc((size_t)(2 * S + 2 * R * T) * (size_t)Dp, sizeof(float)) : NULL;
   for (int64_t b = 0; b < B; ++b)
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = q + b * qsb + g * R * qsh;
       const float* kg = k + b * ksb + g * ksg;
       const float* vg = v + b * vsb + g * vsg;
       int64_t qh = qsh, qt = qst, ks = kss, vs = vss;
-      if (padded) {  /* rows Dp apart: k [S], v [S], q [R * T], then one output row */
+      if (padded) {  /* rows Dp apart: k [S], v [S], q [R * T], then R output rows */
         for (int64_t s = 0; s < S; ++s) {
           memcpy(pad + s * Dp, kg + s * kss, sizeof(float) * (size_t)D);
           memcpy(pad + (S + s) * Dp, vg + s * vss, sizeof(float) * (size_t)D);
@@ -231,15 +240,15 @@ void eyas_attend(const float* q, int64_t qsb, int64_t qsh, int64_t qst,
         qh = T * Dp, qt = Dp, ks = vs = Dp;
       }
       scores(qg, qh, qt, R, T, kg, ks, S, S16, e);
-      for (int64_t r = 0; r < R; ++r)
-        for (int64_t t = 0; t < T; ++t) {
-          const uint8_t* mr = mask ? mask + b * msb + t * mst : NULL;
-          const int64_t end = mr ? S : causal ? S - T + t + 1 : S;  /* keys from here on are hidden */
-          float* o = out + ((b * T + t) * H + g * R + r) * D;
-          float* row = padded ? pad + (2 * S + R * T) * Dp : o;
-          query(e + (r * T + t) * S16, vg, vs, mr, end, S, scale, e + R * T * S16, idx, row);
-          if (padded) memcpy(o, row, sizeof(float) * (size_t)D);
-        }
+      for (int64_t t = 0; t < T; ++t) {
+        const uint8_t* mr = mask ? mask + b * msb + t * mst : NULL;
+        const int64_t end = mr ? S : causal ? S - T + t + 1 : S;  /* keys from here on are hidden */
+        float* o = out + ((b * T + t) * H + g * R) * D;            /* the R heads' rows are adjacent */
+        float* rows = padded ? pad + (2 * S + R * T) * Dp : o;
+        query(e + t * S16, T * S16, R, vg, vs, mr, end, S, scale, idx, rows);
+        if (padded)
+          for (int64_t r = 0; r < R; ++r) memcpy(o + r * D, rows + r * Dp, sizeof(float) * (size_t)D);
+      }
     }
   free(e);
   free(idx);
