@@ -10,7 +10,10 @@ Deploys the config's application twice on the local Ray (or ``RAY_ADDRESS``): as
 off, so both numbers are per replica). At concurrency c, c closed-loop clients stream completions over loopback (a
 client sends its next request when its last one ends) until ``--requests-per-level`` requests are done; spec and
 vanilla alternate, in a rotating order per level, so slow drifts of the machine hit both alike. Greedy by default,
-so both modes generate the very same tokens (in float32; in bfloat16 near-ties in the argmax can flip).
+so both modes generate the very same tokens (in float32, and in bfloat16 where ``Decoder.verify_is_exact`` holds for
+the batch's rows; elsewhere in bfloat16 near-ties in the argmax can flip). At temperature 0 the report checks it:
+``greedy_identical`` is the share of a level's requests whose speculative text equals vanilla's for the same request
+(same prompt, same seed) at the same concurrency.
 
 Per (mode, c): tokens/s (generated tokens over the level's wall time), p50/p99 request latency, p50 time to first
 token, mean tau; ``speedup`` = spec tokens/s over vanilla tokens/s at the same c; ``scaling`` = tokens/s over the
@@ -83,6 +86,7 @@ async def one_request(client, url: str, body: dict[str, Any]) -> dict[str, Any]:
     start = time.perf_counter()
     first = None
     final: dict[str, Any] = {}
+    text = []
     async with client.stream("POST", url, json=body) as response:
         if response.status_code != 200:
             raise RuntimeError(f"{url}: HTTP {response.status_code}: {(await response.aread())[:300]!r}")
@@ -92,13 +96,14 @@ async def one_request(client, url: str, body: dict[str, Any]) -> dict[str, Any]:
             chunk = json.loads(line[6:])
             if "error" in chunk:
                 raise RuntimeError(f"{url}: {chunk['error']['message']}")
-            if first is None and chunk.get("choices") and chunk["choices"][0].get("text"):
-                first = time.perf_counter() - start
+            if chunk.get("choices") and chunk["choices"][0].get("text"):
+                first = time.perf_counter() - start if first is None else first
+                text.append(chunk["choices"][0]["text"])
             if chunk.get("usage"):
                 final = chunk
     latency = time.perf_counter() - start
     return {"latency": latency, "ttft": first if first is not None else latency,
-            "tokens": final["usage"]["completion_tokens"], "tau": final["spec"]["tau"]}
+            "tokens": final["usage"]["completion_tokens"], "tau": final["spec"]["tau"], "text": "".join(text)}
 
 
 async def run_level(base_url: str, mode: str, model: str, prompts: list[str], concurrency: int, num_requests: int,
@@ -115,7 +120,7 @@ async def run_level(base_url: str, mode: str, model: str, prompts: list[str], co
             body = {"model": model, "prompt": prompts[i % len(prompts)], "max_tokens": max_tokens,
                     "temperature": temperature, "seed": i, "stream": True,
                     "stream_options": {"include_usage": True}}  # OpenAI sends the usage chunk only when asked
-            records.append(await one_request(client, url, body))
+            records.append({"index": i, **await one_request(client, url, body)})
 
     limits = httpx.Limits(max_connections=concurrency + 2)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
@@ -129,26 +134,37 @@ async def run_level(base_url: str, mode: str, model: str, prompts: list[str], co
             "latency_p50_s": percentile([r["latency"] for r in records], 50),
             "latency_p99_s": percentile([r["latency"] for r in records], 99),
             "ttft_p50_s": percentile([r["ttft"] for r in records], 50),
-            "tau": statistics.fmean(taus) if taus else None}
+            "tau": statistics.fmean(taus) if taus else None, "texts": {r["index"]: r["text"] for r in records}}
 
 
-def add_ratios(results: list[dict[str, Any]]) -> None:
+def add_ratios(results: list[dict[str, Any]], greedy: bool = False) -> None:
+    """Each row's speedup over vanilla and scaling over its mode's lowest concurrency; with ``greedy``, the spec
+    rows' ``greedy_identical`` (the share of requests whose text is vanilla's at the same concurrency). The rows'
+    ``texts`` are dropped."""
     by_key = {(r["mode"], r["concurrency"]): r for r in results}
     lowest = min(r["concurrency"] for r in results)
     for r in results:
         vanilla = by_key.get(("vanilla", r["concurrency"]))
         r["speedup"] = r["tokens_per_s"] / vanilla["tokens_per_s"] if vanilla else None
         r["scaling"] = r["tokens_per_s"] / by_key[(r["mode"], lowest)]["tokens_per_s"]
+        r["greedy_identical"] = None
+        if greedy and r["mode"] != "vanilla" and vanilla and r.get("texts") and vanilla.get("texts"):
+            same = [text == vanilla["texts"].get(i) for i, text in r["texts"].items()]
+            r["greedy_identical"] = sum(same) / len(same)
+    for r in results:
+        r.pop("texts", None)
 
 
 def print_table(results: list[dict[str, Any]]) -> None:
     print(f"{'mode':8} {'conc':>4} {'tok/s':>8} {'speedup':>7} {'scaling':>7} {'p50 s':>7} {'p99 s':>7} "
-          f"{'ttft50':>7} {'tau':>5}")
+          f"{'ttft50':>7} {'tau':>5} {'same':>5}")
     for r in sorted(results, key=lambda r: (r["concurrency"], r["mode"])):
         tau = f"{r['tau']:.2f}" if r["tau"] is not None else "-"
+        same = f"{r['greedy_identical']:.2f}" if r.get("greedy_identical") is not None else "-"
         print(f"{r['mode']:8} {r['concurrency']:>4} {r['tokens_per_s']:>8.1f} {r['speedup']:>7.2f} "
               f"{r['scaling']:>7.2f} {r['latency_p50_s']:>7.3f} {r['latency_p99_s']:>7.3f} {r['ttft_p50_s']:>7.3f} "
-              f"{tau:>5}")
+              f"{tau:>5} {same:>5}")
+    print("same: the share of a level's requests whose speculative text equals vanilla's (greedy runs only)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -221,15 +237,17 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for mode in MODES:
             serve.delete(f"load-{mode}")
-    add_ratios(results)
+    add_ratios(results, greedy=args.temperature == 0)
     report = {"commit": git_commit(), "machine": machine(),
               "config": {"serve_config": str(path), "app": configs["spec"]["applications"][0],
                          "concurrency": levels, "requests_per_level": args.requests_per_level,
                          "max_prompt_chars": args.max_prompt_chars,
                          "max_tokens": args.max_tokens, "temperature": args.temperature, "suite": args.suite},
               "results": results}
-    out = args.out or "load.json"
-    Path(out).write_text(json.dumps(report, indent=2))
+    out = Path(args.out or "load.json")
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(report, indent=2))
+    tmp.replace(out)  # never a half-written report
     print_table(results)
     print(f"[load] wrote {out}")
     return 0

@@ -312,6 +312,8 @@ def test_jobs_load_measures_spec_and_vanilla(serve_port, random_checkpoint, tmp_
     assert rows[("vanilla", 2)]["speedup"] == 1.0 and rows[("spec", 1)]["scaling"] == 1.0
     assert all(r["tokens_per_s"] > 0 and r["latency_p99_s"] >= r["latency_p50_s"] for r in rows.values())
     assert rows[("spec", 1)]["tau"] is not None and rows[("vanilla", 1)]["tau"] is None  # only spec speculates
+    # greedy (the default): every request's speculative text is vanilla's, alone and batched
+    assert rows[("spec", 1)]["greedy_identical"] == rows[("spec", 2)]["greedy_identical"] == 1.0
 
 
 # ---------------------------------------------------------------- autoscaling

@@ -11,7 +11,8 @@ It serves CPU float32 attention (the CPU KV cache is float32 whatever the weight
 new tokens when no gradient is wanted; elsewhere (CUDA, long prefills, training, no C compiler,
 ``EYAS_ATTENTION_KERNEL=0``) ``eyas.models.decoder.attend`` keeps torch's ops.
 
-Shape legend: B batch, H query heads, G kv heads, T new tokens, S attended slots, D head dim.
+Shape legend (docs/SHAPES.md): B batch, H query heads, T new tokens, S attended slots, D head dim; this file adds
+G kv heads (as ``decoder.attend``).
 """
 from __future__ import annotations
 

@@ -32,3 +32,17 @@ def test_percentiles_and_ratios():
                for m, c, t in (("spec", 1, 30.0), ("vanilla", 1, 10.0), ("spec", 4, 90.0), ("vanilla", 4, 45.0))]
     add_ratios(results)
     assert [(r["speedup"], r["scaling"]) for r in results] == [(3.0, 1.0), (1.0, 1.0), (2.0, 3.0), (1.0, 4.5)]
+
+
+def test_greedy_identity_compares_each_request_with_vanilla_at_the_same_concurrency():
+    def row(mode, c, texts):
+        return {"mode": mode, "concurrency": c, "tokens_per_s": 10.0, "texts": texts}
+
+    results = [row("spec", 1, {0: "a", 1: "b"}), row("vanilla", 1, {0: "a", 1: "b"}),
+               row("spec", 2, {0: "a", 1: "x", 2: "c", 3: "d"}), row("vanilla", 2, {0: "a", 1: "b", 2: "c", 3: "d"})]
+    add_ratios(results, greedy=True)
+    assert [r["greedy_identical"] for r in results] == [1.0, None, 0.75, None]
+    assert not any("texts" in r for r in results)  # the report keeps no texts
+    sampled = [row("spec", 1, {0: "a"}), row("vanilla", 1, {0: "b"})]
+    add_ratios(sampled)  # sampled runs: texts may differ, nothing is judged
+    assert [r["greedy_identical"] for r in sampled] == [None, None]
