@@ -105,6 +105,14 @@ static inline v16 vexp(v16 x) {
 slot, 0 where exp underflowed, which adds an exact zero), and the sum of the weights. Four chains take the keys in
 turn (key i into chain i % 4: the same chain for a key whatever hides between) and are added as (0 + 1) + (2 + 3);
 ND = D / 16 sums in registers. */
+#define ADD_KEY(ND, c, key)                                                                                       \
+  do {                                                                                                         \
+    const float* vr = vg + (int64_t)(key) * vss;                                                               \
+    const float w = p[key];                                                                                    \
+    const v16 pv = (v16){0} + w;                                                                               \
+    den[c] += w;                                                                                               \
+    for (int j = 0; j < ND; ++j) acc[c][j] += pv * ld(vr + 16 * j);                                            \
+  } while (0)
 #define WEIGHTED_SUM(ND)                                                                                          \
   static inline __attribute__((always_inline)) float weighted_sum_##ND(const int32_t* idx, const float* p,      \
                                                                       int64_t n, const float* vg, int64_t vss, \
@@ -115,20 +123,8 @@ ND = D / 16 sums in registers. */
       for (int j = 0; j < ND; ++j) acc[c][j] = (v16){0};                                                       \
     int64_t i = 0;                                                                                             \
     for (; i + 4 <= n; i += 4)                                                                                 \
-      for (int c = 0; c < 4; ++c) {                                                                            \
-        const float* vr = vg + (int64_t)idx[i + c] * vss;                                                      \
-        const float w = p[idx[i + c]];                                                                         \
-        const v16 pv = (v16){0} + w;                                                                           \
-        den[c] += w;                                                                                           \
-        for (int j = 0; j < ND; ++j) acc[c][j] += pv * ld(vr + 16 * j);                                        \
-      }                                                                                                        \
-    for (int c = 0; i + c < n; ++c) {                                                                          \
-      const float* vr = vg + (int64_t)idx[i + c] * vss;                                                        \
-      const float w = p[idx[i + c]];                                                                           \
-      const v16 pv = (v16){0} + w;                                                                             \
-      den[c] += w;                                                                                             \
-      for (int j = 0; j < ND; ++j) acc[c][j] += pv * ld(vr + 16 * j);                                          \
-    }                                                                                                          \
+      for (int c = 0; c < 4; ++c) ADD_KEY(ND, c, idx[i + c]);                                                  \
+    for (int c = 0; i + c < n; ++c) ADD_KEY(ND, c, idx[i + c]);                                                \
     for (int j = 0; j < ND; ++j) st(o + 16 * j, (acc[0][j] + acc[1][j]) + (acc[2][j] + acc[3][j]));            \
     return (den[0] + den[1]) + (den[2] + den[3]);                                                              \
   }
