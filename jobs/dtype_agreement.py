@@ -10,7 +10,7 @@ equals vanilla's in that dtype or first differs at some token. Where the target'
 the bits of a decode step (``Decoder.verify_is_exact``: CPU, one thread, eyas's panel and attention kernels, in
 float32 and, where the CPU has AVX512_BF16, bfloat16) every method must equal vanilla, and a difference is a bug
 (exit code 1); so must every method in float32 anywhere, as the engine promises. Elsewhere (more threads, trees of
-more than 32 rows, float16, CPUs without AVX512_BF16) reduced precision runs differently shaped kernels for a verify
+more than 64 rows, float16, CPUs without AVX512_BF16) reduced precision runs differently shaped kernels for a verify
 and a decode step, so a near-tie in the target's argmax can flip; the report counts how often, and where ("exact"
 says which rows were held to equality), and each method's tokens/s in each dtype. Each dtype's vanilla output is also set against
 float32's (what the dtype itself changes).

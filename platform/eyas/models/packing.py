@@ -30,9 +30,9 @@ AVX-512 Xeon, ea59c6f; 15.9 / 12.7 / 12.5 on the AVX2 EPYC): it stays row-major 
 itself (``one_row_layout``), which made all of smollm2's one-row products 29.6 ms against 31.3 all column-major.
 bfloat16 keeps row-major parameters: its packed kernel wins at one row too (24.8 ms against 43.3 column-major).
 
-**Panels** (``eyas.models.panels``): where its C kernel builds, up to 32 float32 rows (and bfloat16 rows, where the
+**Panels** (``eyas.models.panels``): where its C kernel builds, up to 64 float32 rows (and bfloat16 rows, where the
 CPU has AVX512_BF16) at one torch thread go through a panel copy of the weight instead, faster than every layout
-above at 1-32 rows and the same numbers for a row at any number of rows (README "Threads and dtype").
+above at 1-64 rows and the same numbers for a row at any number of rows (README "Threads and dtype").
 
 Shape legend: O output features, I input features; x_XI is any leading shape.
 """
@@ -102,7 +102,7 @@ class PackedLinear:
                        if self.packed else weight_OI)
         self.bias = bias_O
         self.one_row = weight_OI if self.packed and one_row else None
-        # float32 or bfloat16 on CPU: a few rows go through the panel kernel (eyas.models.panels), fastest at 1-32 rows
+        # float32 or bfloat16 on CPU: a few rows go through the panel kernel (eyas.models.panels), fastest at 1-64 rows
         self.panels_PIW = panels.pack(weight_OI) if not _plain and panels.applies(weight_OI) else None
         self.num_out = weight_OI.shape[0]
 

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.skipif(not panels.available(), reason="no C compiler he
 
 
 @pytest.mark.parametrize("num_out,num_in", [(96, 64), (70, 33), (5, 16), (960, 576)])
-@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 32])
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 32, 64])
 def test_panel_product_equals_linear(num_out, num_in, rows):
     generator = torch.Generator().manual_seed(num_out * 100 + rows)
     weight_OI = torch.randn(num_out, num_in, generator=generator)
@@ -41,10 +41,10 @@ def test_packed_linear_uses_panels_for_few_rows_only(monkeypatch):
     calls = []
     real = panels.matmul
     monkeypatch.setattr(panels, "matmul", lambda *a: calls.append(a[0].shape) or real(*a))
-    for shape in [(1, 48), (2, 3, 48), (40, 48)]:
+    for shape in [(1, 48), (2, 3, 48), (80, 48)]:
         x = torch.randn(*shape)
         torch.testing.assert_close(linear(x), F.linear(x, weight_OI, bias_O), atol=1e-4, rtol=1e-5)
-    assert calls == [(1, 48), (2, 3, 48)]  # 40 rows: past MAX_ROWS, torch's kernel
+    assert calls == [(1, 48), (2, 3, 48)]  # 80 rows: past MAX_ROWS, torch's kernel
     x = torch.randn(1, 48, requires_grad=True)
     linear(x)  # a gradient is wanted: torch's kernel
     assert len(calls) == 2
@@ -55,7 +55,7 @@ bf16 = pytest.mark.skipif(not panels.available(torch.bfloat16), reason="no AVX51
 
 @bf16
 @pytest.mark.parametrize("num_out,num_in", [(96, 64), (70, 33), (5, 16), (960, 576)])
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 32])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 32, 64])
 def test_bfloat16_panel_product_is_the_float32_product_rounded(num_out, num_in, rows):
     generator = torch.Generator().manual_seed(num_out * 100 + rows)
     weight_OI = torch.randn(num_out, num_in, generator=generator).bfloat16()
