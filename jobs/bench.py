@@ -9,7 +9,9 @@ code + prose, plus chat + humaneval when the target is a chat model (its templat
 self-trained base target never downloads a data set.
 
 Speedup is tokens/s over eyas ``vanilla`` on the same suite in the same run; methods run in a rotating order per
-prompt so slow drifts of this machine hit all of them alike. Writes bench.json (DESIGN.md schema), a figure next
+prompt so slow drifts of this machine hit all of them alike. Each speculative method's row says how many prompts it
+decoded to vanilla's very tokens (``same_as_vanilla``, the "same" column; 1.00 is lossless) and whether the target's
+verify was exact for its trees (``exact_verify``: ``Decoder.verify_is_exact``). Writes bench.json (DESIGN.md schema), a figure next
 to it (speedup and tau per method and suite), and prints the table.
 
 The cost model (eyas.decoding.costs; off with ``--cost-repeats 0``): before the methods run, the bench measures the
@@ -66,6 +68,7 @@ class Tally:
     stats: SpecStats = field(default_factory=SpecStats)
     pass_seconds: list[float] = field(default_factory=list)  # per pass over the prompts (--repeats)
     pass_tokens: list[int] = field(default_factory=list)
+    outputs: list[list[int]] = field(default_factory=list)  # the first pass's new tokens per prompt (eyas methods)
 
 
 def git_commit() -> str:
@@ -256,6 +259,8 @@ def run_bench(args: argparse.Namespace) -> dict:
                                           eos_token_ids=eos)
                         new_tokens = len(result.token_ids)
                         tally.stats = tally.stats.merge(result.stats)
+                        if rep == 0:
+                            tally.outputs.append(result.token_ids)
                     seconds = time.perf_counter() - start
                     tally.seconds += seconds
                     tally.new_tokens += new_tokens
@@ -266,6 +271,10 @@ def run_bench(args: argparse.Namespace) -> dict:
                 done += 1
                 print(f"[bench] {done}/{total} prompts", file=sys.stderr, flush=True)
     results = [result_row(method, suite, tallies, cost) for suite in suites for method in drafters]
+    for row in results:  # lossless here? (a method's speedup only counts where its text is vanilla's)
+        spec, drafter = drafters[row["method"]]
+        if drafter is not None:
+            row["exact_verify"] = target.verify_is_exact(drafter.max_draft_nodes + 1)
     cost_model = finish_costs(cost, results, tallies, cpu_start, args) if cost is not None else None
     report = {"commit": git_commit(), "machine": machine(),
               "config": {"target": target_path, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
@@ -289,7 +298,10 @@ def result_row(method: str, suite: str, tallies: dict, cost: CostMeasurement | N
     row = {"method": method, "suite": suite, "num_prompts": t.num_prompts, "new_tokens": t.new_tokens,
            "seconds": round(t.seconds, 4), "tokens_per_s": round(tps, 2), "speedup": round(tps / base_tps, 3),
            "tau": round(t.stats.tau, 3) if speculates and t.stats.tau else None,
-           "per_depth_accept": [round(a, 3) for a in t.stats.per_depth_accept] if speculates else None}
+           "per_depth_accept": [round(a, 3) for a in t.stats.per_depth_accept] if speculates else None,
+           # the share of prompts whose greedy output is vanilla's, token for token (eyas's speculative methods)
+           "same_as_vanilla": (round(sum(o == v for o, v in zip(t.outputs, base.outputs)) / len(t.outputs), 3)
+                               if speculates and t.outputs else None)}
     if len(t.pass_seconds) > 1:
         passes = [n / s for n, s in zip(t.pass_tokens, t.pass_seconds) if s > 0]
         row["passes_tokens_per_s"] = {"best": round(max(passes), 2),
@@ -334,18 +346,19 @@ def plot(report: dict, path: Path) -> None:
 
 
 def print_table(report: dict) -> None:
-    print(f"{'method':<18}{'suite':<10}{'tok/s':>9}{'speedup':>9}{'tau':>7}{'limit':>8}{'of-lim':>8}"
+    print(f"{'method':<18}{'suite':<10}{'tok/s':>9}{'speedup':>9}{'tau':>7}{'same':>6}{'limit':>8}{'of-lim':>8}"
           f"{'draft':>7}{'verify':>7}{'other':>7}  per-depth accept")
     for r in report["results"]:
         tau = f"{r['tau']:.2f}" if r["tau"] else "-"
+        same = f"{r['same_as_vanilla']:.2f}" if r.get("same_as_vanilla") is not None else "-"
         limit = f"{r['predicted_speedup']:.2f}x" if r.get("predicted_speedup") else "-"
         of_limit = f"{r['of_limit']:.2f}" if r.get("of_limit") else "-"
         split = r.get("time_split")
         shares = "".join(f"{100 * split[k]:>6.0f}%" for k in ("draft", "verify", "other")) if split else \
             f"{'-':>7}" * 3
         depth = " ".join(f"{a:.2f}" for a in (r["per_depth_accept"] or [])[:6])
-        print(f"{r['method']:<18}{r['suite']:<10}{r['tokens_per_s']:>9.1f}{r['speedup']:>8.2f}x{tau:>7}{limit:>8}"
-              f"{of_limit:>8}{shares}  {depth}")
+        print(f"{r['method']:<18}{r['suite']:<10}{r['tokens_per_s']:>9.1f}{r['speedup']:>8.2f}x{tau:>7}{same:>6}"
+              f"{limit:>8}{of_limit:>8}{shares}  {depth}")
     cost = report.get("cost_model")
     if cost:
         curve = "  ".join(f"t({n}) {t['median']:.2f}" for n, t in cost["t_forward_ms"].items())
@@ -371,6 +384,10 @@ def print_table(report: dict) -> None:
               f"cores, {others}")
         for warning in cost["warnings"]:
             print(f"WARNING: {warning}")
+    differ = sorted({r["method"] for r in report["results"] if r.get("same_as_vanilla") not in (None, 1.0)})
+    if differ:
+        print(f"NOTE: {differ} decoded another text than vanilla on some prompts (column 'same'): their speedup "
+              "is not a lossless one here (reduced precision where the verify is not exact: README 'Threads and dtype')")
     print(f"commit {report['commit']}; {report['config']['command']}")
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from eyas.models import attention, panels
 from jobs import bench, generate
 
 
@@ -54,8 +55,12 @@ def test_bench_writes_schema_and_figure(random_checkpoint, random_draft_checkpoi
     assert rows["draft-lm"]["per_depth_accept"] == [1.0, 1.0, 1.0, 1.0]
     for row in rows.values():
         assert row["num_prompts"] == 3
-    # lossless: every eyas method emits vanilla's tokens, so the same number of them
+    # lossless: every eyas method emits vanilla's tokens, so the same number of them, and the bench says so
     assert rows["ngram"]["new_tokens"] == rows["draft-lm"]["new_tokens"] == rows["vanilla"]["new_tokens"]
+    assert rows["ngram"]["same_as_vanilla"] == rows["draft-lm"]["same_as_vanilla"] == 1.0
+    # float32, one thread, a 16-node tree: the kernels' exact path (where a C compiler built them)
+    assert rows["ngram"]["exact_verify"] is (panels.available() and attention.available())
+    assert rows["vanilla"]["same_as_vanilla"] is None and "exact_verify" not in rows["hf"]
     assert out.with_suffix(".png").stat().st_size > 0
     # the cost model: the t(N) curve, the bandwidth limit, and every eyas method's cycle against it
     cost = report["cost_model"]
