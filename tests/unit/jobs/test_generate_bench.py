@@ -69,7 +69,10 @@ def test_bench_writes_schema_and_figure(random_checkpoint, random_draft_checkpoi
     # vanilla's decode steps alone: one over its mean step, and at least its end-to-end rate (no prefill in it)
     vanilla = cost["vanilla"]["custom"]
     assert vanilla["decode_tokens_per_s"] == pytest.approx(1e3 / rows["vanilla"]["t_cycle_ms"], rel=1e-3)
-    assert vanilla["decode_tokens_per_s"] >= vanilla["tokens_per_s"]
+    # no prefill in it, so about its end-to-end rate or above; on a random micro target a prefill costs about one
+    # step, and two clocks' noise can put it a little under (444.5 against 447.0 tok/s in one CI run): no timing
+    # race here, only a sanity bound
+    assert vanilla["decode_tokens_per_s"] >= 0.8 * vanilla["tokens_per_s"]
     assert vanilla["decode_of_bandwidth_limit"] == pytest.approx(
         vanilla["decode_tokens_per_s"] / cost["bandwidth"]["limit_tokens_per_s"], rel=1e-2, abs=1e-3)  # 3 decimals
     assert isinstance(cost["warnings"], list)
