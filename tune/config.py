@@ -46,6 +46,8 @@ from eyas.models.dtypes import DTYPES
 from eyas.train.config import SUITES, TrainConfig, target_path
 from tune.space import Param, parse_param
 
+MEASURE_SUITES = SUITES + ("humaneval", "chat")  # what jobs.bench measures on, too
+
 # SpecConfig fields an inference sweep may search (method / drafter / draft_model are fixed per sweep)
 SPEC_KEYS = ("tree", "depth", "top_k", "num_nodes", "num_draft", "max_matches")
 # a schedule sweep's grid: concurrent requests x the most drafted nodes per sequence (serving's speculation_by_batch)
@@ -86,7 +88,7 @@ class SearchConfig:
 class MeasureConfig:
     """How a trial measures speed: greedy generation on held-out prompts, vanilla and speculative interleaved."""
 
-    suite: str = "all"           # held-out prompts: code, prose or all (eyas.corpus)
+    suite: str = "all"           # held-out prompts: code, prose, all (eyas.corpus), humaneval or chat (eyas.datasets)
     num_prompts: int = 8         # 0: no speed measurement (training on sim_tau); schedule: cycled to fill batches
     max_new_tokens: int = 64      # greedy tokens per prompt and method
     max_prompt_tokens: int = 192  # prompts are cut to their first tokens (and to what the context leaves)
@@ -94,7 +96,7 @@ class MeasureConfig:
     repeats: int = 1             # timed passes over the prompts
 
     def __post_init__(self) -> None:
-        require(self.suite in SUITES, "measure.suite", self.suite, f"must be one of {list(SUITES)}")
+        require(self.suite in MEASURE_SUITES, "measure.suite", self.suite, f"must be one of {list(MEASURE_SUITES)}")
         require(self.num_prompts >= 0, "measure.num_prompts", self.num_prompts, "must be >= 0")
         for key in ("max_new_tokens", "max_prompt_tokens", "repeats"):
             require(getattr(self, key) >= 1, f"measure.{key}", getattr(self, key), "must be >= 1")

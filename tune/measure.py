@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from eyas import corpus
+from eyas import corpus, datasets
 from eyas.decoding.engine import SpecEngine
 from eyas.decoding.requests import SequenceRequest, SpeculationSchedule
 from eyas.decoding.stats import SpecStats
@@ -34,13 +34,20 @@ def context_room(max_positions: int, max_new_tokens: int) -> int:
 
 def heldout_prompt_ids(tokenizer, suite: str, num_prompts: int, max_prompt_tokens: int, max_positions: int,
                        max_new_tokens: int) -> list[list[int]]:
-    """Held-out prompts (eyas.corpus), tokenized and cut to fit the context; ValueError when none fits."""
+    """Held-out prompts of a suite, tokenized and cut to fit the context; ValueError when none fits. ``all``,
+    ``code``, ``prose``: eyas.corpus; ``humaneval`` and ``chat`` (ShareGPT first turns in the target's chat
+    template, longer ones skipped): eyas.datasets, as jobs.bench reads them."""
     room = min(max_prompt_tokens, context_room(max_positions, max_new_tokens))
     if room < 1:
         raise ValueError(f"measure.max_new_tokens={max_new_tokens} leaves no room for a prompt in the target's "
                          f"context of {max_positions} tokens ({MAX_TREE_NODES} slots are kept for a draft tree)")
-    texts = corpus.heldout_prompts(suite, num_prompts)
-    prompts = [ids[:room] for ids in (tokenizer(text).input_ids for text in texts) if ids]
+    if suite in datasets.SUITES:
+        texts = datasets.suite_prompts(suite, num_prompts, tokenizer, max_prompt_tokens=room)
+    else:  # all: code and prose
+        texts = corpus.heldout_prompts(suite, num_prompts)
+    # a chat prompt is rendered by the template, special tokens included
+    prompts = [ids[:room] for ids in (tokenizer.encode(text, add_special_tokens=suite != "chat") for text in texts)
+               if ids]
     if len(prompts) < num_prompts:
         raise ValueError(f"measure.num_prompts={num_prompts}: the held-out {suite!r} suite has only "
                          f"{len(prompts)} prompts")
