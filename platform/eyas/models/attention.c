@@ -9,8 +9,9 @@ function of its own row and the keys it sees, in slot order:
     16-lane grid is padded with zeros, which add exact zeros);
   - the max is exact in any order;
   - exp is one polynomial applied alike to every element;
-  - the denominator and the weighted sum of values run over the visible keys in slot order, one key at a time
-    (a hidden key is skipped, an exp that underflowed adds an exact zero).
+  - the denominator and the weighted sum of values run over the visible keys in slot order, the i-th visible key
+    into chain i % 4, the chains added in a fixed order (a hidden key is skipped, an exp that underflowed adds an
+    exact zero).
 So a query's output depends only on its visible keys and their order, which tree verification keeps (ancestors
 lie in slot order, as the tokens they stand for were decoded).
 
@@ -32,14 +33,15 @@ static const float ZEROS[128] = {0};  /* the row of a missing key (D <= 128) */
 static inline v16 ld(const float* p) { v16 v; memcpy(&v, p, 64); return v; }
 static inline void st(float* p, v16 v) { memcpy(p, &v, 64); }
 
-/* the scores of one query against 16 keys (kp: their rows; a missing key points at zeros), as a vector in key
-order. Each is 16-wide partial sums over D in order, then the 16 lanes added by halves: lanes j and j + 8, then j
-and j + 4, then j and j + 2, then the last two. The 16 keys go through that tree together, two vectors' halves per
-shuffle, so a key's score is the same at any position in a block and in any block. ND = D / 16. */
 /* Every sum of products here starts from zero and adds one product at a time (acc += x * y), so where the
 compiler contracts a product and a sum into an FMA (GCC's default) there is one way to: two products added
 directly (x * y + z * w) could be fused either way, and two copies of such code could round differently. */
 #define SH(P, Q, ...) __builtin_shufflevector(P, Q, __VA_ARGS__)
+
+/* the scores of one query against 16 keys (kp: their rows; a missing key points at zeros), as a vector in key
+order. Each is 16-wide partial sums over D in order, then the 16 lanes added by halves: lanes j and j + 8, then j
+and j + 4, then j and j + 2, then the last two. The 16 keys go through that tree together, two vectors' halves per
+shuffle, so a key's score is the same at any position in a block and in any block. ND = D / 16. */
 #define DOT16(ND)                                                                                                 \
   static inline __attribute__((always_inline)) v16 dot16_##ND(const float* qr, const float* const* kp) {       \
     v16 qv[ND], a[16];                                                                                         \
