@@ -15,7 +15,7 @@ import torch
 import torch.multiprocessing as mp
 
 from eyas.methods import SpecConfig, build_drafter, load_drafter
-from eyas.models import load_target, load_tokenizer
+from eyas.models import attention, load_target, load_tokenizer, panels
 from eyas.decoding.engine import SpecEngine
 from eyas.decoding.requests import SequenceRequest, SpeculationSchedule
 from eyas.decoding.tree import pack_trees, prune
@@ -39,6 +39,16 @@ def one_thread():
 @pytest.fixture(scope="module")
 def setup(random_checkpoint):
     target = load_target(random_checkpoint)
+    tokenizer = load_tokenizer(random_checkpoint)
+    return target, [tokenizer.encode(p) for p in PROMPTS], set(target.config.eos_token_ids)
+
+
+@pytest.fixture(scope="module")
+def setup_bfloat16(random_checkpoint):
+    """The same in bfloat16, where the verify is exact (eyas.models.attention, panels): batched rows too."""
+    if not (panels.available(torch.bfloat16) and attention.available()):
+        pytest.skip("no AVX512_BF16 or C compiler here: bfloat16 runs torch's kernels, not held to equality")
+    target = load_target(random_checkpoint, dtype=torch.bfloat16)
     tokenizer = load_tokenizer(random_checkpoint)
     return target, [tokenizer.encode(p) for p in PROMPTS], set(target.config.eos_token_ids)
 
@@ -91,8 +101,10 @@ def test_pack_trees_pads_ragged_trees():
 
 @pytest.mark.parametrize("method", ["vanilla", "ngram", "draft-lm"])
 @pytest.mark.parametrize("schedule", [{1: None}, {1: None, 2: 3, 3: 0}])
-def test_batched_greedy_equals_single_generate(setup, random_draft_checkpoint, method, schedule):
-    target, prompts, eos = setup
+@pytest.mark.parametrize("dtype_setup", ["setup", "setup_bfloat16"])
+def test_batched_greedy_equals_single_generate(request, random_draft_checkpoint, method, schedule, dtype_setup):
+    """Rows decoded together emit what each emits alone, in float32 and (where the verify is exact) bfloat16."""
+    target, prompts, eos = request.getfixturevalue(dtype_setup)
     spec = spec_for(method, random_draft_checkpoint)
     singles = [generate(target, ids, NUM_NEW, drafter=build_drafter(target, spec), eos_token_ids=eos)
                for ids in prompts]
