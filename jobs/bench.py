@@ -11,8 +11,8 @@ self-trained base target never downloads a data set.
 Speedup is tokens/s over eyas ``vanilla`` on the same suite in the same run; methods run in a rotating order per
 prompt so slow drifts of this machine hit all of them alike. Each speculative method's row says how many prompts it
 decoded to vanilla's very tokens (``same_as_vanilla``, the "same" column; 1.00 is lossless) and whether the target's
-verify was exact for its trees (``exact_verify``: ``Decoder.verify_is_exact``). Writes bench.json (DESIGN.md schema), a figure next
-to it (speedup and tau per method and suite), and prints the table.
+verify was exact for its trees (``exact_verify``: ``Decoder.verify_is_exact``). Writes bench.json (DESIGN.md
+schema), a figure next to it (speedup and tau per method and suite), and prints the table.
 
 The cost model (eyas.decoding.costs; off with ``--cost-repeats 0``): before the methods run, the bench measures the
 target's t(N) over N new tokens (N = 1 ... 64) after a context as long as the mean prompt plus half the new tokens,
@@ -272,7 +272,7 @@ def run_bench(args: argparse.Namespace) -> dict:
                 print(f"[bench] {done}/{total} prompts", file=sys.stderr, flush=True)
     results = [result_row(method, suite, tallies, cost) for suite in suites for method in drafters]
     for row in results:  # lossless here? (a method's speedup only counts where its text is vanilla's)
-        spec, drafter = drafters[row["method"]]
+        _, drafter = drafters[row["method"]]
         if drafter is not None:
             row["exact_verify"] = target.verify_is_exact(drafter.max_draft_nodes + 1)
     cost_model = finish_costs(cost, results, tallies, cpu_start, args) if cost is not None else None
@@ -387,7 +387,8 @@ def print_table(report: dict) -> None:
     differ = sorted({r["method"] for r in report["results"] if r.get("same_as_vanilla") not in (None, 1.0)})
     if differ:
         print(f"NOTE: {differ} decoded another text than vanilla on some prompts (column 'same'): their speedup "
-              "is not a lossless one here (reduced precision where the verify is not exact: README 'Threads and dtype')")
+              "is not a lossless one here (reduced precision where the verify is not exact: README 'Threads and "
+              "dtype')")
     print(f"commit {report['commit']}; {report['config']['command']}")
 
 if __name__ == "__main__":

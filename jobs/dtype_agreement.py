@@ -12,8 +12,8 @@ float32 and, where the CPU has AVX512_BF16, bfloat16) every method must equal va
 (exit code 1); so must every method in float32 anywhere, as the engine promises. Elsewhere (more threads, trees of
 more than 64 rows, float16, CPUs without AVX512_BF16) reduced precision runs differently shaped kernels for a verify
 and a decode step, so a near-tie in the target's argmax can flip; the report counts how often, and where ("exact"
-says which rows were held to equality), and each method's tokens/s in each dtype. Each dtype's vanilla output is also set against
-float32's (what the dtype itself changes).
+says which rows were held to equality), and each method's tokens/s in each dtype. Each dtype's vanilla output is
+also set against float32's (what the dtype itself changes).
 Drafters are found as jobs.bench finds them (``<drafters-dir>/<family>-<target dir name>``).
 """
 from __future__ import annotations

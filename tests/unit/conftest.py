@@ -42,3 +42,15 @@ def hermetic_pip(monkeypatch):
     monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)  # pip then reads no config file at all
     for name in [n for n in os.environ if n.startswith("PIP_") and n != "PIP_CONFIG_FILE"]:
         monkeypatch.delenv(name)
+
+
+@pytest.fixture()
+def sharegpt_cache(eyas_home):
+    """A cached ShareGPT of 40 one-turn conversations (conv-11 and conv-36 are held out): chat suites without a
+    download."""
+    from eyas import datasets
+
+    conversations = [datasets.Conversation(f"conv-{i}", (("user", "hello there"), ("assistant", "fine")))
+                     for i in range(40)]
+    datasets.atomic_write(datasets.SHAREGPT.cache_dir() / "conversations.parquet",
+                          lambda path: datasets.write_conversations(conversations, path))

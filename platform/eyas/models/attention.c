@@ -24,8 +24,6 @@ key when causal is 0); out [B, T, H, D] contiguous (o_proj's input, no transpose
 #include <string.h>
 
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
-typedef float v8 __attribute__((vector_size(32), aligned(4)));
-typedef float v4 __attribute__((vector_size(16), aligned(4)));
 typedef int32_t i16 __attribute__((vector_size(64), aligned(4)));
 typedef uint8_t u8x16 __attribute__((vector_size(16), aligned(1)));
 static const float ZEROS[128] = {0};  /* the row of a missing key (D <= 128) */

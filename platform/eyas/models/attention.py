@@ -43,8 +43,9 @@ def available() -> bool:
     return _library() is not None
 
 
+@lru_cache(maxsize=None)
 def supports(head_dim: int) -> bool:
-    """Whether the kernel built here and takes this head dim (up to 128)."""
+    """Whether the kernel built here and takes this head dim (up to 128); asked once per head dim, not per call."""
     return available() and bool(_library().eyas_attend_supports(head_dim))
 
 

@@ -9,11 +9,11 @@ rows, so a row's outputs are bit-identical whether it is decoded alone or verifi
 bfloat16 weights (where the CPU has AVX512_BF16; elsewhere torch's kernels) lie in panels [ceil(O/32), I/2, 64]:
 each output's inputs i and i+1 side by side, one ``vdpbf16ps`` per pair, float32 sums rounded to bfloat16 once. They
 read half float32's bytes at the same rate, and keep the row invariance: in bfloat16 too a verify's linear outputs
-are a decode step's (the rest of a bfloat16 forward is not yet: README "Threads and dtype").
+are a decode step's (attention's are too, through ``eyas.models.attention``: ``Decoder.verify_is_exact``).
 
 The kernel is compiled once per CPU kind with the host's C compiler (``eyas.models.kernels``). Where no compiler
-works, or with ``EYAS_PANELS=0``, ``available()`` is False and ``PackedLinear`` keeps torch's kernels. The kernel is single-
-threaded: it is used at one torch thread (eyas's policy on small machines, ``eyas.threads``) and at most
+works, or with ``EYAS_PANELS=0``, ``available()`` is False and ``PackedLinear`` keeps torch's kernels. The kernel is
+single-threaded: it is used at one torch thread (eyas's policy on small machines, ``eyas.threads``) and at most
 ``MAX_ROWS`` rows; more rows or threads go to oneDNN.
 
 Shape legend: O output features, I input features, M rows, P panels.

@@ -15,15 +15,6 @@ def bench_args(suite: str, num_prompts: int = 2) -> argparse.Namespace:
     return argparse.Namespace(prompts_file=None, suite=suite, num_prompts=num_prompts)
 
 
-@pytest.fixture()
-def sharegpt_cache(eyas_home):
-    """A cached ShareGPT of 40 one-turn conversations (conv-11 and conv-36 are held out)."""
-    conversations = [datasets.Conversation(f"conv-{i}", (("user", "hello there"), ("assistant", "fine")))
-                     for i in range(40)]
-    datasets.atomic_write(datasets.SHAREGPT.cache_dir() / "conversations.parquet",
-                          lambda path: datasets.write_conversations(conversations, path))
-
-
 def test_code_prose_and_all_for_a_base_target(make_chat_tokenizer):
     base = make_chat_tokenizer("{% for m in messages %}{{ m['content'] }}{% endfor %}")
     assert load_prompts(bench_args("code"), base) == {"code": corpus.heldout_prompts("code", 2)}

@@ -1,7 +1,7 @@
 """eyas.models.attention: the kernel computes attention (against torch's SDPA), a query gets the same bits alone
 and among others whatever is hidden between its keys, and with it a target's verify forward gives every token the
-logits of a plain decode step, in float32 and in bfloat16: so greedy speculative output is vanilla's in both (every drafter family:
-tests/unit/models/test_packing.py)."""
+logits of a plain decode step, in float32 and in bfloat16: so greedy speculative output is vanilla's in both
+(every drafter family: tests/unit/models/test_packing.py)."""
 from __future__ import annotations
 
 import pytest

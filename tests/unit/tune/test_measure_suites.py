@@ -5,17 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from eyas import corpus, datasets
+from eyas import corpus
 from tune.config import MEASURE_SUITES, MeasureConfig
 from tune.measure import heldout_prompt_ids
-
-
-@pytest.fixture()
-def sharegpt_cache(eyas_home):
-    conversations = [datasets.Conversation(f"conv-{i}", (("user", "hello there"), ("assistant", "fine")))
-                     for i in range(40)]
-    datasets.atomic_write(datasets.SHAREGPT.cache_dir() / "conversations.parquet",
-                          lambda path: datasets.write_conversations(conversations, path))
 
 
 def test_measure_takes_the_bench_suites():
