@@ -65,7 +65,9 @@ def attend(q_BHTD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor, mas
     assert v_BGSD.stride(-1) == 1 and v_BGSD.dtype == torch.float32
     out_BTHD = torch.empty(B, T, H, D, dtype=torch.float32)
     if mask_B1TS is not None:
-        mask_BTS = mask_B1TS.reshape(-1, T, S).to(torch.uint8).contiguous().expand(B, T, S)
+        # a bool tensor's bytes are 0 / 1, which the kernel reads as uint8: no copy per layer (the decoder passes
+        # the same contiguous mask to all of them)
+        mask_BTS = mask_B1TS.to(torch.bool).reshape(-1, T, S).contiguous().expand(B, T, S)
         mask_ptr, msb, mst = mask_BTS.data_ptr(), mask_BTS.stride(0), mask_BTS.stride(1)
         assert mask_BTS.stride(2) == 1
     else:
