@@ -178,7 +178,7 @@ def test_a_killed_regenerator_actor_is_replaced_and_every_shard_is_there_once(ho
 
     cfg = load_config(DataConfig, REPO / "jobs" / "configs" / "data-micro.yaml", [
         "name=data-killed", "target=target-rand", "num_prompts=48", "num_heldout_prompts=8", "shard_size=4",
-        "max_new_tokens=24", "batch_size=4", "num_workers=2"])
+        "max_new_tokens=64", "batch_size=4", "num_workers=2"])  # long enough to kill an actor mid-run
     out = home / "data" / "data-killed"
     outcome: dict = {}
 
