@@ -46,6 +46,7 @@ from eyas.methods import METHODS, SpecConfig, build_drafter
 from eyas.models import CheckpointError, load_target, load_tokenizer, torch_dtype
 from eyas.decoding.generate import generate
 from eyas.decoding.stats import SpecStats
+from eyas.files import atomic_write, writable_path, write_text_atomic
 from eyas.threads import configure_threads, current_settings
 from jobs.bench_costs import CostMeasurement, finish_costs, measure_costs
 
@@ -182,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     configure_threads(args.threads)
     try:
+        writable_path(args.out)  # before the measurements, not after them
         report = run_bench(args)
     except (ConfigError, CheckpointError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
@@ -283,7 +285,7 @@ def run_bench(args: argparse.Namespace) -> dict:
                          "command": " ".join(sys.argv)},
               "results": results, "cost_model": cost_model}
     out = Path(args.out)
-    out.write_text(json.dumps(report, indent=2))
+    write_text_atomic(out, json.dumps(report, indent=2))
     plot(report, out.with_suffix(".png"))
     print(f"[bench] wrote {out} and {out.with_suffix('.png')}", file=sys.stderr)
     return report
@@ -341,7 +343,7 @@ def plot(report: dict, path: Path) -> None:
     axes[0].axhline(1.0, color="gray", lw=0.8, ls="--")
     fig.suptitle(f"eyas bench @ {report['commit']}, {report['config']['max_new_tokens']} new tokens")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
     plt.close(fig)
 
 

@@ -25,6 +25,7 @@ import torch
 
 from eyas.config import ConfigError, eyas_home, resolve_path
 from eyas.decoding.generate import generate
+from eyas.files import writable_path, write_text_atomic
 from eyas.models import load_target
 from eyas.threads import OPENMP_KNOBS, POLICY_VAR, configure_threads
 
@@ -177,13 +178,12 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --repeats, --num-prompts and --max-new-tokens must be >= 1, --busy >= 0", file=sys.stderr)
         return 2
     try:
+        writable_path(args.out)
         report = run(args)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    tmp = Path(args.out).with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(report, indent=2) + "\n")
-    tmp.replace(args.out)
+    write_text_atomic(Path(args.out), json.dumps(report, indent=2) + "\n")
     print_table(report)
     return 0
 

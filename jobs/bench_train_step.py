@@ -21,7 +21,7 @@ import time
 import torch
 
 from eyas.config import resolve_path
-from eyas.datasets import atomic_write
+from eyas.files import write_text_atomic
 from eyas.models import CheckpointError, load_target
 from eyas.threads import configure_threads
 from eyas.train.config import TrainConfig, target_path
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    out = atomic_write(resolve_path(args.out), lambda tmp: tmp.write_text(json.dumps(report, indent=2)))
+    out = write_text_atomic(resolve_path(args.out), json.dumps(report, indent=2))
     print(f"{report['drafter']} on {report['target']}: batch {report['batch_size']} x {report['max_len']}, "
           f"{report['precision']}, {report['threads']} thread(s); first step (target features) "
           f"{report['first_step_s']:.2f} s")

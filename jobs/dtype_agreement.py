@@ -30,6 +30,7 @@ from eyas.config import ConfigError, eyas_home, resolve_path
 from eyas.methods import METHODS, build_drafter
 from eyas.models import DTYPES, CheckpointError, load_target, load_tokenizer, torch_dtype
 from eyas.decoding.generate import generate
+from eyas.files import writable_path, write_text_atomic
 from eyas.threads import configure_threads, current_settings
 from jobs.bench import available, spec_for
 
@@ -117,14 +118,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="dtype_agreement.json")
     args = parser.parse_args(argv)
     try:
+        writable_path(args.out)
         configure_threads(args.threads)
         report = run(args)
     except (ConfigError, CheckpointError, ValueError, datasets.DatasetError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    tmp = Path(args.out).with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(report, indent=2) + "\n")
-    tmp.replace(args.out)
+    write_text_atomic(Path(args.out), json.dumps(report, indent=2) + "\n")
     print(f"{'dtype':<9} {'method':<14} {'against':<16} {'exact':>5} {'differ':>9} {'median first difference':>24}")
     for row in report["rows"]:
         print(f"{row['dtype']:<9} {row['method']:<14} {row['against']:<16} {'yes' if row['exact'] else 'no':>5} "

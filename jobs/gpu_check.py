@@ -38,6 +38,7 @@ import torch
 from eyas.decoding import costs
 from eyas.decoding.engine import SpecEngine
 from eyas.decoding.generate import generate
+from eyas.files import write_text_atomic
 from eyas.decoding.requests import SequenceRequest
 from eyas.drafters import registry
 from eyas.methods import SpecConfig, build_drafter, drafter_factory
@@ -298,16 +299,9 @@ def run(size_name: str, device: torch.device, dtype: torch.dtype, out: Path, new
             run_step("serve", summary, lambda: serve(target, size))
     summary["seconds"] = round(time.perf_counter() - started, 1)
     summary["ok"] = all(step["ok"] for step in summary["steps"].values())
-    write_atomic(out / "gpu_check.json", json.dumps(summary, indent=2))
-    write_atomic(out / "gpu_check.md", markdown(summary))
+    write_text_atomic(out / "gpu_check.json", json.dumps(summary, indent=2))
+    write_text_atomic(out / "gpu_check.md", markdown(summary))
     return summary
-
-
-def write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
 
 
 def markdown(summary: dict[str, Any]) -> str:

@@ -44,6 +44,7 @@ from ray import serve
 from eyas import corpus
 from eyas.config import ConfigError, apply_overrides
 from eyas.decoding.tp import free_port
+from eyas.files import writable_path, write_text_atomic
 from eyas_ray.cluster import init_ray
 from eyas_ray.deploy import run_config
 from eyas_ray.serve_config import ServeArgs
@@ -194,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
                               "and at least one client")
         if not levels or min(levels) < 1:
             raise ConfigError(f"--concurrency {args.concurrency!r}: give positive integers like 1,4,8")
+        writable_path(args.out or ("soak.json" if args.soak is not None else "load.json"))
         path = Path(args.config)
         if not path.is_file():
             raise ConfigError(f"--config {path}: file does not exist")
@@ -245,9 +247,7 @@ def main(argv: list[str] | None = None) -> int:
                          "max_tokens": args.max_tokens, "temperature": args.temperature, "suite": args.suite},
               "results": results}
     out = Path(args.out or "load.json")
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(report, indent=2))
-    tmp.replace(out)  # never a half-written report
+    write_text_atomic(out, json.dumps(report, indent=2))  # never a half-written report
     print_table(results)
     print(f"[load] wrote {out}")
     return 0
@@ -265,7 +265,7 @@ def run_soak(args: argparse.Namespace, path: Path, config: dict[str, Any], base_
               "config": {"serve_config": str(path), "app": config["applications"][0], "minutes": args.soak,
                          "max_prompt_chars": args.max_prompt_chars, "suite": args.suite}, "soak": result}
     out = args.out or "soak.json"
-    Path(out).write_text(json.dumps(report, indent=2))
+    write_text_atomic(Path(out), json.dumps(report, indent=2))
     print_report(result)
     print(f"[load] wrote {out}; soak {'passed' if result['ok'] else 'FAILED'}")
     return 0 if result["ok"] else 1

@@ -21,6 +21,7 @@ import yaml
 
 from eyas import track
 from eyas.config import flatten, to_dict
+from eyas.files import write_text_atomic
 from tune.config import SweepConfig, point_of
 from tune.preflight import absolute_spec
 
@@ -289,7 +290,7 @@ def write_outputs(sweep: SweepConfig, rows: list[dict[str, Any]], best: dict[str
     out.mkdir(parents=True, exist_ok=True)
     files = {"results": out / "results.json", "curve": out / "curve.png"}
     extra = {"schedule": choose_schedule(rows)} if sweep.kind == "schedule" else {}
-    write_atomic(files["results"], json.dumps({"sweep": to_dict(sweep), "command": command, "x": x_key(sweep),
+    write_text_atomic(files["results"], json.dumps({"sweep": to_dict(sweep), "command": command, "x": x_key(sweep),
                                                "curve": curve_table(sweep, rows), "trials": rows, "best": best,
                                                **extra}, indent=2, default=str))
     curve_figure(sweep, rows).savefig(files["curve"], dpi=110)
@@ -307,15 +308,8 @@ def write_outputs(sweep: SweepConfig, rows: list[dict[str, Any]], best: dict[str
                 text = (f"# speculation_by_batch of sweep {sweep.name}: per batch size the draft-node budget with "
                         f"the best measured speedup over vanilla (0: no speculation)\n# {command}\n# Use: {usage}\n")
             files[name] = out / name
-            write_atomic(files[name], text + yaml.safe_dump(document, sort_keys=False))
+            write_text_atomic(files[name], text + yaml.safe_dump(document, sort_keys=False))
     return files
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """A temp file beside ``path``, renamed over it: a reader never sees half a config."""
-    temp = path.with_name(f".{path.name}.tmp")
-    temp.write_text(text)
-    temp.replace(path)
 
 
 def log_parent(sweep: SweepConfig, rows: list[dict[str, Any]], best: dict[str, Any] | None,

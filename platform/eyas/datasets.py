@@ -43,6 +43,7 @@ from typing import Any, BinaryIO, Callable, Iterator, Sequence
 
 from eyas import corpus
 from eyas.config import eyas_home
+from eyas.files import atomic_write
 
 SUITES = ("code", "prose", "chat", "humaneval")
 SPEAKER_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bard": "assistant",
@@ -123,18 +124,6 @@ def pip_failure(file: RegistryFile, returncode: int, output: str) -> str:
 
 def progress(message: str) -> None:
     print(f"[datasets] {message}", file=sys.stderr, flush=True)
-
-
-def atomic_write(path: Path, write: Callable[[Path], None]) -> Path:
-    """``write(temp)`` then rename to ``path``: readers see the whole file or none."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        write(tmp)
-        tmp.replace(path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
 
 
 def fetch(file: RegistryFile, decode: Callable[[BinaryIO], Any], write: Callable[[Any, Path], None],

@@ -40,7 +40,7 @@ def test_generate_reports_bad_input(random_checkpoint, tmp_path, capsys):
 def test_bench_writes_schema_and_figure(random_checkpoint, random_draft_checkpoint, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ("import os\n", "class A:\n", "x = [1, 2,")))
-    out = tmp_path / "bench.json"
+    out = tmp_path / "runs" / "one" / "bench.json"  # a directory that does not exist yet: the bench makes it
     code = bench.main(["--target", str(random_checkpoint), "--draft-model", str(random_checkpoint),
                        "--methods", "vanilla,hf,hf-assisted,hf-prompt-lookup,ngram,draft-lm,eagle3",
                        "--prompts-file", str(prompts), "--max-new-tokens", "16", "--out", str(out)])
@@ -87,6 +87,17 @@ def test_bench_writes_schema_and_figure(random_checkpoint, random_draft_checkpoi
     assert rows["vanilla"]["t_draft_ms"] == 0.0 and rows["vanilla"]["predicted_speedup"] is None
     assert rows["draft-lm"]["predicted_speedup"] > 0 and rows["draft-lm"]["mean_tree_nodes"] == 5.0
     assert "time_split" not in rows["hf"]
+
+
+def test_bench_refuses_an_out_it_cannot_write_before_measuring(random_checkpoint, tmp_path, capsys, monkeypatch):
+    """A bad --out fails at once (exit 2, the flag named), not after minutes of measurements."""
+    monkeypatch.setattr(bench, "run_bench", lambda args: pytest.fail("measured before checking --out"))
+    assert bench.main(["--target", str(random_checkpoint), "--out", str(tmp_path)]) == 2
+    assert "--out" in capsys.readouterr().err
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert bench.main(["--target", str(random_checkpoint), "--out", str(blocker / "bench.json")]) == 2
+    assert "cannot create its directory" in capsys.readouterr().err
 
 
 def test_bench_rejects_bad_prompts_file(random_checkpoint, tmp_path):
