@@ -38,9 +38,9 @@ import torch
 from eyas.decoding import costs
 from eyas.decoding.engine import SpecEngine
 from eyas.decoding.generate import generate
-from eyas.files import write_text_atomic
 from eyas.decoding.requests import SequenceRequest
 from eyas.drafters import registry
+from eyas.files import write_text_atomic
 from eyas.methods import SpecConfig, build_drafter, drafter_factory
 from eyas.models import DTYPES, Decoder, ModelConfig, load_target, torch_dtype
 from eyas.models.features import TrainBatch, target_features

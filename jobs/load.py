@@ -188,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-rss-growth-mb", type=float, default=256.0,
                         help="fail the soak when the replica's and workers' RSS grows more than this")
     args = parser.parse_args(argv)
+    args.out = args.out or ("soak.json" if args.soak is not None else "load.json")
     try:
         levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
         if args.soak is not None and not (args.soak > 0 and args.soak_concurrency >= 1):
@@ -195,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
                               "and at least one client")
         if not levels or min(levels) < 1:
             raise ConfigError(f"--concurrency {args.concurrency!r}: give positive integers like 1,4,8")
-        writable_path(args.out or ("soak.json" if args.soak is not None else "load.json"))
+        writable_path(args.out)
         path = Path(args.config)
         if not path.is_file():
             raise ConfigError(f"--config {path}: file does not exist")
@@ -246,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
                          "max_prompt_chars": args.max_prompt_chars,
                          "max_tokens": args.max_tokens, "temperature": args.temperature, "suite": args.suite},
               "results": results}
-    out = Path(args.out or "load.json")
+    out = Path(args.out)
     write_text_atomic(out, json.dumps(report, indent=2))  # never a half-written report
     print_table(results)
     print(f"[load] wrote {out}")
@@ -264,7 +265,7 @@ def run_soak(args: argparse.Namespace, path: Path, config: dict[str, Any], base_
     report = {"commit": git_commit(), "machine": machine(),
               "config": {"serve_config": str(path), "app": config["applications"][0], "minutes": args.soak,
                          "max_prompt_chars": args.max_prompt_chars, "suite": args.suite}, "soak": result}
-    out = args.out or "soak.json"
+    out = args.out
     write_text_atomic(Path(out), json.dumps(report, indent=2))
     print_report(result)
     print(f"[load] wrote {out}; soak {'passed' if result['ok'] else 'FAILED'}")

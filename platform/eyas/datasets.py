@@ -31,7 +31,6 @@ import codecs
 import gzip
 import hashlib
 import json
-import os
 import subprocess
 import sys
 import tempfile
