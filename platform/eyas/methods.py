@@ -16,6 +16,7 @@ from typing import Any, Callable
 from eyas import track
 from eyas.config import ConfigError, eyas_home, from_dict, require, resolve_path, to_dict
 from eyas.drafters import registry
+from eyas.drafters.datastore import load_datastore
 from eyas.drafters.draft_lm import DraftLMConfig, DraftLMDrafter
 from eyas.drafters.ngram import NgramConfig, NgramDrafter
 from eyas.drafters.trees import TREE_MODES, TreeSpec
@@ -37,9 +38,10 @@ class SpecConfig:
     tree: str | None = None         # the tree mode, over the method's default (one of TREES)
     depth: int | None = None        # chain / dynamic / best-first depth
     top_k: int | None = None        # children per expanded node
-    num_nodes: int | None = None    # node budget N (drafted nodes, root excluded)
+    num_nodes: int | None = None    # node budget N (drafted nodes, root excluded; ngram: num_draft * max_matches)
     num_draft: int | None = None    # chain length for ngram / draft-lm (default 4)
     max_matches: int | None = None  # ngram: distinct continuations kept, the tree width (default 4)
+    datastore: str | None = None    # ngram: a data set of jobs.generate_data to retrieve from (name or path)
 
     def __post_init__(self) -> None:
         require(self.method in METHODS, "spec.method", self.method, f"must be one of {sorted(METHODS)}")
@@ -49,7 +51,7 @@ class SpecConfig:
             if field.name != "method" and value is not None and field.name not in method.settings:
                 require(False, f"spec.{field.name}", value, f"does not apply to method {self.method} (it reads "
                         f"{list(method.settings) or 'no settings'})")
-        for name in ("num_draft", "max_matches"):
+        for name in ("num_draft", "max_matches", "num_nodes"):
             require(getattr(self, name) is None or getattr(self, name) >= 1, f"spec.{name}", getattr(self, name),
                     "must be >= 1")
         if method.tree is not None:
@@ -105,8 +107,10 @@ def default_draft_model() -> str:
 
 
 def _ngram(target: Decoder, spec: SpecConfig) -> DrafterFactory:
-    config = NgramConfig(num_draft=spec.setting("num_draft"), max_matches=spec.setting("max_matches"))
-    return lambda: NgramDrafter(config)
+    config = NgramConfig(num_draft=spec.setting("num_draft"), max_matches=spec.setting("max_matches"),
+                         num_nodes=spec.num_nodes)
+    datastore = load_datastore(spec.datastore, target.config.vocab_size) if spec.datastore else None  # read once
+    return lambda: NgramDrafter(config, datastore)
 
 
 def _draft_lm(target: Decoder, spec: SpecConfig) -> DrafterFactory:
@@ -132,7 +136,7 @@ def _trained_method(family: str, tree: TreeSpec) -> Method:
 
 METHODS: dict[str, Method] = {
     "vanilla": Method(None, None, (), None),
-    "ngram": Method(None, None, ("num_draft", "max_matches"), _ngram),
+    "ngram": Method(None, None, ("num_draft", "max_matches", "num_nodes", "datastore"), _ngram),
     "draft-lm": Method(None, None, ("draft_model", "num_draft"), _draft_lm),
     "eagle1": _trained_method("eagle1", TreeSpec(mode="static")),
     "eagle2": _trained_method("eagle1", TreeSpec(mode="dynamic")),

@@ -162,22 +162,39 @@ def chain(root_token: int, tokens: Sequence[int], probs_KV: torch.Tensor | None 
     return DraftTree(tokens_N, parents_N, scores_N, draft_probs_NV, sampled)
 
 
-def from_paths(root_token: int, paths: Sequence[Sequence[int]]) -> DraftTree:
+def from_paths(root_token: int, paths: Sequence[Sequence[int]], weights: Sequence[float] | None = None,
+               max_drafted: int | None = None) -> DraftTree:
     """A tree holding each token path (below the root); shared prefixes are merged. Nodes in BFS order, siblings in
-    order of first appearance; scores are 1.0 (no draft confidences)."""
+    order of first appearance.
+
+    Without ``weights`` every score is 1.0 (no draft confidences). With them a node's score is the total weight of
+    the paths through it (the root's: all of it), so a child's share of its parent's score is how often that
+    continuation followed, and scores never grow along a path: ``max_drafted`` then keeps the highest-scoring
+    nodes (ties: shallower, then first seen), which still form a tree.
+    """
+    if weights is not None and len(weights) != len(paths):
+        raise ValueError(f"from_paths: {len(weights)} weights for {len(paths)} paths")
     first_seen: dict[tuple[int, ...], int] = {}
-    for path in paths:
+    score: dict[tuple[int, ...], float] = {(): 0.0}
+    for path, weight in zip(paths, weights if weights is not None else [1.0] * len(paths)):
+        score[()] += weight
         for d in range(1, len(path) + 1):
-            first_seen.setdefault(tuple(path[:d]), len(first_seen))
-    prefixes = sorted(first_seen, key=lambda pre: (len(pre), first_seen[pre]))
+            prefix = tuple(path[:d])
+            first_seen.setdefault(prefix, len(first_seen))
+            score[prefix] = score.get(prefix, 0.0) + weight
+    prefixes = list(first_seen)
+    if max_drafted is not None and len(prefixes) > max_drafted:
+        prefixes = sorted(prefixes, key=lambda pre: (-score[pre], len(pre), first_seen[pre]))[:max(max_drafted, 0)]
+    prefixes.sort(key=lambda pre: (len(pre), first_seen[pre]))
     node_of = {(): 0}
     tokens, parents = [root_token], [-1]
     for pre in prefixes:
         node_of[pre] = len(tokens)
         tokens.append(pre[-1])
         parents.append(node_of[pre[:-1]])
+    scores = [score[()]] + [score[pre] for pre in prefixes] if weights is not None else [1.0] * len(tokens)
     return DraftTree(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long),
-                     torch.ones(len(tokens)))
+                     torch.tensor(scores, dtype=torch.float32))
 
 
 class PartialTree:

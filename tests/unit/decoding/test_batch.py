@@ -22,6 +22,7 @@ from eyas.decoding.tree import pack_trees, prune
 from eyas.decoding.generate import SamplingParams, generate
 from eyas.decoding.tp import BroadcastChannel, free_port, init_tensor_parallel, shutdown_tensor_parallel
 from eyas.decoding.tree import DraftTree, chain
+from eyas.train.data import response_row, shard_path, write_shard
 
 PROMPTS = ["def add(a, b):\n    return", "import os\nimport sys\n", "The quick brown fox", "class A:\n    def",
            "for i in range(10):\n"]
@@ -53,8 +54,24 @@ def setup_bfloat16(random_checkpoint):
     return target, [tokenizer.encode(p) for p in PROMPTS], set(target.config.eos_token_ids)
 
 
-def spec_for(method: str, draft_dir) -> SpecConfig:
+def spec_for(method: str, draft_dir, datastore_dir=None) -> SpecConfig:
+    if method == "ngram-datastore":  # prompt lookup + retrieval under a node budget
+        return SpecConfig(method="ngram", num_nodes=4, num_draft=6, datastore=str(datastore_dir))
     return SpecConfig(method=method, draft_model=str(draft_dir) if method == "draft-lm" else None)
+
+
+@pytest.fixture(scope="module")
+def datastore_dir(setup, tmp_path_factory):
+    """A data set as jobs.generate_data writes it: the target's own greedy answers to two of the prompts (long
+    accepted drafts) and random token rows (drafts the target rejects)."""
+    target, prompts, eos = setup
+    rng = torch.Generator().manual_seed(0)
+    rows = [response_row(ids, generate(target, ids, NUM_NEW, eos_token_ids=eos).token_ids) for ids in prompts[:2]]
+    rows += [response_row([], torch.randint(target.config.vocab_size, (40,), generator=rng).tolist())
+             for _ in range(4)]
+    directory = tmp_path_factory.mktemp("datastore")
+    write_shard(shard_path(directory, "train", 0), rows)
+    return directory
 
 
 # ---------------------------------------------------------------- pieces
@@ -99,16 +116,21 @@ def test_pack_trees_pads_ragged_trees():
 # ---------------------------------------------------------------- the engine
 
 
-@pytest.mark.parametrize("method", ["vanilla", "ngram", "draft-lm"])
+@pytest.mark.parametrize("method", ["vanilla", "ngram", "ngram-datastore", "draft-lm"])
 @pytest.mark.parametrize("schedule", [{1: None}, {1: None, 2: 3, 3: 0}])
 @pytest.mark.parametrize("dtype_setup", ["setup", "setup_bfloat16"])
-def test_batched_greedy_equals_single_generate(request, random_draft_checkpoint, method, schedule, dtype_setup):
-    """Rows decoded together emit what each emits alone, in float32 and (where the verify is exact) bfloat16."""
+def test_batched_greedy_equals_single_generate(request, random_draft_checkpoint, datastore_dir, method, schedule,
+                                               dtype_setup):
+    """Rows decoded together emit what each emits alone, in float32 and (where the verify is exact) bfloat16, and
+    that is plain greedy decoding's output."""
     target, prompts, eos = request.getfixturevalue(dtype_setup)
-    spec = spec_for(method, random_draft_checkpoint)
+    spec = spec_for(method, random_draft_checkpoint, datastore_dir)
     singles = [generate(target, ids, NUM_NEW, drafter=build_drafter(target, spec), eos_token_ids=eos)
                for ids in prompts]
     expected = [single.token_ids for single in singles]
+    assert expected == [generate(target, ids, NUM_NEW, eos_token_ids=eos).token_ids for ids in prompts]
+    if method == "ngram-datastore" and dtype_setup == "setup":  # the store holds these answers: long drafts pass
+        assert min(single.stats.tau for single in singles[:2]) >= 3
     factory = (lambda: build_drafter(target, spec)) if method != "vanilla" else None
     engine = SpecEngine(target, capacity=3, max_len=256, drafter_factory=factory,
                          schedule=SpeculationSchedule(schedule), eos_token_ids=eos)

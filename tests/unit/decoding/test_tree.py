@@ -70,6 +70,36 @@ def test_from_paths_merges_shared_prefixes():
                                                                                         (5, 7), (8,)]
 
 
+@pytest.mark.parametrize("seed", range(10))
+def test_weighted_paths_score_each_node_by_its_paths_and_a_budget_keeps_a_tree(seed):
+    rng = random.Random(seed)
+    paths = [[rng.randrange(3) for _ in range(rng.randint(1, 5))] for _ in range(rng.randint(1, 8))]
+    weights = [rng.choice([0.25, 0.5, 1.0]) for _ in paths]
+    full = from_paths(9, paths, weights)
+    support = {pre: sum(w for p, w in zip(paths, weights) if tuple(p[:len(pre)]) == pre)
+               for pre in {tuple(p[:d]) for p in paths for d in range(1, len(p) + 1)}}
+    assert full.num_nodes == 1 + len(support) and full.scores_N[0].item() == pytest.approx(sum(weights))
+    for i in range(1, full.num_nodes):
+        assert full.scores_N[i].item() == pytest.approx(support[tuple(full_prefix(full, i))])
+        assert full.scores_N[i] <= full.scores_N[full.parents_list[i]]
+    budget = rng.randint(0, len(support))
+    kept = from_paths(9, paths, weights, max_drafted=budget)
+    kept_prefixes = [full_prefix(kept, i) for i in range(1, kept.num_nodes)]
+    assert len(kept_prefixes) == budget and all(p[:-1] in kept_prefixes or len(p) == 1 for p in kept_prefixes)
+    best = sorted(support.values(), reverse=True)
+    assert sorted((support[p] for p in kept_prefixes), reverse=True) == best[:budget]  # the best-supported nodes
+    assert kept.depth_N.tolist() == sorted(kept.depth_N.tolist())  # still BFS order
+
+
+def full_prefix(tree, i):
+    """The tokens from the root's child down to node i."""
+    tokens = []
+    while i > 0:
+        tokens.append(tree.tokens_list[i])
+        i = tree.parents_list[i]
+    return tuple(reversed(tokens))
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_derived_fields_match_brute_force(seed):
     rng = random.Random(seed)

@@ -1,0 +1,127 @@
+"""A datastore for retrieval drafting (REST, He et al. 2024; SuffixDecoding, Oliaro et al. 2024): what followed the
+current context's last n tokens in text the target wrote before.
+
+Prompt lookup (``eyas.drafters.ngram``) copies from the request's own context; a datastore adds every earlier
+continuation of that n-gram in a token corpus, best the target's own regenerated answers (a data set of
+``jobs.generate_data``): the target repeats its own phrasing across requests (``def``, ``for i in range(len(``,
+``Here is``), and greedy decoding accepts exactly what it would have written.
+
+The index is one sorted array of n-gram hashes per n, so a lookup is a binary search (no suffix tree in Python):
+``max_ngram`` down to ``min_ngram``, the longest suffix with any match wins, and its ``max_matches`` latest
+occurrences give the continuations. Hash hits are checked against the tokens, so a collision never drafts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from eyas.config import ConfigError
+
+SEPARATOR = -1        # between sequences: no n-gram and no continuation crosses it
+_HASH_BASE = 1_000_003
+
+
+@dataclass(frozen=True)
+class DatastoreConfig:
+    max_ngram: int = 8      # longest context suffix looked up
+    min_ngram: int = 2      # shortest; 1-token suffixes match almost anywhere and draft noise
+    max_matches: int = 256  # latest occurrences of the suffix read per lookup (their continuations are counted)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_ngram <= self.max_ngram:
+            raise ValueError(f"min_ngram={self.min_ngram}, max_ngram={self.max_ngram}: need 1 <= min <= max")
+        if self.max_matches < 1:
+            raise ValueError(f"max_matches={self.max_matches}: must be >= 1")
+
+
+def _hashes(tokens_T: np.ndarray, n: int) -> np.ndarray:
+    """The hash of the n-gram starting at each position (wrapping int64 arithmetic)."""
+    num = max(len(tokens_T) - n + 1, 0)
+    keys = np.zeros(num, dtype=np.int64)
+    with np.errstate(over="ignore"):
+        for j in range(n):
+            keys = keys * _HASH_BASE + (tokens_T[j:j + num] + 2)
+    return keys
+
+
+def _index_keys(tokens_T: np.ndarray, n: int) -> np.ndarray:
+    """``_hashes`` of the n-grams a lookup may find; -1 for the rest: those that cross a separator or that nothing
+    follows (the separator is next)."""
+    keys = _hashes(tokens_T[:-1], n)  # the corpus ends with a separator: no n-gram there has a continuation
+    useless = np.zeros(len(keys), dtype=bool)
+    for j in range(n + 1):
+        useless |= tokens_T[j:j + len(keys)] == SEPARATOR
+    keys[useless] = -1
+    return keys
+
+
+class Datastore:
+    """Token sequences indexed by their n-grams; read-only once built, so drafters of every row share one."""
+
+    def __init__(self, sequences: Sequence[Sequence[int]], config: DatastoreConfig = DatastoreConfig(),
+                 source: str = "") -> None:
+        self.config = config
+        self.source = source
+        parts = []
+        for sequence in sequences:
+            parts += [np.asarray(sequence, dtype=np.int64), np.array([SEPARATOR], dtype=np.int64)]
+        self.tokens_T = np.concatenate(parts) if parts else np.array([SEPARATOR], dtype=np.int64)
+        self.num_sequences = len(sequences)
+        self._index: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        for n in range(config.min_ngram, config.max_ngram + 1):
+            keys = _index_keys(self.tokens_T, n)
+            order = np.argsort(keys, kind="stable")  # equal keys stay in corpus order: the latest is last
+            self._index[n] = (keys[order], order)
+
+    @property
+    def num_tokens(self) -> int:
+        return int((self.tokens_T != SEPARATOR).sum())
+
+    @property
+    def max_token_id(self) -> int:
+        return int(self.tokens_T.max())
+
+    def continuations(self, context: Sequence[int], depth: int) -> list[list[int]]:
+        """Up to ``depth`` tokens after each of the latest occurrences of the longest matching context suffix
+        (latest first; repeats kept: their count is the weight of a continuation)."""
+        for n in range(min(self.config.max_ngram, len(context)), self.config.min_ngram - 1, -1):
+            gram = np.asarray(context[len(context) - n:], dtype=np.int64)
+            keys, order = self._index[n]
+            key = _hashes(gram, n)[0]
+            lo, hi = np.searchsorted(keys, key, "left"), np.searchsorted(keys, key, "right")
+            if hi == lo:
+                continue
+            starts = order[max(lo, hi - self.config.max_matches):hi][::-1]
+            starts = starts[(self.tokens_T[starts[:, None] + np.arange(n)] == gram).all(axis=1)]
+            found = []
+            for start in (starts + n).tolist():
+                continuation = self.tokens_T[start:start + depth].tolist()
+                if SEPARATOR in continuation:
+                    continuation = continuation[:continuation.index(SEPARATOR)]
+                if continuation:
+                    found.append(continuation)
+            if found:
+                return found
+        return []
+
+
+def load_datastore(data: str | Path, vocab_size: int, config: DatastoreConfig = DatastoreConfig()
+                   ) -> Datastore:
+    """The train split of a data set made by ``jobs.generate_data`` (a name under ``$EYAS_HOME/data`` or a path:
+    prompts and the target's answers) as a datastore; its tokens must be the target's (ids below ``vocab_size``)."""
+    from eyas.train.config import data_path
+    from eyas.train.data import read_rows  # the data set's one reader (pyarrow), imported only when one is used
+
+    directory = data_path(str(data))
+    try:
+        rows = read_rows(directory, "train")
+    except (FileNotFoundError, ValueError) as err:
+        raise ConfigError(f"spec.datastore={directory}: {err}") from None
+    store = Datastore([row["prompt_ids"] + row["response_ids"] for row in rows], config, source=str(directory))
+    if store.max_token_id >= vocab_size:
+        raise ConfigError(f"spec.datastore={directory}: token id {store.max_token_id} is outside the target's "
+                          f"vocabulary of {vocab_size}; build the data set with this target's tokenizer")
+    return store

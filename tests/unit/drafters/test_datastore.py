@@ -1,0 +1,66 @@
+"""The retrieval datastore: the latest continuations of the longest context suffix it holds, as a brute-force scan
+finds them; the data set reader and its errors."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from eyas.config import ConfigError
+from eyas.drafters.datastore import Datastore, DatastoreConfig, load_datastore
+from eyas.train.data import response_row, shard_path, write_shard
+
+
+def brute_force(sequences, context, depth, config):
+    """Every occurrence of the longest matching suffix, scanned sequence by sequence (latest first)."""
+    for n in range(min(config.max_ngram, len(context)), config.min_ngram - 1, -1):
+        suffix = list(context[len(context) - n:])
+        found = []
+        for sequence in sequences:
+            for start in range(len(sequence) - n + 1):
+                if sequence[start:start + n] == suffix and sequence[start + n:start + n + depth]:
+                    found.append(sequence[start + n:start + n + depth])
+        if found:
+            return found[::-1][:config.max_matches]
+    return []
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_continuations_match_a_brute_force_scan(seed):
+    rng = random.Random(seed)
+    vocab = rng.choice([3, 5, 20])  # small vocabularies: many matches, ties and sequence ends
+    sequences = [[rng.randrange(vocab) for _ in range(rng.randint(0, 30))] for _ in range(rng.randint(1, 6))]
+    config = DatastoreConfig(max_ngram=rng.randint(2, 5), min_ngram=rng.randint(1, 2), max_matches=rng.randint(1, 8))
+    store = Datastore(sequences, config)
+    for _ in range(10):
+        context = [rng.randrange(vocab) for _ in range(rng.randint(1, 8))]
+        depth = rng.randint(1, 6)
+        assert store.continuations(context, depth) == brute_force(sequences, context, depth, config)
+
+
+def test_no_continuation_crosses_a_sequence_end():
+    store = Datastore([[1, 2, 3], [4, 5]], DatastoreConfig(min_ngram=1))
+    assert store.continuations([9, 2, 3], 4) == []          # (2, 3) ends its sequence: nothing follows it
+    assert store.continuations([9, 1, 2], 4) == [[3]]       # cut at the end, never [3, 4, 5]
+    assert store.continuations([3, 4], 2) == [[5]]          # (3, 4) spans two sequences: only (4,) matches
+    assert store.num_tokens == 5 and store.num_sequences == 2
+    assert Datastore([]).continuations([1, 2], 3) == []
+
+
+def test_config_errors():
+    for bad in ({"min_ngram": 0}, {"min_ngram": 3, "max_ngram": 2}, {"max_matches": 0}):
+        with pytest.raises(ValueError):
+            DatastoreConfig(**bad)
+
+
+def test_load_reads_a_generated_data_set_and_checks_its_tokens(tmp_path, eyas_home):
+    rows = [response_row([1, 2, 3], [4, 5, 6]), response_row([7, 8], [9, 1, 2, 3, 10])]
+    write_shard(shard_path(eyas_home / "data" / "answers", "train", 0), rows)
+    store = load_datastore("answers", vocab_size=11)  # a name under $EYAS_HOME/data, as spec.datastore gives it
+    assert store.num_sequences == 2 and store.num_tokens == 13
+    assert store.continuations([0, 2, 3], 3) == [[10], [4, 5, 6]]  # the latest occurrence first
+    assert load_datastore(eyas_home / "data" / "answers", 11).num_tokens == 13  # or a path
+    with pytest.raises(ConfigError, match=r"spec.datastore=.*outside the target's vocabulary of 8"):
+        load_datastore("answers", vocab_size=8)
+    with pytest.raises(ConfigError, match=r"spec.datastore=.*missing.*no parquet shards"):
+        load_datastore("missing", vocab_size=11)
