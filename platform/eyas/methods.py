@@ -41,7 +41,7 @@ class SpecConfig:
     num_nodes: int | None = None    # node budget N (drafted nodes, root excluded; ngram: num_draft * max_matches)
     num_draft: int | None = None    # chain length for ngram / draft-lm (default 4)
     max_matches: int | None = None  # ngram: distinct continuations kept, the tree width (default 4)
-    datastore: str | None = None    # ngram: a data set of jobs.generate_data to retrieve from (name or path)
+    datastore: tuple[str, ...] | None = None  # ngram: data sets of jobs.generate_data to retrieve from (names/paths)
 
     def __post_init__(self) -> None:
         require(self.method in METHODS, "spec.method", self.method, f"must be one of {sorted(METHODS)}")
@@ -51,6 +51,8 @@ class SpecConfig:
             if field.name != "method" and value is not None and field.name not in method.settings:
                 require(False, f"spec.{field.name}", value, f"does not apply to method {self.method} (it reads "
                         f"{list(method.settings) or 'no settings'})")
+        require(self.datastore is None or len(self.datastore) > 0, "spec.datastore", self.datastore,
+                "name at least one data set, or leave it null")
         for name in ("num_draft", "max_matches", "num_nodes"):
             require(getattr(self, name) is None or getattr(self, name) >= 1, f"spec.{name}", getattr(self, name),
                     "must be >= 1")

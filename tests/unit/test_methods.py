@@ -64,7 +64,9 @@ def test_defaults_and_tree_settings_over_them():
     ({"method": "eagle2", "tree": "ddtree"}, r"spec.tree='ddtree': a eagle2 drafter drafts one of"),
     ({"method": "ngram", "max_matches": 0}, r"spec.max_matches=0: must be >= 1"),
     ({"method": "ngram", "num_nodes": 0}, r"spec.num_nodes=0: must be >= 1"),
-    ({"method": "draft-lm", "datastore": "d"}, r"spec.datastore='d': does not apply to method draft-lm"),
+    ({"method": "draft-lm", "datastore": ["d"]}, r"spec.datastore=\('d',\): does not apply to method draft-lm"),
+    ({"method": "ngram", "datastore": "d"}, r"spec.datastore: expected a list"),
+    ({"method": "ngram", "datastore": []}, r"spec.datastore=\(\): name at least one data set"),
 ])
 def test_spec_errors_name_the_key(data, message):
     with pytest.raises(ConfigError, match=message):
@@ -76,10 +78,10 @@ def test_factories(target, tmp_path):
     make = drafter_factory(target, SpecConfig(method="ngram", num_draft=3, max_matches=2))
     first, second = make(), make()
     assert isinstance(first, NgramDrafter) and first is not second and first.max_draft_nodes == 6
-    with pytest.raises(ConfigError, match=r"spec.datastore=.*no-such-data.*no parquet shards"):
-        drafter_factory(target, SpecConfig(method="ngram", datastore=str(tmp_path / "no-such-data")))
+    with pytest.raises(ConfigError, match=r"spec.datastore: .*no-such-data.*no parquet shards"):
+        drafter_factory(target, SpecConfig(method="ngram", datastore=(str(tmp_path / "no-such-data"),)))
     write_shard(shard_path(tmp_path / "answers", "train", 0), [response_row([1, 2], [3, 4])])
-    make = drafter_factory(target, SpecConfig(method="ngram", num_nodes=3, datastore=str(tmp_path / "answers")))
+    make = drafter_factory(target, SpecConfig(method="ngram", num_nodes=3, datastore=(str(tmp_path / "answers"),)))
     first, second = make(), make()
     assert first.datastore is second.datastore and first.datastore.num_tokens == 4 and first.max_draft_nodes == 3
     with pytest.raises(ConfigError, match="spec.method=dflash needs a trained drafter"):

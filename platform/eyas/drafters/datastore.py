@@ -108,20 +108,24 @@ class Datastore:
         return []
 
 
-def load_datastore(data: str | Path, vocab_size: int, config: DatastoreConfig = DatastoreConfig()
+def load_datastore(data_sets: Sequence[str | Path], vocab_size: int, config: DatastoreConfig = DatastoreConfig()
                    ) -> Datastore:
-    """The train split of a data set made by ``jobs.generate_data`` (a name under ``$EYAS_HOME/data`` or a path:
-    prompts and the target's answers) as a datastore; its tokens must be the target's (ids below ``vocab_size``)."""
+    """The train splits of data sets made by ``jobs.generate_data`` (each a name under ``$EYAS_HOME/data`` or a
+    path: prompts and the target's answers) as one datastore; their tokens must be the target's (ids below
+    ``vocab_size``)."""
     from eyas.train.config import data_path
     from eyas.train.data import read_rows  # the data set's one reader (pyarrow), imported only when one is used
 
-    directory = data_path(str(data))
-    try:
-        rows = read_rows(directory, "train")
-    except (FileNotFoundError, ValueError) as err:
-        raise ConfigError(f"spec.datastore={directory}: {err}") from None
-    store = Datastore([row["prompt_ids"] + row["response_ids"] for row in rows], config, source=str(directory))
+    sequences: list[list[int]] = []
+    for data in data_sets:
+        directory = data_path(str(data))
+        try:
+            rows = read_rows(directory, "train")
+        except (FileNotFoundError, ValueError) as err:
+            raise ConfigError(f"spec.datastore: {directory}: {err}") from None
+        sequences += [row["prompt_ids"] + row["response_ids"] for row in rows]
+    store = Datastore(sequences, config, source=",".join(map(str, data_sets)))
     if store.max_token_id >= vocab_size:
-        raise ConfigError(f"spec.datastore={directory}: token id {store.max_token_id} is outside the target's "
-                          f"vocabulary of {vocab_size}; build the data set with this target's tokenizer")
+        raise ConfigError(f"spec.datastore: {store.source}: token id {store.max_token_id} is outside the target's "
+                          f"vocabulary of {vocab_size}; build the data sets with this target's tokenizer")
     return store

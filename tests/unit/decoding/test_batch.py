@@ -56,7 +56,7 @@ def setup_bfloat16(random_checkpoint):
 
 def spec_for(method: str, draft_dir, datastore_dir=None) -> SpecConfig:
     if method == "ngram-datastore":  # prompt lookup + retrieval under a node budget
-        return SpecConfig(method="ngram", num_nodes=4, num_draft=6, datastore=str(datastore_dir))
+        return SpecConfig(method="ngram", num_nodes=4, num_draft=6, datastore=(str(datastore_dir),))
     return SpecConfig(method=method, draft_model=str(draft_dir) if method == "draft-lm" else None)
 
 

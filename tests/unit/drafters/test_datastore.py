@@ -56,11 +56,13 @@ def test_config_errors():
 def test_load_reads_a_generated_data_set_and_checks_its_tokens(tmp_path, eyas_home):
     rows = [response_row([1, 2, 3], [4, 5, 6]), response_row([7, 8], [9, 1, 2, 3, 10])]
     write_shard(shard_path(eyas_home / "data" / "answers", "train", 0), rows)
-    store = load_datastore("answers", vocab_size=11)  # a name under $EYAS_HOME/data, as spec.datastore gives it
+    write_shard(shard_path(tmp_path / "more", "train", 0), [response_row([2, 3], [6])])
+    store = load_datastore(["answers"], vocab_size=11)  # a name under $EYAS_HOME/data, as spec.datastore gives it
     assert store.num_sequences == 2 and store.num_tokens == 13
     assert store.continuations([0, 2, 3], 3) == [[10], [4, 5, 6]]  # the latest occurrence first
-    assert load_datastore(eyas_home / "data" / "answers", 11).num_tokens == 13  # or a path
-    with pytest.raises(ConfigError, match=r"spec.datastore=.*outside the target's vocabulary of 8"):
-        load_datastore("answers", vocab_size=8)
-    with pytest.raises(ConfigError, match=r"spec.datastore=.*missing.*no parquet shards"):
-        load_datastore("missing", vocab_size=11)
+    both = load_datastore(["answers", tmp_path / "more"], 11)  # or a path; several are one store, in order
+    assert both.num_tokens == 16 and both.continuations([0, 2, 3], 3) == [[6], [10], [4, 5, 6]]
+    with pytest.raises(ConfigError, match=r"spec.datastore: answers: token id 10 is outside the target's vocab"):
+        load_datastore(["answers"], vocab_size=8)
+    with pytest.raises(ConfigError, match=r"spec.datastore: .*missing.*no parquet shards"):
+        load_datastore(["answers", "missing"], vocab_size=11)
