@@ -84,28 +84,39 @@ class Datastore:
     def max_token_id(self) -> int:
         return int(self.tokens_T.max())
 
-    def continuations(self, context: Sequence[int], depth: int) -> list[list[int]]:
-        """Up to ``depth`` tokens after each of the latest occurrences of the longest matching context suffix
-        (latest first; repeats kept: their count is the weight of a continuation)."""
-        for n in range(min(self.config.max_ngram, len(context)), self.config.min_ngram - 1, -1):
-            gram = np.asarray(context[len(context) - n:], dtype=np.int64)
+    def continuations(self, context: Sequence[int], depth: int) -> tuple[list[list[int]], list[int]]:
+        """The distinct continuations (up to ``depth`` tokens) after the latest ``max_matches`` occurrences of the
+        longest matching context suffix, and how many occurrences each follows; most frequent first (ties: the
+        latest first)."""
+        for n, key in self._suffix_keys(context):
             keys, order = self._index[n]
-            key = _hashes(gram, n)[0]
             lo, hi = np.searchsorted(keys, key, "left"), np.searchsorted(keys, key, "right")
             if hi == lo:
                 continue
-            starts = order[max(lo, hi - self.config.max_matches):hi][::-1]
+            starts = order[max(lo, hi - self.config.max_matches):hi][::-1]  # latest first
+            gram = np.asarray(context[len(context) - n:], dtype=np.int64)
             starts = starts[(self.tokens_T[starts[:, None] + np.arange(n)] == gram).all(axis=1)]
-            found = []
-            for start in (starts + n).tolist():
-                continuation = self.tokens_T[start:start + depth].tolist()
-                if SEPARATOR in continuation:
-                    continuation = continuation[:continuation.index(SEPARATOR)]
-                if continuation:
-                    found.append(continuation)
-            if found:
-                return found
-        return []
+            if not len(starts):
+                continue  # only a hash collision: no drafts from it
+            window_MD = self.tokens_T[np.minimum(starts[:, None] + n + np.arange(depth), len(self.tokens_T) - 1)]
+            window_MD[np.cumsum(window_MD == SEPARATOR, axis=1) > 0] = SEPARATOR  # cut at the sequence's end
+            distinct_UD, first_U, count_U = np.unique(window_MD, axis=0, return_index=True, return_counts=True)
+            ranked = sorted(range(len(first_U)), key=lambda u: (-count_U[u], first_U[u]))
+            paths = [[t for t in distinct_UD[u].tolist() if t != SEPARATOR] for u in ranked]
+            return paths, [int(count_U[u]) for u in ranked]
+        return [], []
+
+    def _suffix_keys(self, context: Sequence[int]) -> list[tuple[int, int]]:
+        """(n, hash of the context's last n tokens), longest first: the index's ``_hashes`` in Python integers
+        (a lookup per drafted tree: numpy's per-call overhead on 8-token arrays cost ~1 ms a cycle)."""
+        top = min(self.config.max_ngram, len(context))
+        keys, key, power = [], 0, 1
+        for n in range(1, top + 1):
+            key = (key + (context[-n] + 2) * power) % 2**64
+            power = power * _HASH_BASE % 2**64
+            if n >= self.config.min_ngram:
+                keys.append((n, key - 2**64 if key >= 2**63 else key))
+        return keys[::-1]
 
 
 def load_datastore(data_sets: Sequence[str | Path], vocab_size: int, config: DatastoreConfig = DatastoreConfig()

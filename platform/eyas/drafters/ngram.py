@@ -79,10 +79,11 @@ class NgramDrafter:
                 generator: torch.Generator | None) -> DraftTree:
         paths = lookup(context_ids, self.config)
         weights = [1.0 / len(paths)] * len(paths) if paths else []
-        retrieved = self.datastore.continuations(context_ids, self.config.num_draft) if self.datastore else []
+        retrieved, counts = (self.datastore.continuations(context_ids, self.config.num_draft) if self.datastore
+                             else ([], []))
         if retrieved:
             paths += retrieved
-            weights += [self.config.datastore_weight / len(retrieved)] * len(retrieved)
+            weights += [self.config.datastore_weight * count / sum(counts) for count in counts]
         return from_paths(root_token, paths, weights, max_drafted=self.config.node_budget)
 
     def commit(self, tokens: list[int], taps: dict[int, torch.Tensor]) -> None:
