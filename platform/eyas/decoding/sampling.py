@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eyas.decoding.verify import process_logits, sample
+from eyas.decoding.verify import argmax_rows, process_logits, sample
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ def make_generator(sampling: SamplingParams, device: torch.device) -> torch.Gene
 def pick_token(logits_V: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None) -> int:
     """The target's own choice: argmax, or a sample from its processed distribution."""
     if sampling.greedy:
-        return int(logits_V.argmax())
+        return int(argmax_rows(logits_V[None])[0])
     probs_1V = process_logits(logits_V[None].float(), sampling.temperature, sampling.top_p, sampling.top_k)
     return int(sample(probs_1V[0], generator))
 

@@ -23,6 +23,8 @@ from eyas.decoding.tree import DraftTree
 
 # A residual whose mass is at most this is treated as empty (see _normalised).
 _MIN_MASS = 1e-12
+# argmax_rows reads a row in chunks of this many scores
+ARGMAX_CHUNK = 1024
 
 
 @dataclass
@@ -47,11 +49,29 @@ def _check_rows(tree: DraftTree, scores_NV: torch.Tensor, name: str) -> None:
                          f"per tree node")
 
 
+def argmax_rows(scores_NV: torch.Tensor) -> torch.Tensor:
+    """``scores_NV.argmax(-1)``, the same indices (each row's first maximum), in two passes on a CPU: the max of
+    every ``ARGMAX_CHUNK`` scores, then the argmax inside the first chunk that holds the row's max. torch's CPU
+    argmax reads ~1 score a nanosecond (bfloat16: a quarter of that) where its amax reads ~15: on smollm2's
+    49,152-word vocabulary a 5-row bfloat16 verify spent 0.9 ms, 4-5% of its cycle, in argmax."""
+    num_rows, vocab = scores_NV.shape
+    if scores_NV.device.type != "cpu" or vocab < 4 * ARGMAX_CHUNK:
+        return scores_NV.argmax(dim=-1)
+    full = vocab - vocab % ARGMAX_CHUNK
+    chunk_max_NK = scores_NV[:, :full].reshape(num_rows, -1, ARGMAX_CHUNK).amax(dim=-1)
+    if full < vocab:  # a shorter last chunk
+        chunk_max_NK = torch.cat([chunk_max_NK, scores_NV[:, full:].amax(dim=-1, keepdim=True)], dim=1)
+    start_N = chunk_max_NK.argmax(dim=-1) * ARGMAX_CHUNK  # the first chunk holding the max
+    # the last chunk's missing columns repeat the row's last score: they come after it, so never win a tie
+    index_NC = (start_N[:, None] + torch.arange(ARGMAX_CHUNK)).clamp_(max=vocab - 1)
+    return start_N + scores_NV.gather(1, index_NC).argmax(dim=-1)
+
+
 def verify_greedy(tree: DraftTree, target_logits_NV: torch.Tensor) -> Accepted:
     """Accept the longest root-to-node path whose every drafted token equals the target's argmax at its parent
     (ties in length: the earliest node); the bonus is the argmax at the last accepted node."""
     _check_rows(tree, target_logits_NV, "target_logits_NV")
-    best_N = target_logits_NV.argmax(dim=-1).tolist()
+    best_N = argmax_rows(target_logits_NV).tolist()
     parents, tokens = tree.parents_list, tree.tokens_list
     matched = [True] * tree.num_nodes  # matched[i]: the whole root->i path equals the target's choices
     depth = [0] * tree.num_nodes

@@ -44,6 +44,7 @@ from eyas.models.packing import frozen_head
 from eyas.models.decoder import MLP, Decoder, RMSNorm, TensorParallel, apply_rope, rope_inv_freq
 from eyas.decoding.builders import build_best_first_block
 from eyas.decoding.tree import DraftTree, chain
+from eyas.decoding.verify import argmax_rows
 
 DRAFTER_TYPE = "dflash"
 MASK_TOKEN = "<|mask|>"
@@ -316,7 +317,7 @@ class DFlashDrafter:
         if temperature > 0:
             tokens = torch.multinomial(probs_KV, 1, generator=generator)[:, 0].tolist()
             return chain(root_token, tokens, probs_KV, sampled=True)
-        return chain(root_token, logits_KV.argmax(-1).tolist(), probs_KV)
+        return chain(root_token, argmax_rows(logits_KV).tolist(), probs_KV)
 
 
 def make_dflash_drafter(model: DFlashModel, target: Decoder, tree: TreeSpec, name: str) -> DFlashDrafter:

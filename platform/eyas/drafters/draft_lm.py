@@ -13,6 +13,7 @@ import torch
 
 from eyas.models.decoder import Decoder
 from eyas.decoding.tree import DraftTree, chain
+from eyas.decoding.verify import argmax_rows
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,7 @@ class DraftLMDrafter:
                 token = int(torch.multinomial(probs_V, 1, generator=generator))
             else:
                 probs_V = torch.softmax(logits_V.float(), dim=-1)
-                token = int(logits_V.argmax())
+                token = int(argmax_rows(logits_V[None])[0])
             tokens.append(token)
             probs_rows.append(probs_V)
             if k + 1 < num_draft:

@@ -356,3 +356,19 @@ def test_sample_follows_probs():
     g = torch.Generator().manual_seed(0)
     counts = Counter(sample(torch.tensor([0.2, 0.0, 0.8]), g) for _ in range(2000))
     assert counts[1] == 0 and 1500 < counts[2] < 1700
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), st.integers(1, 6),
+       st.sampled_from([10, 4096, 8192, 8193, 49152, 50000]), st.integers(0, 2**31 - 1), st.integers(1, 40))
+@example(torch.bfloat16, 3, 50000, 0, 1)
+def test_argmax_rows_is_argmax(dtype, num_rows, vocab, seed, levels):
+    """The two-pass argmax picks torch's index in every row: the first maximum, ties across chunks, inside the short
+    last chunk and between whole rows of one value included (few distinct values make ties common)."""
+    generator = torch.Generator().manual_seed(seed)
+    scores_NV = torch.randint(levels, (num_rows, vocab), generator=generator).to(dtype)
+    scores_NV[0, -1] = levels  # a row whose max is the very last score
+    if num_rows > 1:
+        scores_NV[1] = 0.0     # a row of one value: index 0
+    assert verify.argmax_rows(scores_NV).tolist() == scores_NV.argmax(dim=-1).tolist()
+    assert verify.argmax_rows(scores_NV[:, ::2]).tolist() == scores_NV[:, ::2].argmax(dim=-1).tolist()  # strided
