@@ -1,6 +1,7 @@
 """Tree verification: the target's scores at every node -> the accepted path and one bonus token.
 
 Shape legend (docs/SHAPES.md): N tree nodes (root included), V vocab; ``logits_V`` may carry leading dims [..., V].
+This file adds Z (a row's chunks) and Y (a chunk's scores) for ``argmax_rows``.
 
 Row i of the target's logits / probs is the target's next-token distribution AT node i, i.e. after the prefix and
 the path to node i (row 0: at the root). Both routines return the accepted root-to-node path and a bonus token.
@@ -58,13 +59,13 @@ def argmax_rows(scores_NV: torch.Tensor) -> torch.Tensor:
     if scores_NV.device.type != "cpu" or vocab < 4 * ARGMAX_CHUNK:
         return scores_NV.argmax(dim=-1)
     full = vocab - vocab % ARGMAX_CHUNK
-    chunk_max_NK = scores_NV[:, :full].reshape(num_rows, -1, ARGMAX_CHUNK).amax(dim=-1)
+    chunk_max_NZ = scores_NV[:, :full].reshape(num_rows, -1, ARGMAX_CHUNK).amax(dim=-1)
     if full < vocab:  # a shorter last chunk
-        chunk_max_NK = torch.cat([chunk_max_NK, scores_NV[:, full:].amax(dim=-1, keepdim=True)], dim=1)
-    start_N = chunk_max_NK.argmax(dim=-1) * ARGMAX_CHUNK  # the first chunk holding the max
+        chunk_max_NZ = torch.cat([chunk_max_NZ, scores_NV[:, full:].amax(dim=-1, keepdim=True)], dim=1)
+    start_N = chunk_max_NZ.argmax(dim=-1) * ARGMAX_CHUNK  # the first chunk holding the max
     # the last chunk's missing columns repeat the row's last score: they come after it, so never win a tie
-    index_NC = (start_N[:, None] + torch.arange(ARGMAX_CHUNK)).clamp_(max=vocab - 1)
-    return start_N + scores_NV.gather(1, index_NC).argmax(dim=-1)
+    index_NY = (start_N[:, None] + torch.arange(ARGMAX_CHUNK)).clamp_(max=vocab - 1)
+    return start_N + scores_NV.gather(1, index_NY).argmax(dim=-1)
 
 
 def verify_greedy(tree: DraftTree, target_logits_NV: torch.Tensor) -> Accepted:

@@ -9,6 +9,9 @@ continuation of that n-gram in a token corpus, best the target's own regenerated
 The index is one sorted array of n-gram hashes per n, so a lookup is a binary search (no suffix tree in Python):
 ``max_ngram`` down to ``min_ngram``, the longest suffix with any match wins, and its ``max_matches`` latest
 occurrences give the continuations. Hash hits are checked against the tokens, so a collision never drafts.
+
+Shape legend (docs/SHAPES.md): T corpus tokens, K a continuation's positions (a drafted chain's length); this file
+adds M (occurrences of the suffix read) and U (distinct continuations among them).
 """
 from __future__ import annotations
 
@@ -98,11 +101,11 @@ class Datastore:
             starts = starts[(self.tokens_T[starts[:, None] + np.arange(n)] == gram).all(axis=1)]
             if not len(starts):
                 continue  # only a hash collision: no drafts from it
-            window_MD = self.tokens_T[np.minimum(starts[:, None] + n + np.arange(depth), len(self.tokens_T) - 1)]
-            window_MD[np.cumsum(window_MD == SEPARATOR, axis=1) > 0] = SEPARATOR  # cut at the sequence's end
-            distinct_UD, first_U, count_U = np.unique(window_MD, axis=0, return_index=True, return_counts=True)
+            window_MK = self.tokens_T[np.minimum(starts[:, None] + n + np.arange(depth), len(self.tokens_T) - 1)]
+            window_MK[np.cumsum(window_MK == SEPARATOR, axis=1) > 0] = SEPARATOR  # cut at the sequence's end
+            distinct_UK, first_U, count_U = np.unique(window_MK, axis=0, return_index=True, return_counts=True)
             ranked = sorted(range(len(first_U)), key=lambda u: (-count_U[u], first_U[u]))
-            paths = [[t for t in distinct_UD[u].tolist() if t != SEPARATOR] for u in ranked]
+            paths = [[t for t in distinct_UK[u].tolist() if t != SEPARATOR] for u in ranked]
             return paths, [int(count_U[u]) for u in ranked]
         return [], []
 
