@@ -16,12 +16,14 @@ from typing import Any, Callable
 from eyas import track
 from eyas.config import ConfigError, eyas_home, from_dict, require, resolve_path, to_dict
 from eyas.drafters import registry
-from eyas.drafters.datastore import load_datastore
+from eyas.drafters.datastore import Datastore
 from eyas.drafters.draft_lm import DraftLMConfig, DraftLMDrafter
 from eyas.drafters.ngram import NgramConfig, NgramDrafter
 from eyas.drafters.trees import TREE_MODES, TreeSpec
 from eyas.models.decoder import Decoder
 from eyas.models.loading import load_target
+from eyas.train.config import data_path
+from eyas.train.data import read_rows
 
 TREES = TREE_MODES
 TREE_SETTINGS = ("tree", "depth", "top_k", "num_nodes")
@@ -113,6 +115,25 @@ def _ngram(target: Decoder, spec: SpecConfig) -> DrafterFactory:
                          num_nodes=spec.num_nodes)
     datastore = load_datastore(spec.datastore, target.config.vocab_size) if spec.datastore else None  # read once
     return lambda: NgramDrafter(config, datastore)
+
+
+def load_datastore(data_sets: tuple[str, ...], vocab_size: int) -> Datastore:
+    """``spec.datastore``: the train splits of data sets made by ``jobs.generate_data`` (each a name under
+    ``$EYAS_HOME/data`` or a path: prompts and the target's answers) as one datastore; their tokens must be the
+    target's (ids below ``vocab_size``)."""
+    sequences: list[list[int]] = []
+    for data in data_sets:
+        directory = data_path(str(data))
+        try:
+            rows = read_rows(directory, "train")
+        except (FileNotFoundError, ValueError) as err:
+            raise ConfigError(f"spec.datastore: {directory}: {err}") from None
+        sequences += [row["prompt_ids"] + row["response_ids"] for row in rows]
+    store = Datastore(sequences, source=",".join(map(str, data_sets)))
+    if store.max_token_id >= vocab_size:
+        raise ConfigError(f"spec.datastore: {store.source}: token id {store.max_token_id} is outside the target's "
+                          f"vocabulary of {vocab_size}; build the data sets with this target's tokenizer")
+    return store
 
 
 def _draft_lm(target: Decoder, spec: SpecConfig) -> DrafterFactory:

@@ -16,12 +16,9 @@ adds M (occurrences of the suffix read) and U (distinct continuations among them
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Sequence
 
 import numpy as np
-
-from eyas.config import ConfigError
 
 SEPARATOR = -1        # between sequences: no n-gram and no continuation crosses it
 _HASH_BASE = 1_000_003
@@ -120,26 +117,3 @@ class Datastore:
             if n >= self.config.min_ngram:
                 keys.append((n, key - 2**64 if key >= 2**63 else key))
         return keys[::-1]
-
-
-def load_datastore(data_sets: Sequence[str | Path], vocab_size: int, config: DatastoreConfig = DatastoreConfig()
-                   ) -> Datastore:
-    """The train splits of data sets made by ``jobs.generate_data`` (each a name under ``$EYAS_HOME/data`` or a
-    path: prompts and the target's answers) as one datastore; their tokens must be the target's (ids below
-    ``vocab_size``)."""
-    from eyas.train.config import data_path
-    from eyas.train.data import read_rows  # the data set's one reader (pyarrow), imported only when one is used
-
-    sequences: list[list[int]] = []
-    for data in data_sets:
-        directory = data_path(str(data))
-        try:
-            rows = read_rows(directory, "train")
-        except (FileNotFoundError, ValueError) as err:
-            raise ConfigError(f"spec.datastore: {directory}: {err}") from None
-        sequences += [row["prompt_ids"] + row["response_ids"] for row in rows]
-    store = Datastore(sequences, config, source=",".join(map(str, data_sets)))
-    if store.max_token_id >= vocab_size:
-        raise ConfigError(f"spec.datastore: {store.source}: token id {store.max_token_id} is outside the target's "
-                          f"vocabulary of {vocab_size}; build the data sets with this target's tokenizer")
-    return store

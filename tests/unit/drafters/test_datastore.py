@@ -7,7 +7,8 @@ import random
 import pytest
 
 from eyas.config import ConfigError
-from eyas.drafters.datastore import Datastore, DatastoreConfig, load_datastore
+from eyas.drafters.datastore import Datastore, DatastoreConfig
+from eyas.methods import load_datastore
 from eyas.train.data import response_row, shard_path, write_shard
 
 
