@@ -194,6 +194,8 @@ def checkpoint_factory(path: str | Path, target: Decoder, method: str | None, tr
     """Drafters of ``method`` (default: the checkpoint family's own) over the checkpoint at ``path``, whose weights
     are read once; ``tree`` defaults to the method's."""
     model = registry.load_model(path, target)
+    if hasattr(model, "pack_linears"):  # read from a checkpoint for drafting only: its weights are final
+        model.pack_linears()
     method = method or FAMILY_METHOD[model.drafter_type]
     require(method in METHODS and METHODS[method].trained, "method", method,
             f"a trained drafter runs one of {sorted(m for m in METHODS if METHODS[m].trained)}")

@@ -30,7 +30,7 @@ from torch import nn
 
 from eyas.config import require
 from eyas.models.config import ModelConfig
-from eyas.models.packing import frozen_head
+from eyas.models.packing import frozen_head, fuse_linears, linear
 from eyas.models.decoder import MLP, Decoder, RMSNorm, TensorParallel, apply_rope, rope_inv_freq
 
 KV = tuple[torch.Tensor, torch.Tensor]  # (k_BHSD, v_BHSD)
@@ -79,16 +79,16 @@ class DraftAttention(nn.Module):
                 mask_B1TS: torch.Tensor | None) -> tuple[torch.Tensor, KV]:
         """mask_B1TS: bool over past + new keys (True = attend); None means plain causal over new keys only."""
         B, T, _ = x_BTI.shape
-        q_BHTD = self.q_proj(x_BTI).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
-        k_BHTD = self.k_proj(x_BTI).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v_BHTD = self.v_proj(x_BTI).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q_BHTD = linear(self.q_proj, x_BTI).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+        k_BHTD = linear(self.k_proj, x_BTI).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v_BHTD = linear(self.v_proj, x_BTI).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q_BHTD, k_BHTD = apply_rope(q_BHTD, cos_BTD, sin_BTD), apply_rope(k_BHTD, cos_BTD, sin_BTD)
         k_BHSD = k_BHTD if past is None else torch.cat([past[0], k_BHTD], dim=2)
         v_BHSD = v_BHTD if past is None else torch.cat([past[1], v_BHTD], dim=2)
         assert mask_B1TS is not None or past is None, "attending past keys needs an explicit mask"
         out_BHTD = F.scaled_dot_product_attention(q_BHTD, k_BHSD, v_BHSD, attn_mask=mask_B1TS,
                                                   is_causal=mask_B1TS is None, enable_gqa=True)
-        return self.o_proj(out_BHTD.transpose(1, 2).reshape(B, T, -1)), (k_BHTD, v_BHTD)
+        return linear(self.o_proj, out_BHTD.transpose(1, 2).reshape(B, T, -1)), (k_BHTD, v_BHTD)
 
 
 class DraftLayer(nn.Module):
@@ -149,6 +149,25 @@ class EagleModel(nn.Module):
         """Move to the target's device and dtype (families call this last in __init__); rope stays float32."""
         self.to(device=target.device, dtype=target.dtype)
         self.inv_freq = self.inv_freq.float()
+
+    def pack_linears(self) -> "EagleModel":
+        """Inference only, once the weights are final (a checkpoint's drafter, ``eyas.methods``): every linear of
+        the drafter's own in the device's fast layouts, as ``Decoder.fuse`` lays out the target's (gate/up fused;
+        the panel kernel for a few rows on CPU). A drafter call multiplies 1-8 rows by every weight; on smollm2 in
+        bfloat16 its plain ``F.linear`` products made drafting 28% of an EAGLE-3 cycle. Training never fuses: the
+        copies have no backward and would go stale."""
+        self.layer.mlp.fuse()
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear) and not name.startswith("layer.mlp."):
+                module.packed = fuse_linears([module])
+        self._fused = True
+        return self
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)  # .to() after fuse: rebuild the copies from the converted weights
+        if getattr(self, "_fused", False):
+            self.pack_linears()
+        return self
 
     target_taps: tuple[int, ...] = ()
     draft_vocab: list[int] | None = None  # a reduced output vocabulary (EAGLE-3), as target token ids

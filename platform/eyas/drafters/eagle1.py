@@ -28,6 +28,7 @@ from eyas.drafters.eagle import (KV, DraftLayerConfig, EagleModel, masked_mean, 
                                  soft_cross_entropy, step_mask, unroll)
 from eyas.models.decoder import Decoder
 from eyas.models.features import TargetFeatures, TrainBatch
+from eyas.models.packing import linear
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,7 @@ class Eagle1Model(EagleModel):
 
     def step(self, tokens_BT: torch.Tensor, hidden_BTE: torch.Tensor, positions_BT: torch.Tensor,
              past: KV | None, mask_B1TS: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, KV]:
-        x_BTE = self.fc(torch.cat([self.embed(tokens_BT), hidden_BTE.to(self.dtype)], dim=-1))
+        x_BTE = linear(self.fc, torch.cat([self.embed(tokens_BT), hidden_BTE.to(self.dtype)], dim=-1))
         cos_BTD, sin_BTD = self.rope(positions_BT)
         feature_BTE, kv = self.layer(x_BTE, None, cos_BTD, sin_BTD, past, mask_B1TS)
         return feature_BTE, self.target_logits(feature_BTE), kv

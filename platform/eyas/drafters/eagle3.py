@@ -31,6 +31,7 @@ from eyas.drafters.eagle import (KV, DraftLayerConfig, EagleModel, check_taps, h
                                  scalar, shift_left, soft_cross_entropy, step_mask, unroll)
 from eyas.models.decoder import Decoder, RMSNorm
 from eyas.models.features import TargetFeatures, TrainBatch
+from eyas.models.packing import linear
 
 
 def eagle3_taps(num_layers: int) -> tuple[int, int, int]:
@@ -119,13 +120,13 @@ class Eagle3Model(EagleModel):
 
     def initial_hidden(self, taps: dict[int, torch.Tensor]) -> torch.Tensor:
         fused_TF = torch.cat([taps[layer] for layer in self.target_taps], dim=-1)
-        return self.fc(fused_TF.to(self.dtype))
+        return linear(self.fc, fused_TF.to(self.dtype))
 
     def step(self, tokens_BT: torch.Tensor, hidden_BTE: torch.Tensor, positions_BT: torch.Tensor,
              past: KV | None, mask_B1TS: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, KV]:
         cos_BTD, sin_BTD = self.rope(positions_BT)
         out_BTE, kv = self.layer(hidden_BTE.to(self.dtype), self.embed(tokens_BT), cos_BTD, sin_BTD, past, mask_B1TS)
-        return out_BTE, self.lm_head(self.norm(out_BTE)), kv
+        return out_BTE, linear(self.lm_head, self.norm(out_BTE)), kv
 
     def draft_probs(self, logits_X: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [..., X] -> probabilities over the target vocabulary [..., V] (0 outside)."""

@@ -148,6 +148,15 @@ def fuse_linears(linears: Sequence[torch.nn.Linear]) -> PackedLinear:
         return PackedLinear(buffer_IO.t(), bias_O, one_row=True)
 
 
+def linear(module: torch.nn.Linear, x_XI: torch.Tensor) -> torch.Tensor:
+    """``module(x_XI)``, through the inference copy ``fuse_linears`` built for it (``module.packed``, hung there by
+    an inference-only ``fuse``: a checkpoint's drafter) when it has one and no gradient is wanted."""
+    packed: PackedLinear | None = getattr(module, "packed", None)
+    if packed is not None and not torch.is_grad_enabled():
+        return packed(x_XI)
+    return module(x_XI)
+
+
 def frozen_head(linear: torch.nn.Linear, x_XI: torch.Tensor) -> torch.Tensor:
     """A frozen linear (the target's LM head, which drafters share) applied to ``x_XI`` in the weight's dtype:
     through the packed copy ``Decoder.fuse`` attached to it (``linear.packed``) when no gradient is wanted (drafting),

@@ -93,3 +93,26 @@ def test_argmax_loss_target_trains_and_stays_lossless(setup):
 def test_unknown_loss_target_is_rejected():
     with pytest.raises(Exception, match="loss_target"):
         Eagle3Config(loss_target="hard")
+
+
+def test_packed_linears_draft_what_the_plain_ones_do_and_leave_training_alone(setup):
+    """pack_linears (a checkpoint's drafter, eyas.methods) lays the drafter's own linears out for inference: a step
+    gives the plain step's outputs, drafting stays lossless, and with gradients on it still runs the parameters."""
+    model = Eagle3Model(Eagle3Config(ttt_steps=3, draft_vocab_size=48), setup["target"],
+                        setup["model"].d2t.tolist())
+    model.load_state_dict(setup["model"].state_dict())
+    model.eval()
+    tokens_BT, hidden_BTE = torch.tensor([[3, 5, 7]]), torch.randn(1, 3, setup["target"].config.hidden_size)
+    positions_BT = torch.arange(3)[None]
+    with torch.no_grad():
+        plain_BTE, plain_logits_BTX, _ = model.step(tokens_BT, hidden_BTE, positions_BT, None, None)
+        model.pack_linears()
+        assert model.fc.packed is not None and model.layer.mlp.fused_gate_up is not None
+        packed_BTE, packed_logits_BTX, _ = model.step(tokens_BT, hidden_BTE, positions_BT, None, None)
+    torch.testing.assert_close(packed_BTE, plain_BTE, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(packed_logits_BTX, plain_logits_BTX, atol=1e-5, rtol=1e-5)
+    drafter = EagleDrafter(model, TREES["dynamic"])
+    assert assert_greedy_identity(setup["target"], drafter, setup["prompts"], setup["vanilla"]) > 0
+    _, grad_logits_BTX, _ = model.step(tokens_BT, hidden_BTE, positions_BT, None, None)  # gradients on: parameters
+    grad_logits_BTX.sum().backward()
+    assert model.lm_head.weight.grad is not None and model.layer.self_attn.q_proj.weight.grad is not None
