@@ -92,6 +92,7 @@ def test_factories(target, tmp_path):
     make = drafter_factory(target, SpecConfig(method="dflash", drafter=str(path)))
     a, b = make(), make()
     assert a.model is b.model and a.context is not b.context and a.max_draft_nodes == 3
+    assert a.model.fc.packed is not None  # a checkpoint's drafter drafts through packed linears (pack_linears)
     with pytest.raises(ConfigError, match="method 'eagle1' needs a eagle1 drafter, but .* holds a dflash"):
         drafter_factory(target, SpecConfig(method="eagle1", drafter=str(path)))
 

@@ -40,7 +40,7 @@ from eyas.drafters.dflash_train import block_loss
 from eyas.drafters.trees import BLOCK_MODES, TreeSpec
 from eyas.models.cache import KVCache
 from eyas.models.config import ModelConfig
-from eyas.models.packing import frozen_head
+from eyas.models.packing import InferencePacking, frozen_head, linear
 from eyas.models.decoder import MLP, Decoder, RMSNorm, TensorParallel, apply_rope, rope_inv_freq
 from eyas.decoding.builders import build_best_first_block
 from eyas.decoding.tree import DraftTree, chain
@@ -122,8 +122,8 @@ class ContextAttention(nn.Module):
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys (RoPE applied) and values of S inputs: [B, H_kv, S, D] each. Used for context and block alike."""
         B, S, _ = x_BSE.shape
-        k_BHSD = self.k_proj(x_BSE).view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v_BHSD = self.v_proj(x_BSE).view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        k_BHSD = linear(self.k_proj, x_BSE).view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v_BHSD = linear(self.v_proj, x_BSE).view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if self.qk_norm:
             k_BHSD = self.k_norm(k_BHSD)
         return apply_rope(k_BHSD, cos_BSD, sin_BSD), v_BHSD
@@ -131,7 +131,7 @@ class ContextAttention(nn.Module):
     def forward(self, x_BQE: torch.Tensor, cos_BQD: torch.Tensor, sin_BQD: torch.Tensor, ctx_k_BHCD: torch.Tensor,
                 ctx_v_BHCD: torch.Tensor, mask_B1QS: torch.Tensor | None) -> torch.Tensor:
         B, Q, _ = x_BQE.shape
-        q_BHQD = self.q_proj(x_BQE).view(B, Q, self.num_heads, self.head_dim).transpose(1, 2)
+        q_BHQD = linear(self.q_proj, x_BQE).view(B, Q, self.num_heads, self.head_dim).transpose(1, 2)
         if self.qk_norm:
             q_BHQD = self.q_norm(q_BHQD)
         q_BHQD = apply_rope(q_BHQD, cos_BQD, sin_BQD)
@@ -139,7 +139,7 @@ class ContextAttention(nn.Module):
         k_BHSD = torch.cat([ctx_k_BHCD, blk_k_BHQD], dim=2)  # S = C + Q
         v_BHSD = torch.cat([ctx_v_BHCD, blk_v_BHQD], dim=2)
         out_BHQD = F.scaled_dot_product_attention(q_BHQD, k_BHSD, v_BHSD, attn_mask=mask_B1QS, enable_gqa=True)
-        return self.o_proj(out_BHQD.transpose(1, 2).reshape(B, Q, -1))
+        return linear(self.o_proj, out_BHQD.transpose(1, 2).reshape(B, Q, -1))
 
 
 class DFlashLayer(nn.Module):
@@ -156,7 +156,7 @@ class DFlashLayer(nn.Module):
         return x_BQE + self.mlp(self.post_attention_layernorm(x_BQE))
 
 
-class DFlashModel(nn.Module):
+class DFlashModel(InferencePacking, nn.Module):
     """The trainable DFlash drafter. The target's ``embed_tokens`` / ``lm_head`` are held outside the module's
     parameters (not trained, not in ``state_dict``, so not in checkpoints)."""
 
@@ -199,7 +199,7 @@ class DFlashModel(nn.Module):
         if missing:
             raise ValueError(f"DFlash needs target taps {self.target_taps}; missing {missing}")
         concat_TF = torch.cat([taps[t] for t in self.target_taps], dim=-1).to(self.fc.weight.dtype)
-        return self.hidden_norm(self.fc(concat_TF))
+        return self.hidden_norm(linear(self.fc, concat_TF))
 
     def embed_block(self, anchors: torch.Tensor) -> torch.Tensor:
         """[..., G, E]: slot 0 the clean anchor (root) token, slots 1..G-1 the mask."""

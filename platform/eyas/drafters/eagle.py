@@ -30,7 +30,7 @@ from torch import nn
 
 from eyas.config import require
 from eyas.models.config import ModelConfig
-from eyas.models.packing import frozen_head, fuse_linears, linear
+from eyas.models.packing import InferencePacking, frozen_head, linear
 from eyas.models.decoder import MLP, Decoder, RMSNorm, TensorParallel, apply_rope, rope_inv_freq
 
 KV = tuple[torch.Tensor, torch.Tensor]  # (k_BHSD, v_BHSD)
@@ -126,7 +126,7 @@ class FrozenTarget:
     norm: RMSNorm
 
 
-class EagleModel(nn.Module):
+class EagleModel(InferencePacking, nn.Module):
     """What EAGLE-1 and EAGLE-3 share; a family defines ``target_taps``, ``initial_hidden``, ``step``,
     ``draft_probs`` and ``training_loss``.
 
@@ -149,25 +149,6 @@ class EagleModel(nn.Module):
         """Move to the target's device and dtype (families call this last in __init__); rope stays float32."""
         self.to(device=target.device, dtype=target.dtype)
         self.inv_freq = self.inv_freq.float()
-
-    def pack_linears(self) -> "EagleModel":
-        """Inference only, once the weights are final (a checkpoint's drafter, ``eyas.methods``): every linear of
-        the drafter's own in the device's fast layouts, as ``Decoder.fuse`` lays out the target's (gate/up fused;
-        the panel kernel for a few rows on CPU). A drafter call multiplies 1-8 rows by every weight; on smollm2 in
-        bfloat16 its plain ``F.linear`` products made drafting 28% of an EAGLE-3 cycle. Training never fuses: the
-        copies have no backward and would go stale."""
-        self.layer.mlp.fuse()
-        for name, module in self.named_modules():
-            if isinstance(module, nn.Linear) and not name.startswith("layer.mlp."):
-                module.packed = fuse_linears([module])
-        self._fused = True
-        return self
-
-    def _apply(self, fn, recurse=True):
-        super()._apply(fn, recurse)  # .to() after fuse: rebuild the copies from the converted weights
-        if getattr(self, "_fused", False):
-            self.pack_linears()
-        return self
 
     target_taps: tuple[int, ...] = ()
     draft_vocab: list[int] | None = None  # a reduced output vocabulary (EAGLE-3), as target token ids

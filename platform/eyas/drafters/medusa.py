@@ -31,7 +31,7 @@ from eyas.config import require
 from eyas.drafters.eagle import masked_mean, scalar, shift_left, soft_cross_entropy, step_mask
 from eyas.drafters.trees import EXPAND_MODES, TreeSpec, grow_tree
 from eyas.models.decoder import Decoder
-from eyas.models.packing import frozen_head
+from eyas.models.packing import InferencePacking, frozen_head, linear
 from eyas.decoding.builders import EAGLE_DEFAULT
 from eyas.decoding.tree import DraftTree, PartialTree
 from eyas.models.features import TargetFeatures, TrainBatch
@@ -57,10 +57,10 @@ class ResBlock(nn.Module):
         nn.init.zeros_(self.linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + F.silu(self.linear(x))
+        return x + F.silu(linear(self.linear, x))
 
 
-class MedusaModel(nn.Module):
+class MedusaModel(InferencePacking, nn.Module):
     drafter_type = "medusa"
     draft_vocab = None
 
