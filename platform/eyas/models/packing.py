@@ -48,7 +48,7 @@ from eyas.models import panels
 
 PACK_ROWS_HINT = 16  # oneDNN picks its blocking for this many rows; 16 measured best over 1-64 rows (table above)
 # a packed product costs ~11 us more per call (same machine): a 512 x 512 weight at one row took 21 us plain and
-# 30 us packed, so weights up to that size (tiny targets, drafters' own layers) stay plain
+# 30 us packed, so weights up to that size (tiny targets and their drafters) stay plain
 PACK_MIN_ELEMENTS = 512 * 512
 
 
