@@ -175,7 +175,7 @@ class InferencePacking:
 
 def linear(module: torch.nn.Linear, x_XI: torch.Tensor) -> torch.Tensor:
     """``module(x_XI)``, through the inference copy ``fuse_linears`` built for it (``module.packed``, hung there by
-    an inference-only ``fuse``: a checkpoint's drafter) when it has one and no gradient is wanted."""
+    ``InferencePacking.pack_linears``: a checkpoint's drafter) when it has one and no gradient is wanted."""
     packed: PackedLinear | None = getattr(module, "packed", None)
     if packed is not None and not torch.is_grad_enabled():
         return packed(x_XI)
