@@ -2,18 +2,29 @@
 
     python -m jobs.load [--config serving/configs/tiny.yaml] [--target PATH] [--arg KEY=VALUE ...]
         [--concurrency 1,4,8] [--requests-per-level N] [--max-tokens N] [--suite code|prose|all]
-        [--max-prompt-chars N] [--temperature T] [--out load.json]
+        [--max-prompt-chars N] [--temperature T] [--baseline replica|twin] [--out load.json]
     python -m jobs.load --soak MINUTES [--soak-concurrency N] [--max-rss-growth-mb MB] [--config ...] [--out soak.json]
 
-Deploys the config's application twice on the local Ray (or ``RAY_ADDRESS``): as configured (``spec``, route
-/spec) and with ``spec.method: vanilla`` (``vanilla``, route /vanilla), each on exactly one replica (autoscaling
-off, so both numbers are per replica). At concurrency c, c closed-loop clients stream completions over loopback (a
-client sends its next request when its last one ends) until ``--requests-per-level`` requests are done; spec and
-vanilla alternate, in a rotating order per level, so slow drifts of the machine hit both alike. Greedy by default,
-so both modes generate the very same tokens (in float32, and in bfloat16 where ``Decoder.verify_is_exact`` holds for
-the batch's rows; elsewhere in bfloat16 near-ties in the argmax can flip). At temperature 0 the report checks it:
-``greedy_identical`` is the share of a level's requests whose speculative text equals vanilla's for the same request
-(same prompt, same seed) at the same concurrency.
+Measures the config's application (``spec``) against vanilla decoding, each on exactly one replica (autoscaling
+off, so both numbers are per replica). ``--baseline`` says what vanilla is:
+
+- ``replica`` (the default): the very same replica with drafting switched off. jobs.load deploys the application
+  once (route /spec) and, before each measurement, sets its schedule through a deployment handle
+  (``EyasServer.set_speculation``, what a ``user_config`` update does): the configured schedule for ``spec``,
+  ``{1: 0}`` for ``vanilla``, where every cycle is a plain decode step (the engine's budget-0 cycle is vanilla's
+  cycle, and its output is vanilla's: tests/unit/decoding). Same process, same cores, same memory: the ratio
+  measures speculation and nothing else.
+- ``twin``: a second application with ``spec.method: vanilla`` (route /vanilla) beside the first. It runs the
+  vanilla method itself, but two replicas on a small machine do not get the same share of it: on the 2-core box of
+  the README, two replicas doing the very same work measured 0.90-1.01x.
+
+At concurrency c, c closed-loop clients stream completions over loopback (a client sends its next request when its
+last one ends) until ``--requests-per-level`` requests are done; spec and vanilla alternate, in a rotating order
+per level, so slow drifts of the machine hit both alike. Greedy by default, so both modes generate the very same
+tokens (in float32, and in bfloat16 where ``Decoder.verify_is_exact`` holds for the batch's rows; elsewhere in
+bfloat16 near-ties in the argmax can flip). At temperature 0 the report checks it: ``greedy_identical`` is the share
+of a level's requests whose speculative text equals vanilla's for the same request (same prompt, same seed) at the
+same concurrency.
 
 Per (mode, c): tokens/s (generated tokens over the level's wall time), p50/p99 request latency, p50 time to first
 token, mean tau; ``speedup`` = spec tokens/s over vanilla tokens/s at the same c; ``scaling`` = tokens/s over the
@@ -47,11 +58,13 @@ from eyas.decoding.tp import free_port
 from eyas.files import writable_path, write_text_atomic
 from eyas_ray.cluster import init_ray
 from eyas_ray.deploy import run_config
-from eyas_ray.serve_config import ServeArgs
+from eyas_ray.serve_config import LiveSettings, ServeArgs
 from jobs.bench import git_commit, machine
 from jobs.soak import percentile, print_report, soak
 
 MODES = ("spec", "vanilla")
+BASELINES = ("replica", "twin")
+DRAFTING_OFF = {1: 0}  # the replica baseline's schedule: no row drafts at any batch size
 
 
 def app_configs(config: dict[str, Any], target: str | None, port: int, overrides: list[str] = ()
@@ -82,6 +95,16 @@ def app_configs(config: dict[str, Any], target: str | None, port: int, overrides
     return out
 
 
+def configured_schedule(app: dict[str, Any]) -> dict[int, int | None]:
+    """The schedule the application serves with: its deployment's ``user_config`` (LiveSettings) when that sets
+    one, else ``args.speculation_by_batch``."""
+    for deployment in app.get("deployments") or []:
+        live = LiveSettings.from_user_config(deployment.get("user_config"))
+        if live.speculation_by_batch is not None:
+            return live.speculation_by_batch
+    return ServeArgs.from_args(app["args"]).speculation_by_batch
+
+
 async def one_request(client, url: str, body: dict[str, Any]) -> dict[str, Any]:
     """Stream one completion; returns latency, time to first token, generated tokens and tau."""
     start = time.perf_counter()
@@ -104,14 +127,16 @@ async def one_request(client, url: str, body: dict[str, Any]) -> dict[str, Any]:
                 final = chunk
     latency = time.perf_counter() - start
     return {"latency": latency, "ttft": first if first is not None else latency,
-            "tokens": final["usage"]["completion_tokens"], "tau": final["spec"]["tau"], "text": "".join(text)}
+            "tokens": final["usage"]["completion_tokens"], "tau": final["spec"]["tau"],
+            "draft_nodes": final["spec"]["mean_draft_nodes"], "text": "".join(text)}
 
 
 async def run_level(base_url: str, mode: str, model: str, prompts: list[str], concurrency: int, num_requests: int,
-                    max_tokens: int, temperature: float) -> dict[str, Any]:
+                    max_tokens: int, temperature: float, route: str | None = None) -> dict[str, Any]:
+    """One (mode, concurrency) measurement against ``route`` (default: the mode's own, /spec or /vanilla)."""
     import httpx
 
-    url = f"{base_url}/{mode}/v1/completions"
+    url = f"{base_url}{route or '/' + mode}/v1/completions"
     queue = list(range(num_requests))
     records: list[dict[str, Any]] = []
 
@@ -135,7 +160,8 @@ async def run_level(base_url: str, mode: str, model: str, prompts: list[str], co
             "latency_p50_s": percentile([r["latency"] for r in records], 50),
             "latency_p99_s": percentile([r["latency"] for r in records], 99),
             "ttft_p50_s": percentile([r["ttft"] for r in records], 50),
-            "tau": statistics.fmean(taus) if taus else None, "texts": {r["index"]: r["text"] for r in records}}
+            "tau": statistics.fmean(taus) if taus else None,
+            "draft_nodes": statistics.fmean(r["draft_nodes"] for r in records), "texts": {r["index"]: r["text"] for r in records}}
 
 
 def add_ratios(results: list[dict[str, Any]], greedy: bool = False) -> None:
@@ -158,14 +184,14 @@ def add_ratios(results: list[dict[str, Any]], greedy: bool = False) -> None:
 
 def print_table(results: list[dict[str, Any]]) -> None:
     print(f"{'mode':8} {'conc':>4} {'tok/s':>8} {'speedup':>7} {'scaling':>7} {'p50 s':>7} {'p99 s':>7} "
-          f"{'ttft50':>7} {'tau':>5} {'same':>5}")
+          f"{'ttft50':>7} {'tau':>5} {'nodes':>5} {'same':>5}")
     for r in sorted(results, key=lambda r: (r["concurrency"], r["mode"])):
         tau = f"{r['tau']:.2f}" if r["tau"] is not None else "-"
         same = f"{r['greedy_identical']:.2f}" if r.get("greedy_identical") is not None else "-"
         print(f"{r['mode']:8} {r['concurrency']:>4} {r['tokens_per_s']:>8.1f} {r['speedup']:>7.2f} "
               f"{r['scaling']:>7.2f} {r['latency_p50_s']:>7.3f} {r['latency_p99_s']:>7.3f} {r['ttft_p50_s']:>7.3f} "
-              f"{tau:>5} {same:>5}")
-    print("same: the share of a level's requests whose speculative text equals vanilla's (greedy runs only)")
+              f"{tau:>5} {r.get('draft_nodes', 0.0):>5.2f} {same:>5}")
+    print("nodes: drafted nodes per sequence and cycle; same: the share of a level's requests whose speculative text equals vanilla's (greedy runs only)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -182,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--max-prompt-chars", type=int, default=400, help="cut longer prompts (small contexts)")
     parser.add_argument("--port", type=int, help="HTTP port (default: a free one)")
+    parser.add_argument("--baseline", choices=BASELINES, default="replica",
+                        help="vanilla is the same replica with drafting off (replica), or a second, vanilla-method "
+                             "application beside it (twin)")
     parser.add_argument("--out", help="the report (default: load.json, or soak.json with --soak)")
     parser.add_argument("--soak", type=float, metavar="MINUTES", help="run the mixed soak this long instead")
     parser.add_argument("--soak-concurrency", type=int, default=6, help="closed-loop clients in the soak")
@@ -204,46 +233,57 @@ def main(argv: list[str] | None = None) -> int:
         port = args.port or free_port()
         configs = app_configs(config, args.target, port, args.arg)
         model = configs["spec"]["applications"][0]["args"].get("model_name")
+        schedules = {"spec": configured_schedule(configs["spec"]["applications"][0]), "vanilla": DRAFTING_OFF}
         prompts = [p[-args.max_prompt_chars:] for p in corpus.heldout_prompts(args.suite, args.num_prompts)]
     except (ConfigError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 
-    modes = ("spec",) if args.soak is not None else MODES
-    serve_args = {mode: ServeArgs.from_args(configs[mode]["applications"][0]["args"]) for mode in modes}
+    deployed = ("spec",) if args.soak is not None or args.baseline == "replica" else MODES
+    serve_args = {mode: ServeArgs.from_args(configs[mode]["applications"][0]["args"]) for mode in deployed}
     ray_options: dict[str, Any] = {"log_to_driver": False}
     if not os.environ.get("RAY_ADDRESS"):
-        # a local Ray gets enough logical CPUs for both applications: they are deployed side by side but measured
-        # one at a time, so the idle one only holds its reservation
+        # a local Ray gets enough logical CPUs for the applications: deployed side by side (twin) but measured one
+        # at a time, so an idle one only holds its reservation
         reserved = sum(bundle.get("CPU", 0) for a in serve_args.values() for bundle in a.bundles())
         ray_options["num_cpus"] = max(os.cpu_count() or 1, math.ceil(reserved) + 1)
     init_ray(**ray_options)
     model = model or serve_args["spec"].served_name
-    for mode in modes:
+    for mode in deployed:
         print(f"[load] deploying {mode} ...", flush=True)
         run_config(configs[mode])
     base_url = f"http://127.0.0.1:{port}"
     if args.soak is not None:
         return run_soak(args, path, configs["spec"], base_url, model, prompts)
+    handle = serve.get_app_handle("load-spec") if args.baseline == "replica" else None
+
+    def measure(mode: str, concurrency: int, num_requests: int, max_tokens: int) -> dict[str, Any]:
+        route = None
+        if handle is not None:  # one replica plays both modes: set its schedule first (between two rounds)
+            handle.set_speculation.remote(schedules[mode]).result()
+            route = "/spec"
+        return asyncio.run(run_level(base_url, mode, model, prompts, concurrency, num_requests, max_tokens,
+                                     args.temperature, route))
+
     results = []
     try:
         for mode in MODES:  # warm-up: first requests pay for lazy initialisation
-            asyncio.run(run_level(base_url, mode, model, prompts, 1, 2, 8, args.temperature))
+            measure(mode, 1, 2, 8)
         for n, concurrency in enumerate(levels):
             for mode in (MODES if n % 2 == 0 else MODES[::-1]):
-                result = asyncio.run(run_level(base_url, mode, model, prompts, concurrency,
-                                               max(args.requests_per_level, concurrency), args.max_tokens,
-                                               args.temperature))
+                result = measure(mode, concurrency, max(args.requests_per_level, concurrency), args.max_tokens)
                 print(f"[load] {mode} c={concurrency}: {result['tokens_per_s']:.1f} tok/s "
                       f"p50={result['latency_p50_s']:.3f}s p99={result['latency_p99_s']:.3f}s", flush=True)
                 results.append(result)
     finally:
-        for mode in MODES:
+        for mode in deployed:
             serve.delete(f"load-{mode}")
     add_ratios(results, greedy=args.temperature == 0)
     report = {"commit": git_commit(), "machine": machine(),
               "config": {"serve_config": str(path), "app": configs["spec"]["applications"][0],
                          "concurrency": levels, "requests_per_level": args.requests_per_level,
+                         "baseline": args.baseline, "schedules": {m: {str(k): v for k, v in schedules[m].items()}
+                                                                  for m in MODES},
                          "max_prompt_chars": args.max_prompt_chars,
                          "max_tokens": args.max_tokens, "temperature": args.temperature, "suite": args.suite},
               "results": results}

@@ -10,6 +10,7 @@ are serving.api's; the replica builds that app over its own scheduler once its w
 
 import asyncio
 import contextlib
+from dataclasses import replace
 from typing import Any
 
 import ray
@@ -20,7 +21,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from eyas.methods import resolve_checkpoint
 from eyas.models import ModelConfig, load_tokenizer
-from eyas_ray.serve_config import ServeArgs, check_back_pressure
+from eyas_ray.serve_config import LiveSettings, ServeArgs, check_back_pressure
 from eyas_ray.threads import with_openmp_env
 from serving.api import Frontend, build_api
 from serving.metrics import ServingMetrics
@@ -79,6 +80,23 @@ class EyasServer:
         host, port = await self.workers[0].rendezvous.remote()
         infos = await asyncio.gather(*[worker.setup.remote(host, port) for worker in self.workers])
         return infos[0]
+
+    async def reconfigure(self, user_config: dict[str, Any] | None) -> None:
+        """Serve calls this with the deployment's ``user_config`` (``LiveSettings``) after ``__init__`` and on every
+        change of it, a lightweight update that keeps the replica, its workers and their loaded weights. A bad
+        ``user_config`` raises, and Serve reports the update failed."""
+        settings = LiveSettings.from_user_config(user_config)
+        if settings.speculation_by_batch is not None:
+            await self.set_speculation(settings.speculation_by_batch)
+
+    async def set_speculation(self, speculation_by_batch: dict[int, int | None]) -> dict[int, int | None]:
+        """Make ``speculation_by_batch`` this replica's schedule from its next round on; returns it as parsed.
+        ``reconfigure`` calls it, and so does jobs.load through a deployment handle (drafting off, ``{1: 0}``, is
+        its baseline on the very same replica). /v1/models reports the live schedule."""
+        args = replace(self.args, speculation_by_batch=LiveSettings(speculation_by_batch).speculation_by_batch)
+        await asyncio.gather(*[worker.set_schedule.remote(args.speculation_by_batch) for worker in self.workers])
+        self.args = self.frontend.args = args
+        return args.speculation_by_batch
 
     def _kill_workers(self) -> None:
         for worker in self.workers:

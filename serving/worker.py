@@ -23,7 +23,7 @@ import torch
 from eyas.methods import METHODS, SpecConfig, drafter_factory, resolve_checkpoint
 from eyas.models import load_target, torch_dtype
 from eyas.decoding.engine import SpecEngine
-from eyas.decoding.requests import SequenceRequest, StepOutput
+from eyas.decoding.requests import SequenceRequest, SpeculationSchedule, StepOutput
 from eyas.decoding.tp import BroadcastChannel, free_port, init_tensor_parallel
 from eyas.threads import configure_threads
 from eyas_ray.serve_config import ServeArgs
@@ -80,6 +80,11 @@ class TPWorker:
     def step(self, joins: list[SequenceRequest], leaves: list[str]) -> list[StepOutput] | None:
         outputs = self.engine.step(joins, leaves)
         return outputs if self.rank == 0 else None
+
+    def set_schedule(self, speculation_by_batch: dict[int, int | None]) -> None:
+        """Swap the load-adaptive schedule in place (``EyasServer.set_speculation``). An actor runs one method at a
+        time, so it lands between two steps; every rank takes it, though only the leader drafts."""
+        self.engine.schedule = SpeculationSchedule(speculation_by_batch)
 
     def ping(self) -> int:
         return self.rank

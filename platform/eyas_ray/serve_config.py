@@ -11,6 +11,7 @@ beside the Ray helpers both apps use (the apps never import each other).
           - name: EyasServer                                            <- Serve's own deployment options:
             max_ongoing_requests: 16                                       autoscaling_config, max_ongoing_requests,
             autoscaling_config: {min_replicas: 1, max_replicas: 2, ...}    health_check_period_s, ...
+            user_config: {speculation_by_batch: {1: 4, 8: 0}}           <- LiveSettings: changed in place
 
 ``spec`` is the ``spec:`` section that jobs.generate, jobs.bench and tune.sweep's best-config YAML share
 (eyas.methods.SpecConfig), taken as is; ``spec_file`` names such a YAML instead (best.yaml: its ``target:`` serves
@@ -18,6 +19,10 @@ when the args name none, ``sweep:`` is ignored), and ``spec`` keys, when both ar
 placement group of a replica (bundle 0: the replica, then one bundle per tensor-parallel rank) is derived from these
 arguments by ``serving.app.build_app``;
 ``check_back_pressure`` checks them against the deployment's options (``eyas_ray.deploy`` applies a config file's).
+
+``user_config`` (Serve's own deployment option) holds the ``LiveSettings``: what a running replica changes in place,
+without reloading its weights. Serve hands it to the replica at start and again on every change (``serve deploy``
+of the edited file is a lightweight update: the replicas stay), and it wins over ``args.speculation_by_batch``.
 """
 from __future__ import annotations
 
@@ -136,6 +141,33 @@ class ServeArgs:
         if self.worker_gpus:
             worker["GPU"] = self.worker_gpus
         return [{"CPU": self.replica_cpus}] + [dict(worker) for _ in range(self.tensor_parallel_size)]
+
+
+@dataclass(frozen=True)
+class LiveSettings:
+    """A deployment's ``user_config``: the settings a running replica takes in place (``EyasServer.reconfigure``).
+
+    speculation_by_batch: the load-adaptive schedule (batch size -> most drafted nodes per sequence; null: the
+    drafter's full tree, 0: none), as ``args.speculation_by_batch``; unset keeps the args' schedule. A new sweep's
+    schedule (tune.sweep's schedule.yaml) goes live this way, the replicas and their loaded weights untouched."""
+    speculation_by_batch: dict[int, int | None] | None = None
+
+    def __post_init__(self) -> None:
+        if self.speculation_by_batch is not None:
+            try:
+                schedule = SpeculationSchedule(self.speculation_by_batch)
+            except (TypeError, ValueError) as err:
+                raise ConfigError(f"user_config.{err}") from None
+            object.__setattr__(self, "speculation_by_batch", schedule.max_draft_nodes_by_batch)
+
+    @classmethod
+    def from_user_config(cls, user_config: Any) -> "LiveSettings":
+        if user_config is None:
+            return cls()
+        if not isinstance(user_config, dict):
+            raise ConfigError(f"user_config must be a mapping like {{speculation_by_batch: {{1: 4}}}}, got "
+                              f"{user_config!r}")
+        return from_dict(cls, user_config, prefix="user_config.")
 
 
 def read_spec_file(path: str) -> dict[str, Any]:

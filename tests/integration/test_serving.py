@@ -298,22 +298,60 @@ def test_tp2_greedy_equals_vanilla_and_a_dead_rank_replaces_the_replica(serve_po
         serve.delete("tp2")
 
 
+def test_user_config_swaps_the_schedule_in_place(serve_port, random_checkpoint, reference):
+    """``user_config: {speculation_by_batch: ...}`` rules from the start (reconfigure), and ``set_speculation`` (what
+    a user_config update and jobs.load call) swaps it on the running replica: same workers, output still vanilla's,
+    /v1/models reports the live schedule; a bad schedule is refused and the old one stays."""
+    config = micro_config(random_checkpoint, "live", "/live")
+    config["applications"][0]["deployments"][0]["user_config"] = {"speculation_by_batch": {1: 0}}
+    deploy(config)
+    try:
+        handle = serve.get_app_handle("live")
+        with client(serve_port, "/live", key=None) as http:
+            off = complete(http, PROMPTS[0])
+            assert off["spec"]["mean_draft_nodes"] == 0 and off["spec"]["tau"] == 1.0
+            assert http.get("/v1/models").json()["data"][0]["speculation_by_batch"] == {"1": 0}
+            workers = worker_names("live")
+            assert handle.set_speculation.remote({1: None, 4: 0}).result() == {1: None, 4: 0}
+            on = complete(http, PROMPTS[0])
+            assert on["spec"]["mean_draft_nodes"] > 0
+            assert on["choices"][0]["token_ids"] == off["choices"][0]["token_ids"] == reference[PROMPTS[0]]
+            with pytest.raises(Exception, match="needs an entry for batch size 1"):
+                handle.set_speculation.remote({2: 1}).result()
+            assert http.get("/v1/models").json()["data"][0]["speculation_by_batch"] == {"1": None, "4": 0}
+            assert complete(http, PROMPTS[1])["spec"]["mean_draft_nodes"] > 0
+            assert worker_names("live") == workers  # the same replica and workers throughout
+    finally:
+        serve.delete("live")
+
+
 def test_jobs_load_measures_spec_and_vanilla(serve_port, random_checkpoint, tmp_path):
     from jobs import load
 
+    common = ["--config", str(REPO_ROOT / "serving" / "configs" / "micro.yaml"), "--target", str(random_checkpoint),
+              "--port", str(serve_port), "--max-tokens", "8", "--num-prompts", "2"]
     out = tmp_path / "load.json"
-    code = load.main(["--config", str(REPO_ROOT / "serving" / "configs" / "micro.yaml"), "--target",
-                      str(random_checkpoint), "--port", str(serve_port), "--concurrency", "1,2",
-                      "--requests-per-level", "2", "--max-tokens", "8", "--num-prompts", "2", "--out", str(out)])
-    assert code == 0
+    assert load.main([*common, "--concurrency", "1,2", "--requests-per-level", "2", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
+    assert report["config"]["baseline"] == "replica"
+    assert report["config"]["schedules"] == {"spec": {"1": None, "3": 4, "4": 0}, "vanilla": {"1": 0}}
     rows = {(r["mode"], r["concurrency"]): r for r in report["results"]}
     assert set(rows) == {("spec", 1), ("vanilla", 1), ("spec", 2), ("vanilla", 2)}
     assert rows[("vanilla", 2)]["speedup"] == 1.0 and rows[("spec", 1)]["scaling"] == 1.0
     assert all(r["tokens_per_s"] > 0 and r["latency_p99_s"] >= r["latency_p50_s"] for r in rows.values())
-    assert rows[("spec", 1)]["tau"] is not None and rows[("vanilla", 1)]["tau"] is None  # only spec speculates
+    # the one replica drafts as configured for spec, never for vanilla (every cycle one decode step: tau 1)
+    assert rows[("spec", 1)]["draft_nodes"] > 0 and rows[("spec", 2)]["draft_nodes"] > 0
+    assert rows[("vanilla", 1)]["draft_nodes"] == rows[("vanilla", 2)]["draft_nodes"] == 0
+    assert rows[("vanilla", 1)]["tau"] == 1.0
     # greedy (the default): every request's speculative text is vanilla's, alone and batched
     assert rows[("spec", 1)]["greedy_identical"] == rows[("spec", 2)]["greedy_identical"] == 1.0
+    # the twin baseline: a vanilla-method application beside it (no drafter, so no tau)
+    assert load.main([*common, "--baseline", "twin", "--concurrency", "1", "--requests-per-level", "1",
+                      "--out", str(out)]) == 0
+    rows = {r["mode"]: r for r in json.loads(out.read_text())["results"]}
+    assert rows["vanilla"]["tau"] is None and rows["spec"]["tau"] is not None
+    assert rows["spec"]["greedy_identical"] == 1.0
+    assert "load-vanilla" not in serve.status().applications  # both deleted after the run
 
 
 # ---------------------------------------------------------------- autoscaling

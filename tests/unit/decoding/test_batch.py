@@ -446,3 +446,26 @@ def test_tp2_equals_tp1(setup, random_checkpoint, tmp_path):
                          schedule=SpeculationSchedule({1: None, 3: 2}), eos_token_ids=eos)
     done = engine.run([SequenceRequest(str(i), ids, NUM_NEW) for i, ids in enumerate(prompts)])
     assert tp2["tokens"] == {k: v[0] for k, v in done.items()}
+
+
+def test_a_schedule_swapped_between_steps_rules_from_the_next_cycle(setup):
+    """What a live reconfigure does (serving's TPWorker.set_schedule): ``engine.schedule`` replaced between two
+    steps. Drafting off from step 3 to 6 ({1: 0}: no drafter call, vanilla's cycle), back on after, and the greedy
+    output is vanilla's throughout."""
+    target, prompts, _ = setup
+    spec = SpecConfig(method="ngram")
+    state = {"step": 0}
+    engine = SpecEngine(target, capacity=1, max_len=256,
+                        drafter_factory=lambda: Recording(build_drafter(target, spec), lambda: (state["step"], 1)))
+    got: list[int] = []
+    for step in range(40):
+        state["step"] = step
+        engine.schedule = SpeculationSchedule({1: 0} if 3 <= step < 6 else {1: None})
+        for out in engine.step([SequenceRequest("A", prompts[0], NUM_NEW)] if step == 0 else []):
+            got += out.new_token_ids
+        if not engine.rows:
+            break
+    assert got == generate(target, prompts[0], NUM_NEW).token_ids
+    [drafter] = [d for d in engine.free_drafters if d.calls]
+    proposed = {step for what, step, _, _ in drafter.calls if what == "propose"}
+    assert proposed.isdisjoint({3, 4, 5}) and {0, 1, 2, 6} <= proposed

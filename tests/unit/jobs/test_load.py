@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from jobs.load import add_ratios, app_configs, percentile
+from eyas.config import ConfigError
+from jobs.load import add_ratios, app_configs, configured_schedule, main, percentile
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -46,3 +47,26 @@ def test_greedy_identity_compares_each_request_with_vanilla_at_the_same_concurre
     sampled = [row("spec", 1, {0: "a"}), row("vanilla", 1, {0: "b"})]
     add_ratios(sampled)  # sampled runs: texts may differ, nothing is judged
     assert [r["greedy_identical"] for r in sampled] == [None, None]
+
+
+def test_the_schedule_measured_is_the_user_configs_else_the_args():
+    app = {"args": {"target": "/t", "speculation_by_batch": {1: 3, 4: 0}},
+           "deployments": [{"name": "EyasServer"}]}
+    assert configured_schedule(app) == {1: 3, 4: 0}
+    app["deployments"][0]["user_config"] = {"speculation_by_batch": {"1": None, "2": 2}}
+    assert configured_schedule(app) == {1: None, 2: 2}  # what the replica serves with: reconfigure wins
+    app["deployments"][0]["user_config"] = {"speculation_by_batch": {2: 2}}
+    with pytest.raises(ConfigError, match="user_config.speculation_by_batch .* batch size 1"):
+        configured_schedule(app)
+
+
+def test_a_bad_user_config_or_baseline_stops_before_ray_starts(tmp_path, capsys):
+    config = yaml.safe_load((REPO / "serving" / "configs" / "micro.yaml").read_text())
+    config["applications"][0]["deployments"][0]["user_config"] = {"speculation_by_batch": {1: -2}}
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert main(["--config", str(path), "--target", "/t", "--out", str(tmp_path / "load.json")]) == 2
+    assert "user_config.speculation_by_batch[1]=-2" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--config", str(path), "--baseline", "neighbour"])
+    assert not (tmp_path / "load.json").exists()
