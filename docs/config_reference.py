@@ -34,6 +34,7 @@ SECTIONS = (
     ("drafter.config for medusa", "eyas.drafters.medusa:MedusaConfig"),
     ("tune/configs/*.yaml (tune.sweep)", "tune.config:SweepConfig"),
     ("serving/configs/*.yaml: applications[].args", "eyas_ray.serve_config:ServeArgs"),
+    ("serving/configs/*.yaml: deployments[].user_config (changed in place)", "eyas_ray.serve_config:LiveSettings"),
 )
 
 

@@ -3,7 +3,9 @@
     python -m jobs.train_drafter --config jobs/configs/eagle3-tiny.yaml [section.key=value ...]
     ray job submit --working-dir . -- python -m jobs.train_drafter --config jobs/configs/eagle3-micro.yaml
 
-Needs the target (jobs.train_target) and a data set (jobs.generate_data). Output: ``$EYAS_HOME/drafters/<name>/``,
+Needs the target (jobs.train_target) and a data set (jobs.generate_data). ``drafter.init_from`` starts from a trained
+drafter of the same family instead of a fresh one (a warm start: more data or steps on top of an earlier run, or
+fine-tuning a drafter brought in from SGLang / vLLM / speculators on your own data). Output: ``$EYAS_HOME/drafters/<name>/``,
 a registry checkpoint (config.json + model.safetensors, loadable by ``eyas.methods.load_drafter``) plus
 ``training.json``, and MLflow model ``<name>`` with alias ``tracking.alias`` (``models:/<name>@champion``).
 
@@ -38,6 +40,7 @@ import contextlib
 import json
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -46,9 +49,10 @@ from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from eyas import track
-from eyas.config import flatten, from_dict, resolve_path, to_dict
+from eyas.config import ConfigError, flatten, from_dict, resolve_path, to_dict
 from eyas.drafters import registry
-from eyas.train.config import TrainConfig, data_path, target_path
+from eyas.methods import resolve_checkpoint
+from eyas.train.config import TrainConfig, data_path, drafter_path, target_path
 from eyas.train.step import read_state
 from eyas_ray.cluster import init_ray
 from eyas_ray.resume import ResumableRun
@@ -68,8 +72,29 @@ def check_inputs(cfg: TrainConfig) -> tuple[Path, Path]:
         raise FileNotFoundError(f"data={cfg.data!r}: {data_dir}/train holds no shards; build them with "
                                 "`python -m jobs.generate_data --config jobs/configs/data-tiny.yaml`")
     family = registry.family(cfg.drafter.type)  # unknown types and bad fields fail here, before Ray starts
-    from_dict(family.config_cls, dict(cfg.drafter.config), prefix="drafter.config.")
+    if not cfg.drafter.init_from:  # a warm start's config is its checkpoint's, overridden: the workers check it
+        from_dict(family.config_cls, dict(cfg.drafter.config), prefix="drafter.config.")
     return target_dir, data_dir
+
+
+def local_init(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` with ``drafter.init_from`` as a local checkpoint directory (an MLflow URI downloaded once), checked
+    to hold a drafter of ``drafter.type`` before Ray starts; the workers load it (registry.load_model)."""
+    ref = cfg.drafter.init_from
+    if not ref:
+        return cfg
+    if ref.startswith(("models:/", "runs:/")):
+        where = resolve_checkpoint(ref, "drafter.init_from")
+    else:
+        where = drafter_path(ref)
+        if not where.exists():
+            raise ConfigError(f"drafter.init_from={ref}: no drafter checkpoint at {where} (a bare name is looked "
+                              "up under $EYAS_HOME/drafters, where jobs.train_drafter publishes)")
+    directory, meta = registry.read_meta(where)
+    if meta["drafter_type"] != cfg.drafter.type:
+        raise ConfigError(f"drafter.init_from={ref}: {directory} holds a {meta['drafter_type']} drafter but "
+                          f"drafter.type is {cfg.drafter.type}; train the family it holds or start from another")
+    return replace(cfg, drafter=replace(cfg.drafter, init_from=str(directory.resolve())))
 
 
 def run_trainer(cfg: TrainConfig, target_dir: Path, data_dir: Path, run_id: str | None, run: ResumableRun):
@@ -127,6 +152,7 @@ def publish(cfg: TrainConfig, result, run_dir: Path) -> tuple[Path, dict[str, An
 
 def train(cfg: TrainConfig) -> Path:
     target_dir, data_dir = check_inputs(cfg)
+    cfg = local_init(cfg)
     init_ray()
     start = time.monotonic()
     tracking = cfg.tracking

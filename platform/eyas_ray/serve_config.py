@@ -150,7 +150,7 @@ class LiveSettings:
     speculation_by_batch: the load-adaptive schedule (batch size -> most drafted nodes per sequence; null: the
     drafter's full tree, 0: none), as ``args.speculation_by_batch``; unset keeps the args' schedule. A new sweep's
     schedule (tune.sweep's schedule.yaml) goes live this way, the replicas and their loaded weights untouched."""
-    speculation_by_batch: dict[int, int | None] | None = None
+    speculation_by_batch: dict[int, int | None] | None = None  # as args.speculation_by_batch; unset: the args'
 
     def __post_init__(self) -> None:
         if self.speculation_by_batch is not None:

@@ -156,14 +156,24 @@ def _check_target(meta: dict[str, Any], target: Decoder, where: Path) -> None:
                               "this target (python -m jobs.train_drafter, target=...)")
 
 
-def load_model(path: str | Path, target: Decoder, target_dir: str | Path | None = None) -> torch.nn.Module:
+def load_model(path: str | Path, target: Decoder, target_dir: str | Path | None = None,
+               config_overrides: dict[str, Any] | None = None, drafter_type: str | None = None) -> torch.nn.Module:
     """The drafter model saved at ``path`` (directory or a file in it), attached to ``target``, in eval mode.
-    ``target_dir`` (the target's checkpoint directory, when known) adds its tokenizer to the fingerprint check."""
+    ``target_dir`` (the target's checkpoint directory, when known) adds its tokenizer to the fingerprint check.
+    ``config_overrides`` replace fields of the saved config (a warm start that trains with other settings; a field
+    that changes the weights' shapes fails the shape check); ``drafter_type``, when given, is the family the
+    checkpoint must hold."""
     directory, meta = read_meta(path)
     state = None
     if "format" in meta:  # SGLang / vLLM / speculators: converted to eyas's meta and tensor names
         from eyas import interop  # cycle: interop builds models through this registry
         meta, state = interop.import_checkpoint(directory, meta, target)
+    if drafter_type is not None and meta["drafter_type"] != drafter_type:
+        raise CheckpointError(f"{directory}: holds a {meta['drafter_type']} drafter, not {drafter_type}; set "
+                              f"drafter.type: {meta['drafter_type']} (and its config) or start from a {drafter_type} "
+                              "checkpoint")
+    if config_overrides:
+        meta = {**meta, "config": {**meta["config"], **config_overrides}}
     entry = family(meta["drafter_type"])
     _check_target(meta, target, directory)
     check_fingerprint(meta.get("target_fingerprint"), target.config,

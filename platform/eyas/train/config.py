@@ -26,6 +26,12 @@ def data_path(data: str) -> Path:
     return resolve_path(data) if "/" in data else eyas_home() / "data" / data
 
 
+def drafter_path(drafter: str) -> Path:
+    """``eagle3-tiny`` -> ``$EYAS_HOME/drafters/eagle3-tiny`` (where jobs.train_drafter publishes); a path (with
+    ``/``) is used as is."""
+    return resolve_path(drafter) if "/" in drafter else eyas_home() / "drafters" / drafter
+
+
 def _name(value: str, field_name: str) -> None:
     require(bool(value) and "/" not in value and not value.startswith("."), field_name, value,
             "must be a plain name (it becomes a directory under $EYAS_HOME)")
@@ -89,9 +95,14 @@ class DrafterSection:
 
     type: str = "eagle3"                     # registry family: eagle1 | eagle3 | medusa | dflash
     config: dict[str, Any] = field(default_factory=dict)  # the family config's fields; {} = its defaults
+    # warm start: a checkpoint of this family to train on from (a name under $EYAS_HOME/drafters, a path,
+    # models:/NAME@ALIAS, or an SGLang / vLLM / speculators directory); `config` then overrides its fields
+    init_from: str | None = None
 
     def __post_init__(self) -> None:
         require(bool(self.type), "drafter.type", self.type, "must name a drafter family (eagle1, eagle3, ...)")
+        require(self.init_from is None or bool(str(self.init_from).strip()), "drafter.init_from", self.init_from,
+                "must name a drafter checkpoint (or be null: a fresh drafter)")
 
 
 @dataclass(frozen=True)

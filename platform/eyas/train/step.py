@@ -24,7 +24,7 @@ from eyas.decoding.generate import generate
 from eyas.decoding.stats import SpecStats
 from eyas.drafters import registry
 from eyas.models.features import TargetFeatures, TrainBatch
-from eyas.train.config import OptimConfig, TrainConfig
+from eyas.train.config import OptimConfig, TrainConfig, drafter_path
 from eyas.train.data import token_counts
 
 ACC_KEY = re.compile(r"^acc_(\d+)$")
@@ -36,8 +36,13 @@ DEEPSPEED_DIR, DEEPSPEED_TAG = "deepspeed", "state"
 
 def build_drafter(cfg: TrainConfig, target, rows) -> nn.Module:
     """A fresh drafter from the registry; a reduced draft vocabulary (EAGLE-3 ``draft_vocab_size``) is the most
-    frequent prediction targets of the training data ``rows``."""
+    frequent prediction targets of the training data ``rows``. With ``drafter.init_from``, that checkpoint's
+    drafter instead (its weights and draft vocabulary, ``drafter.config`` over its config), in training mode."""
     options = dict(cfg.drafter.config)
+    if cfg.drafter.init_from:
+        model = registry.load_model(drafter_path(cfg.drafter.init_from), target, config_overrides=options,
+                                    drafter_type=cfg.drafter.type)
+        return model.train()
     counts_V = token_counts(rows, target.config.vocab_size) if options.get("draft_vocab_size") else None
     return registry.build_model(cfg.drafter.type, options, target, token_counts_V=counts_V)
 

@@ -45,3 +45,55 @@ def test_live_drafter_measures_like_its_checkpoint(case, data_dir, tmp_path):
     for indices, batch in trainer.batches(1):  # training after drafting with the live model
         trainer.train_step(indices, batch)
     assert trainer.step > step
+
+
+def test_a_warm_start_trains_on_from_a_saved_drafter(data_dir, tmp_path, monkeypatch):
+    """``drafter.init_from``: the trainer starts from the checkpoint's weights and draft vocabulary (``config``
+    overriding a training-only field), trains on, and a checkpoint of another family or shape is refused by name;
+    jobs.train_drafter resolves a bare name under $EYAS_HOME/drafters before Ray starts."""
+    from dataclasses import replace
+
+    import torch
+
+    from eyas.config import ConfigError
+    from eyas.models.config import CheckpointError
+    from jobs.train_drafter import local_init
+
+    cfg = config("eagle3", Path("unused-target"), data_dir)
+    target = build_target()
+    data = SequenceDataset(data_dir, "train", cfg.train.max_len)
+    heldout = SequenceDataset(data_dir, "heldout", cfg.train.max_len)
+    first = Trainer(cfg, target, data, heldout)
+    for indices, batch in first.batches(0):
+        first.train_step(indices, batch)
+    monkeypatch.setenv("EYAS_HOME", str(tmp_path))
+    first.save(tmp_path / "drafters" / "first")
+
+    def warm(**drafter) -> Trainer:
+        return Trainer(replace(cfg, drafter=replace(cfg.drafter, **drafter)), target, data, heldout)
+
+    trainer = warm(init_from="first", config={"ttt_steps": 2})
+    assert trainer.drafter.training and trainer.drafter.config.ttt_steps == 2
+    assert trainer.drafter.draft_vocab == first.drafter.draft_vocab
+    saved = first.drafter.state_dict()
+    assert all(torch.equal(tensor, saved[name]) for name, tensor in trainer.drafter.state_dict().items())
+    # it picks up where the first left off (same held-out loss at its first two steps, as ttt_steps=2 reads)
+    fresh = Trainer(replace(cfg, drafter=replace(cfg.drafter, config={**cfg.drafter.config, "ttt_steps": 2})),
+                    target, data, heldout)
+    warm_eval, first_eval = trainer.evaluate_heldout(), first.evaluate_heldout()
+    assert warm_eval["heldout_acc_1"] == first_eval["heldout_acc_1"]
+    assert warm_eval["heldout_ce_1"] < fresh.evaluate_heldout()["heldout_ce_1"]  # trained, not fresh
+    indices, batch = next(trainer.batches(0))
+    trainer.train_step(indices, batch)
+    assert trainer.step == 1 and trainer.evaluate_heldout() != warm_eval
+    with pytest.raises(CheckpointError, match="holds a eagle3 drafter, not dflash"):
+        warm(type="dflash", init_from="first", config={})
+    with pytest.raises(CheckpointError, match="shape mismatch|do not match"):
+        warm(init_from="first", config={"layer": {"intermediate_size": 40}})
+
+    assert local_init(replace(cfg, drafter=replace(cfg.drafter, init_from="first"))).drafter.init_from == str(
+        (tmp_path / "drafters" / "first").resolve())
+    with pytest.raises(ConfigError, match="no drafter checkpoint at .*drafters/missing"):
+        local_init(replace(cfg, drafter=replace(cfg.drafter, init_from="missing")))
+    with pytest.raises(ConfigError, match="holds a eagle3 drafter but drafter.type is medusa"):
+        local_init(replace(cfg, drafter=replace(cfg.drafter, type="medusa", init_from="first")))
