@@ -12,7 +12,7 @@ off, so both numbers are per replica). ``--baseline`` says what vanilla is:
   once (route /spec) and, before each measurement, sets its schedule through a deployment handle
   (``EyasServer.set_speculation``, what a ``user_config`` update does): the configured schedule for ``spec``,
   ``{1: 0}`` for ``vanilla``, where every cycle is a plain decode step (the engine's budget-0 cycle is vanilla's
-  cycle, and its output is vanilla's: tests/unit/decoding). Same process, same cores, same memory: the ratio
+  cycle, and its output is vanilla's: tests/unit/decoding/test_batch.py). Same process, same cores, same memory: the ratio
   measures speculation and nothing else.
 - ``twin``: a second application with ``spec.method: vanilla`` (route /vanilla) beside the first. It runs the
   vanilla method itself, but two replicas on a small machine do not get the same share of it: on the 2-core box of
@@ -27,7 +27,7 @@ of a level's requests whose speculative text equals vanilla's for the same reque
 same concurrency.
 
 Per (mode, c): tokens/s (generated tokens over the level's wall time), p50/p99 request latency, p50 time to first
-token, mean tau; ``speedup`` = spec tokens/s over vanilla tokens/s at the same c; ``scaling`` = tokens/s over the
+token, mean tau, mean drafted nodes per sequence and cycle (``draft_nodes``: 0 for vanilla); ``speedup`` = spec tokens/s over vanilla tokens/s at the same c; ``scaling`` = tokens/s over the
 same mode's at the lowest concurrency. Writes load.json ``{"commit", "machine", "config", "results": [...]}``.
 
 ``--soak MINUTES`` instead deploys the configured application alone (one replica, route /spec) and runs jobs.soak's
