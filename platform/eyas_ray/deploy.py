@@ -3,7 +3,8 @@
 jobs.load and the serving tests deploy the application a config file names without importing serving/: each
 application is built by the builder its ``import_path`` names (``serving.app:build_app``), called with its
 ``args``, and its ``deployments:`` entries then override that deployment's options by name, as Serve applies a
-config file's. The args are ServeArgs, so the final options are checked like the builder's own.
+config file's. The args are ServeArgs, so the final options are checked like the builder's own, and a
+``user_config`` is checked as the replica's ``reconfigure`` will read it (LiveSettings) before anything deploys.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from ray import serve
 from ray.serve import Application
 
 from eyas.config import ConfigError
-from eyas_ray.serve_config import ServeArgs, check_back_pressure
+from eyas_ray.serve_config import LiveSettings, ServeArgs, check_back_pressure
 
 
 def run_config(config: dict[str, Any]) -> list[str]:
@@ -42,6 +43,7 @@ def build(entry: dict[str, Any]) -> Application:
             raise ConfigError(f"deployments: {name!r}: the application {entry.get('name', 'default')!r} has one "
                               f"deployment, {deployment.name!r}; name that one")
         overrides.update(options)
+    LiveSettings.from_user_config(overrides.get("user_config"))  # a bad schedule fails here, not in the replica
     deployment = deployment.options(**overrides)
     check_back_pressure(ServeArgs.from_args(args), {"max_ongoing_requests": deployment.max_ongoing_requests,
                                                     "max_queued_requests": deployment.max_queued_requests})

@@ -26,6 +26,12 @@ def test_overrides_are_checked_and_must_name_the_deployment():
         build({**ENTRY, "deployments": [{"name": "EyasServer", "max_ongoing_requests": 8}]})
     with pytest.raises(ConfigError, match="'Other'.*'EyasServer'"):
         build({**ENTRY, "deployments": [{"name": "Other", "num_replicas": 1}]})
+    with pytest.raises(ConfigError, match=r"user_config.speculation_by_batch\[1\]='many'"):
+        build({**ENTRY, "deployments": [{"name": "EyasServer", "user_config": {"speculation_by_batch": {1: "many"}}}]})
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) \['user_config.schedule'\]"):
+        build({**ENTRY, "deployments": [{"name": "EyasServer", "user_config": {"schedule": {1: 2}}}]})
+    live = build({**ENTRY, "deployments": [{"name": "EyasServer", "user_config": {"speculation_by_batch": {1: 2}}}]})
+    assert live._bound_deployment.user_config == {"speculation_by_batch": {1: 2}}
     with pytest.raises(ConfigError, match="give module:builder"):
         build({**ENTRY, "import_path": "serving.app"})
     with pytest.raises(ConfigError, match="cannot be imported"):
