@@ -12,8 +12,8 @@ off, so both numbers are per replica). ``--baseline`` says what vanilla is:
   once (route /spec) and, before each measurement, sets its schedule through a deployment handle
   (``EyasServer.set_speculation``, what a ``user_config`` update does): the configured schedule for ``spec``,
   ``{1: 0}`` for ``vanilla``, where every cycle is a plain decode step (the engine's budget-0 cycle is vanilla's
-  cycle, and its output is vanilla's: tests/unit/decoding/test_batch.py). Same process, same cores, same memory: the ratio
-  measures speculation and nothing else.
+  cycle, and its output is vanilla's: tests/unit/decoding/test_batch.py). Same process, same cores, same memory:
+  the ratio measures speculation and nothing else.
 - ``twin``: a second application with ``spec.method: vanilla`` (route /vanilla) beside the first. It runs the
   vanilla method itself, but two replicas on a small machine do not get the same share of it: on the 2-core box of
   the README, two replicas doing the very same work measured 0.90-1.01x.
@@ -27,8 +27,9 @@ of a level's requests whose speculative text equals vanilla's for the same reque
 same concurrency.
 
 Per (mode, c): tokens/s (generated tokens over the level's wall time), p50/p99 request latency, p50 time to first
-token, mean tau, mean drafted nodes per sequence and cycle (``draft_nodes``: 0 for vanilla); ``speedup`` = spec tokens/s over vanilla tokens/s at the same c; ``scaling`` = tokens/s over the
-same mode's at the lowest concurrency. Writes load.json ``{"commit", "machine", "config", "results": [...]}``.
+token, mean tau, mean drafted nodes per sequence and cycle (``draft_nodes``: 0 for vanilla); ``speedup`` = spec
+tokens/s over vanilla tokens/s at the same c; ``scaling`` = tokens/s over the same mode's at the lowest
+concurrency. Writes load.json ``{"commit", "machine", "config", "results": [...]}``.
 
 ``--soak MINUTES`` instead deploys the configured application alone (one replica, route /spec) and runs jobs.soak's
 mixed load on it for that long (streaming, non-streaming, chat, sampled, seeded, over-long, malformed, dropped
@@ -161,7 +162,8 @@ async def run_level(base_url: str, mode: str, model: str, prompts: list[str], co
             "latency_p99_s": percentile([r["latency"] for r in records], 99),
             "ttft_p50_s": percentile([r["ttft"] for r in records], 50),
             "tau": statistics.fmean(taus) if taus else None,
-            "draft_nodes": statistics.fmean(r["draft_nodes"] for r in records), "texts": {r["index"]: r["text"] for r in records}}
+            "draft_nodes": statistics.fmean(r["draft_nodes"] for r in records),
+            "texts": {r["index"]: r["text"] for r in records}}
 
 
 def add_ratios(results: list[dict[str, Any]], greedy: bool = False) -> None:
@@ -191,7 +193,8 @@ def print_table(results: list[dict[str, Any]]) -> None:
         print(f"{r['mode']:8} {r['concurrency']:>4} {r['tokens_per_s']:>8.1f} {r['speedup']:>7.2f} "
               f"{r['scaling']:>7.2f} {r['latency_p50_s']:>7.3f} {r['latency_p99_s']:>7.3f} {r['ttft_p50_s']:>7.3f} "
               f"{tau:>5} {r.get('draft_nodes', 0.0):>5.2f} {same:>5}")
-    print("nodes: drafted nodes per sequence and cycle; same: the share of a level's requests whose speculative text equals vanilla's (greedy runs only)")
+    print("nodes: drafted nodes per sequence and cycle; same: the share of a level's requests whose speculative text "
+          "equals vanilla's (greedy runs only)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,11 +3,11 @@
     python -m jobs.train_drafter --config jobs/configs/eagle3-tiny.yaml [section.key=value ...]
     ray job submit --working-dir . -- python -m jobs.train_drafter --config jobs/configs/eagle3-micro.yaml
 
-Needs the target (jobs.train_target) and a data set (jobs.generate_data). ``drafter.init_from`` starts from a trained
-drafter of the same family instead of a fresh one (a warm start: more data or steps on top of an earlier run, or
-fine-tuning a drafter brought in from SGLang / vLLM / speculators on your own data). Output: ``$EYAS_HOME/drafters/<name>/``,
-a registry checkpoint (config.json + model.safetensors, loadable by ``eyas.methods.load_drafter``) plus
-``training.json``, and MLflow model ``<name>`` with alias ``tracking.alias`` (``models:/<name>@champion``).
+Needs the target (jobs.train_target) and a data set (jobs.generate_data). ``drafter.init_from`` starts from a
+trained drafter of the same family instead of a fresh one (a warm start: more data or steps on top of an earlier
+run, or fine-tuning a drafter brought in from SGLang / vLLM / speculators on your own data).
+Output: ``$EYAS_HOME/drafters/<name>/``, a registry checkpoint (config.json + model.safetensors, loadable by
+``eyas.methods.load_drafter``) plus ``training.json``, and MLflow model ``<name>`` with alias ``tracking.alias`` (``models:/<name>@champion``).
 
 Workers: ``TorchTrainer`` with ``scaling.num_workers`` workers (gloo on CPU, NCCL on GPU), each running
 ``eyas_ray.train_worker`` around the library trainer ``eyas.train.trainer.Trainer``. Each worker loads the
@@ -72,14 +72,15 @@ def check_inputs(cfg: TrainConfig) -> tuple[Path, Path]:
         raise FileNotFoundError(f"data={cfg.data!r}: {data_dir}/train holds no shards; build them with "
                                 "`python -m jobs.generate_data --config jobs/configs/data-tiny.yaml`")
     family = registry.family(cfg.drafter.type)  # unknown types and bad fields fail here, before Ray starts
-    if not cfg.drafter.init_from:  # a warm start's config is its checkpoint's, overridden: the workers check it
+    if not cfg.drafter.init_from:  # a warm start's config is its checkpoint's, overridden: local_init checks it
         from_dict(family.config_cls, dict(cfg.drafter.config), prefix="drafter.config.")
     return target_dir, data_dir
 
 
 def local_init(cfg: TrainConfig) -> TrainConfig:
     """``cfg`` with ``drafter.init_from`` as a local checkpoint directory (an MLflow URI downloaded once), checked
-    to hold a drafter of ``drafter.type`` before Ray starts; the workers load it (registry.load_model)."""
+    before Ray starts to hold a drafter of ``drafter.type`` whose config, with ``drafter.config`` over it, is valid;
+    the workers load it (registry.load_model)."""
     ref = cfg.drafter.init_from
     if not ref:
         return cfg
@@ -94,6 +95,8 @@ def local_init(cfg: TrainConfig) -> TrainConfig:
     if meta["drafter_type"] != cfg.drafter.type:
         raise ConfigError(f"drafter.init_from={ref}: {directory} holds a {meta['drafter_type']} drafter but "
                           f"drafter.type is {cfg.drafter.type}; train the family it holds or start from another")
+    from_dict(registry.family(cfg.drafter.type).config_cls, {**meta["config"], **cfg.drafter.config},
+              prefix="drafter.config.")
     return replace(cfg, drafter=replace(cfg.drafter, init_from=str(directory.resolve())))
 
 

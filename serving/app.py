@@ -93,7 +93,7 @@ class EyasServer:
         """Make ``speculation_by_batch`` this replica's schedule from its next round on; returns it as parsed.
         ``reconfigure`` calls it, and so does jobs.load through a deployment handle (drafting off, ``{1: 0}``, is
         its baseline on the very same replica). /v1/models reports the live schedule."""
-        args = replace(self.args, speculation_by_batch=LiveSettings(speculation_by_batch).speculation_by_batch)
+        args = replace(self.args, speculation_by_batch=speculation_by_batch)  # ServeArgs checks and normalises it
         await asyncio.gather(*[worker.set_schedule.remote(args.speculation_by_batch) for worker in self.workers])
         self.args = self.frontend.args = args
         return args.speculation_by_batch

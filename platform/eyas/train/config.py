@@ -16,20 +16,25 @@ from eyas.datasets import SHAREGPT
 SUITES = ("all", "code", "prose")
 
 
+def home_path(ref: str, kind: str) -> Path:
+    """A bare name -> ``$EYAS_HOME/<kind>/<name>``; a path (with ``/``) is used as is ($EYAS_HOME and ~ expand)."""
+    return resolve_path(ref) if "/" in ref else eyas_home() / kind / ref
+
+
 def target_path(target: str) -> Path:
     """``tiny`` -> ``$EYAS_HOME/targets/tiny``; a path (with ``/``) is used as is."""
-    return resolve_path(target) if "/" in target else eyas_home() / "targets" / target
+    return home_path(target, "targets")
 
 
 def data_path(data: str) -> Path:
     """``data-tiny`` -> ``$EYAS_HOME/data/data-tiny``; a path (with ``/``) is used as is."""
-    return resolve_path(data) if "/" in data else eyas_home() / "data" / data
+    return home_path(data, "data")
 
 
 def drafter_path(drafter: str) -> Path:
     """``eagle3-tiny`` -> ``$EYAS_HOME/drafters/eagle3-tiny`` (where jobs.train_drafter publishes); a path (with
     ``/``) is used as is."""
-    return resolve_path(drafter) if "/" in drafter else eyas_home() / "drafters" / drafter
+    return home_path(drafter, "drafters")
 
 
 def _name(value: str, field_name: str) -> None:

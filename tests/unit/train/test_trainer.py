@@ -97,3 +97,5 @@ def test_a_warm_start_trains_on_from_a_saved_drafter(data_dir, tmp_path, monkeyp
         local_init(replace(cfg, drafter=replace(cfg.drafter, init_from="missing")))
     with pytest.raises(ConfigError, match="holds a eagle3 drafter but drafter.type is medusa"):
         local_init(replace(cfg, drafter=replace(cfg.drafter, type="medusa", init_from="first")))
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) \['drafter.config.ttt_step'\]"):
+        local_init(replace(cfg, drafter=replace(cfg.drafter, init_from="first", config={"ttt_step": 2})))
