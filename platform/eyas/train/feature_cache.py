@@ -1,12 +1,13 @@
 """The frozen target's features per training sequence, computed once and reused: in later epochs (a memory
 cache), and across trainings, trials and ``ray job submit`` copies of the working dir (a disk cache under
-``$EYAS_HOME`` named by content, see ``feature_cache_key``)."""
+``$EYAS_HOME`` named by content, see ``open_feature_dir``)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -49,12 +50,54 @@ def rows_fingerprint(rows: Sequence[dict[str, list[int]]], max_len: int) -> str:
     return digest.hexdigest()
 
 
-def feature_cache_key(target: Decoder, taps: Sequence[int], max_len: int,
-                      rows: Sequence[dict[str, list[int]]]) -> str:
-    """Names a cache of features by content: same target weights, taps, cut length and sequences -> same key,
-    wherever the target and data directories lie (a ``ray job submit`` copy of the working dir included)."""
-    stamp = [target_fingerprint(target), sorted(taps), max_len, rows_fingerprint(rows, max_len)]
-    return hashlib.sha256(json.dumps(stamp).encode()).hexdigest()[:16]
+MANIFEST = "cache.json"  # in each disk cache: what it holds, so a drafter with fewer taps can read it
+
+
+@dataclass(frozen=True)
+class CacheStamp:
+    """The target's weights, the cut length and the sequences, by content: caches with the same stamp hold the
+    same positions of the same forward, whatever taps each kept."""
+    target: str
+    max_len: int
+    rows: str
+
+    @classmethod
+    def of(cls, target: Decoder, max_len: int, rows: Sequence[dict[str, list[int]]]) -> "CacheStamp":
+        return cls(target_fingerprint(target), max_len, rows_fingerprint(rows, max_len))
+
+    def key(self, taps: Sequence[int]) -> str:
+        stamp = [self.target, sorted(taps), self.max_len, self.rows]
+        return hashlib.sha256(json.dumps(stamp).encode()).hexdigest()[:16]
+
+    def base(self) -> str:
+        return hashlib.sha256(json.dumps([self.target, self.max_len, self.rows]).encode()).hexdigest()[:16]
+
+
+def stored_taps(target: Decoder, taps: Sequence[int]) -> tuple[int, ...]:
+    """What a cache keeps for a drafter reading ``taps``: those and the final-normed state (the LM head's input)."""
+    return tuple(sorted(set(taps) | {target.config.num_layers}))
+
+
+def open_feature_dir(root: Path, target: Decoder, taps: Sequence[int], max_len: int,
+                     rows: Sequence[dict[str, list[int]]]) -> tuple[Path, tuple[int, ...]]:
+    """(directory, the taps it stores) for a drafter reading ``taps`` on these sequences: its own cache
+    (``root/<key>``) when that exists, else a cache of the same stamp whose taps include these (EAGLE-1 and Medusa
+    read the final state that EAGLE-3's and DFlash's caches keep as well), else a new own cache. Rows a reused
+    cache lacks are computed with all of its taps, so it stays whole for the drafter that made it."""
+    stamp = CacheStamp.of(target, max_len, rows)
+    wanted = stored_taps(target, taps)
+    own = root / stamp.key(taps)
+    if not own.is_dir() and root.is_dir():
+        for manifest in sorted(root.glob(f"*/{MANIFEST}")):
+            held = json.loads(manifest.read_text())
+            if held.get("base") == stamp.base() and set(wanted) <= set(held.get("taps", ())):
+                return manifest.parent, tuple(held["taps"])
+    own.mkdir(parents=True, exist_ok=True)
+    if not (own / MANIFEST).is_file():
+        tmp = own / f".{MANIFEST}.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps({"base": stamp.base(), "taps": list(wanted), "max_len": max_len}))
+        tmp.replace(own / MANIFEST)
+    return own, wanted
 
 
 class FeatureCache:
@@ -69,14 +112,14 @@ class FeatureCache:
     step's inputs together. Files written before ``ARGMAX`` was stored read as before (their argmax re-derived).
     """
 
-    def __init__(self, target: Decoder, taps: Sequence[int], mode: str = "none", directory: Path | None = None
-                 ) -> None:
+    def __init__(self, target: Decoder, taps: Sequence[int], mode: str = "none", directory: Path | None = None,
+                 keep_taps: Sequence[int] = ()) -> None:
         if mode not in ("none", "memory", "disk"):
             raise ValueError(f"feature cache mode {mode!r}: must be none, memory or disk")
         if mode == "disk" and directory is None:
             raise ValueError("feature cache mode 'disk' needs a directory")
         self.target, self.taps, self.mode = target, tuple(taps), mode
-        self.stored_taps = tuple(sorted(set(self.taps) | {target.config.num_layers}))
+        self.stored_taps = stored_taps(target, (*self.taps, *keep_taps))  # keep_taps: a shared cache's others
         self.directory = Path(directory) if directory is not None else None
         self.memory: dict[int, dict[int | str, torch.Tensor]] = {}
         self.hits = self.misses = 0

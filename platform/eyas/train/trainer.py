@@ -27,7 +27,7 @@ from eyas.models.decoder import Decoder
 from eyas.models.features import TrainBatch
 from eyas.train.config import TrainConfig
 from eyas.train.data import SequenceDataset, to_device
-from eyas.train.feature_cache import FeatureCache, feature_cache_key
+from eyas.train.feature_cache import FeatureCache, open_feature_dir
 from eyas.train.step import build_drafter, evaluate, make_strategy, measure_tau, resolve_precision
 
 
@@ -113,12 +113,14 @@ class Trainer:
 
     def _feature_cache(self, data: SequenceDataset, mode: str) -> FeatureCache:
         """Disk: ``feature_dir/<key>/``, the key naming the target's weights, the taps, the cut length and the
-        split's sequences by content, so every run, worker, drafter with these taps and sweep trial on the same
-        target and data reads what the first one computed (and a copied working dir changes nothing)."""
+        split's sequences by content, so every run, worker, drafter with these taps (or fewer: open_feature_dir)
+        and sweep trial on the same target and data reads what the first one computed (and a copied working dir
+        changes nothing)."""
         if mode != "disk" or self.feature_dir is None:
             return FeatureCache(self.target, self.taps, mode)
-        key = feature_cache_key(self.target, self.taps, self.cfg.train.max_len, data.rows)
-        return FeatureCache(self.target, self.taps, "disk", self.feature_dir / key)
+        directory, held = open_feature_dir(self.feature_dir, self.target, self.taps, self.cfg.train.max_len,
+                                           data.rows)
+        return FeatureCache(self.target, self.taps, "disk", directory, keep_taps=held)
 
     def _heldout_batches(self, heldout: SequenceDataset) -> list:
         """(batch, features) pairs of the held-out split, features computed once (read from disk when cached)."""

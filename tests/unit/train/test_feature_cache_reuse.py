@@ -1,7 +1,7 @@
 """The disk feature cache is shared by content: a second drafter training on the same target, data and taps runs
 no target forward at all (train and held-out features both come from disk), also when it runs from a copy of the
 job's working dir (as under ``ray job submit``: the target copied, with new file times); other data or other taps
-compute their own features."""
+compute their own features, unless another drafter's cache of the same sequences kept every tap they read."""
 from __future__ import annotations
 
 import random
@@ -71,5 +71,29 @@ def test_second_training_from_a_copied_working_dir_runs_no_target_forward(random
     other_data = write_data(home / "data" / "chat-regenerated", 320, seed=1)
     shutil.copytree(data_dir / "features", other_data / "features")  # stale features by row index must not match
     assert train_once(eagle3, "target", other_data)[1] == 3
-    eagle1 = config({"type": "eagle1", "config": {}})  # taps (final layer) differ from eagle3's (low, mid, high)
-    assert train_once(eagle1, "target", data_dir)[1] == 3
+
+
+def test_a_drafter_reading_fewer_taps_reads_another_drafters_cache(random_checkpoint, tmp_path, monkeypatch):
+    """EAGLE-1 and Medusa read only the final state, which EAGLE-3's cache keeps too: after EAGLE-3, they run no
+    target forward and train exactly as on their own features; a cache they fill stays whole for EAGLE-3."""
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(random_checkpoint, tmp_path / "target")
+    eagle3 = config({"type": "eagle3", "config": {"ttt_steps": 2, "draft_vocab_size": 64}})
+    eagle1 = config({"type": "eagle1", "config": {}})
+    medusa = config({"type": "medusa", "config": {"num_heads": 2}})
+    alone = {name: train_once(cfg, "target", write_data(tmp_path / f"alone-{name}", 320, seed=0))
+             for name, cfg in (("eagle1", eagle1), ("medusa", medusa))}
+    assert all(forwards == 3 for _, forwards in alone.values())
+
+    shared = write_data(tmp_path / "shared", 320, seed=0)
+    assert train_once(eagle3, "target", shared)[1] == 3
+    for name, cfg in (("eagle1", eagle1), ("medusa", medusa)):
+        losses, forwards = train_once(cfg, "target", shared)
+        assert forwards == 0
+        assert losses == pytest.approx(alone[name][0], abs=1e-5)
+    assert len(list((shared / "features").iterdir())) == 2  # eagle3's train and held-out caches, nothing new
+
+    first = write_data(tmp_path / "first", 320, seed=0)  # EAGLE-1 first: its cache lacks EAGLE-3's taps
+    assert train_once(eagle1, "target", first)[1] == 3
+    assert train_once(eagle3, "target", first)[1] == 3
+    assert train_once(medusa, "target", first)[1] == 0  # either cache serves it
