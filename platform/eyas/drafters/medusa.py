@@ -77,10 +77,11 @@ class MedusaModel(InferencePacking, nn.Module):
                                    for _ in range(config.num_heads))
         self.to(device=target.device, dtype=target.dtype)
 
-    def head_logits(self, hidden_E: torch.Tensor) -> torch.Tensor:
-        """[..., E] -> [..., K, V]: every head's logits."""
+    def head_logits(self, hidden_E: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
+        """[..., E] -> [..., K, V]: the logits of the first ``num_heads`` heads (all by default)."""
         hidden_E = hidden_E.to(self.heads[0][0].linear.weight.dtype)  # the heads may train in float32
-        return torch.stack([frozen_head(self.lm_head[0], head(hidden_E)) for head in self.heads], dim=-2)
+        return torch.stack([frozen_head(self.lm_head[0], head(hidden_E)) for head in self.heads[:num_heads]],
+                           dim=-2)
 
     def training_loss(self, batch: TrainBatch, features: TargetFeatures) -> tuple[torch.Tensor, dict[str, float]]:
         logits_BTKV = self.head_logits(features.taps[self.target_config.num_layers].detach())
@@ -127,7 +128,8 @@ class MedusaDrafter:
                 generator: torch.Generator | None = None) -> DraftTree:
         """Deterministic top-k trees at any temperature: temperature and generator are not used."""
         assert self._last_state_E is not None, "call begin() first"
-        probs_KV = self.model.head_logits(self._last_state_E).float().softmax(-1)
+        # only the heads the tree reaches: each costs one pass of the target's LM head
+        probs_KV = self.model.head_logits(self._last_state_E, self.tree.max_depth).float().softmax(-1)
 
         def expand(parent_ids: list[int], partial: PartialTree) -> torch.Tensor:
             return probs_KV[[partial.depth[p] for p in parent_ids]]  # head d drafts depth d + 1

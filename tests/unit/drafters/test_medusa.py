@@ -56,6 +56,21 @@ def test_static_tree_takes_depth_d_candidates_from_head_d(setup):
         assert tokens[node] in top_tokens  # whatever the parent, a depth-d node is one of head d's top-k
 
 
+def test_a_shallow_tree_reads_only_the_heads_it_reaches(setup):
+    """Each head is one pass of the target's LM head: a depth-1 chain over a 3-head model runs head 1 only."""
+    model = setup["model"]
+    calls = []
+    hooks = [head.register_forward_hook(lambda *_, k=k: calls.append(k)) for k, head in enumerate(model.heads)]
+    try:
+        drafter = MedusaDrafter(model, TreeSpec(mode="chain", depth=1))
+        drafter.begin([1, 2, 3], {4: torch.randn(3, 32)})
+        assert drafter.propose(5, [1, 2, 3, 5]).num_nodes == 2
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert calls == [0]
+
+
 def test_sampled_run_completes(setup):
     drafter = MedusaDrafter(setup["model"], TreeSpec(mode="static"))
     result = generate(setup["target"], setup["prompts"][0], 40, drafter=drafter,
