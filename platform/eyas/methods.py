@@ -33,12 +33,12 @@ DrafterFactory = Callable[[], Any]  # () -> a fresh Drafter (per-sequence state)
 @dataclass(frozen=True)
 class SpecConfig:
     """A method and its settings. A setting left null takes the method's default; a setting the method does not
-    read is an error (e.g. spec.depth for dflash, whose block fixes the depth)."""
+    read is an error (e.g. spec.top_k for dflash, whose block drafts one chain)."""
     method: str = "vanilla"
     drafter: str | None = None      # trained drafter: checkpoint dir, models:/NAME@ALIAS or runs:/ID/PATH
     draft_model: str | None = None  # draft-lm: an HF checkpoint dir with the target's tokenizer
     tree: str | None = None         # the tree mode, over the method's default (one of TREES)
-    depth: int | None = None        # chain / dynamic / best-first depth
+    depth: int | None = None        # chain / dynamic / best-first depth; dflash: block positions drafted
     top_k: int | None = None        # children per expanded node
     num_nodes: int | None = None    # node budget N (drafted nodes, root excluded; ngram: num_draft * max_matches)
     num_draft: int | None = None    # chain length for ngram / draft-lm (default 4)

@@ -51,7 +51,7 @@ def test_defaults_and_tree_settings_over_them():
 
 @pytest.mark.parametrize("data, message", [
     ({"method": "eagle9"}, r"spec.method='eagle9': must be one of"),
-    ({"method": "dflash", "depth": 3}, r"spec.depth=3: does not apply to a block tree"),
+    ({"method": "dflash", "top_k": 3}, r"spec.top_k=3: does not apply to a block tree"),
     ({"method": "eagle1", "top_k": 2}, r"spec.top_k=2: does not apply to a static tree"),
     ({"method": "ngram", "depth": 2}, r"spec.depth=2: does not apply to method ngram"),
     ({"method": "vanilla", "num_draft": 2}, r"spec.num_draft=2: does not apply to method vanilla"),

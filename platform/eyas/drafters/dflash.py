@@ -249,22 +249,28 @@ class DFlashModel(InferencePacking, nn.Module):
 class DFlashDrafter:
     """The speculative-loop side of DFlash: one drafter forward per cycle drafts the whole block.
 
-    mode="block":  the chain of the G-1 block positions. Greedy: each position's argmax (deterministic). With
+    mode="block":  the chain of the G-1 block positions (the first tree.depth of them when set: a shorter chain
+                   costs fewer LM-head rows and a smaller verify; the block still runs whole). Greedy: each position's argmax (deterministic). With
                    temperature T > 0 each token is SAMPLED from q_k = softmax(logits_k / T) and the chain carries
                    sampled=True and the q's, so verification uses the exact p/q rule and accepts x with
                    min(1, p(x)/q(x)), whose mean sum_x min(p, q) beats the p(argmax) a deterministic chain gets
                    once the drafter is calibrated. The block is drafted in one pass, so q_k does not depend on the
                    drafted tokens before it and is exactly the distribution token k was drawn from.
     mode="ddtree": best-first over the per-position distributions (taken as independent) with a budget of
-                   num_nodes drafted nodes, ranks per position capped by top_k; deterministic distinct candidates
+                   num_nodes drafted nodes, ranks per position capped by top_k, positions by tree.depth; deterministic distinct candidates
                    (sampled=False), lossless under sampling via the p(x) rule. Scores use softmax(logits / T)
                    (T = 1 when greedy).
     """
 
     def __init__(self, model: DFlashModel, tree: TreeSpec = TreeSpec(mode="block"), name: str | None = None):
         tree.require_mode(BLOCK_MODES, "DFlash")
+        whole = model.block_size - 1
+        require(tree.depth is None or tree.depth <= whole, "tree.depth", tree.depth,
+                f"a block of block_size={model.block_size} drafts at most {whole} positions")
         self.model, self.tree = model, tree
-        self.max_draft_nodes = model.block_size - 1 if tree.mode == "block" else tree.num_nodes
+        # the positions read through the LM head (its cost per cycle): a ddtree of num_nodes reaches no deeper
+        self.depth = min(tree.depth or whole, whole if tree.mode == "block" else tree.num_nodes)
+        self.max_draft_nodes = self.depth if tree.mode == "block" else tree.num_nodes
         self.name = name or ("dflash" if tree.mode == "block" else "dflash-ddtree")
         self.target_taps = model.target_taps
         self.context = self._new_context()
@@ -297,12 +303,13 @@ class DFlashDrafter:
 
     @torch.inference_mode()
     def draft_logits(self, root_token: int) -> torch.Tensor:
-        """[G-1, V]: the logits of block positions 1..G-1 after the committed context."""
+        """[K, V]: the logits of block positions 1..K (K = ``self.depth`` <= G-1) after the committed context. The
+        whole block still runs through the drafter layers (its positions attend to each other)."""
         G, start = self.model.block_size, self.context.lengths[0]
         x_1GE = self.model.embed_block(torch.tensor([root_token], device=self.device))
         positions_1G = torch.arange(start, start + G, device=self.device)[None]
         hidden_1GE = self.model.block_hidden(x_1GE, positions_1G, self.context.layer_views(start), mask_BQS=None)
-        return self.model.logits(hidden_1GE[0, 1:]).float()
+        return self.model.logits(hidden_1GE[0, 1:1 + self.depth]).float()
 
     def propose(self, root_token: int, context_ids: list[int], temperature: float,
                 generator: torch.Generator | None) -> DraftTree:

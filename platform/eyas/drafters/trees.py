@@ -10,8 +10,10 @@ ignored. The modes (papers.md):
                                         ``num_nodes`` best nodes by V
   best-first  depth, top_k, num_nodes   DDTree: a max-heap on V; the ``num_nodes`` best nodes with rank < top_k
                                         and depth <= ``depth``
-  block       -                         DFlash: the chain of one block (its size is the checkpoint's block_size)
-  ddtree      top_k, num_nodes          DDTree over a block drafter's per-position distributions
+  block       depth (optional)          DFlash: the chain of one block's first ``depth`` positions (default: all
+                                        of them, the checkpoint's block_size - 1)
+  ddtree      depth (optional), top_k,  DDTree over a block drafter's per-position distributions (the first
+              num_nodes                 ``depth`` of them; default: the whole block)
 
 Drafters with an ``expand`` callback (EAGLE-1, EAGLE-3, Medusa) grow the first four with ``grow_tree``; DFlash
 drafts the last two. Every mode yields deterministic top-k candidates (sampled=False) except a sampled DFlash
@@ -35,13 +37,14 @@ MODE_SETTINGS: dict[str, tuple[str, ...]] = {
     "static": ("shape",),
     "dynamic": ("depth", "top_k", "num_nodes"),
     "best-first": ("depth", "top_k", "num_nodes"),
-    "block": (),
-    "ddtree": ("top_k", "num_nodes"),
+    "block": ("depth",),
+    "ddtree": ("depth", "top_k", "num_nodes"),
 }
 TREE_MODES = tuple(MODE_SETTINGS)
 EXPAND_MODES = ("chain", "static", "dynamic", "best-first")  # grown through a drafter's expand callback
 BLOCK_MODES = ("block", "ddtree")  # drafted from one block of per-position distributions
 DEFAULTS = {"depth": 5, "top_k": 4, "num_nodes": 24}
+BLOCK_DEFAULTS = {"depth": None}  # a block drafter's depth defaults to its checkpoint's whole block
 
 
 @dataclass(frozen=True)
@@ -59,9 +62,10 @@ class TreeSpec:
             value = getattr(self, name)
             if name not in reads:
                 require(value is None, f"tree.{name}", value, f"does not apply to a {self.mode} tree (it reads "
-                        f"{list(reads) or 'nothing: the block size is the checkpoint drafter.config.block_size'})")
+                        f"{list(reads)})")
             elif value is None and name in DEFAULTS:
-                object.__setattr__(self, name, DEFAULTS[name])
+                default = BLOCK_DEFAULTS.get(name, DEFAULTS[name]) if self.mode in BLOCK_MODES else DEFAULTS[name]
+                object.__setattr__(self, name, default)
         for name in ("depth", "top_k", "num_nodes"):
             value = getattr(self, name)
             require(value is None or value >= 1, f"tree.{name}", value, "must be >= 1")
@@ -86,12 +90,13 @@ class TreeSpec:
 
     @property
     def max_draft_nodes(self) -> int | None:
-        """The most drafted nodes (root excluded) one tree can have; None for a block (the checkpoint's size)."""
+        """The most drafted nodes (root excluded) one tree can have; None for a whole block (the checkpoint's
+        size)."""
         return _MAX_DRAFT_NODES[self.mode](self)
 
     @property
     def max_depth(self) -> int | None:
-        """The deepest node this spec can draft (None for a block: the checkpoint's block size)."""
+        """The deepest node this spec can draft (None for a whole block: the checkpoint's block size - 1)."""
         return _MAX_DEPTH[self.mode](self)
 
     @property
@@ -109,7 +114,7 @@ _MAX_DRAFT_NODES: dict[str, Callable[[TreeSpec], int | None]] = {
     "static": lambda spec: len(spec.static_shape),
     "dynamic": lambda spec: spec.num_nodes,
     "best-first": lambda spec: spec.num_nodes,
-    "block": lambda spec: None,
+    "block": lambda spec: spec.depth,
     "ddtree": lambda spec: spec.num_nodes,
 }
 _MAX_DEPTH: dict[str, Callable[[TreeSpec], int | None]] = {
@@ -117,8 +122,8 @@ _MAX_DEPTH: dict[str, Callable[[TreeSpec], int | None]] = {
     "static": lambda spec: max((len(r) for r in spec.static_shape), default=0),
     "dynamic": lambda spec: spec.depth,
     "best-first": lambda spec: spec.depth,
-    "block": lambda spec: None,
-    "ddtree": lambda spec: None,
+    "block": lambda spec: spec.depth,
+    "ddtree": lambda spec: spec.depth,
 }
 _MAX_EXPANDED: dict[str, Callable[[TreeSpec], int]] = {
     "chain": lambda spec: spec.depth,

@@ -212,21 +212,38 @@ def vanilla_runs(target) -> list[tuple[list[int], list[int]]]:
     return [(prompt, generate(target, prompt, 40).token_ids) for prompt in prompts]
 
 
-def block_tree(mode: str, **ddtree_settings) -> TreeSpec:
-    """A block tree takes no settings (the checkpoint's block size fixes it); a ddtree takes its budget."""
-    return TreeSpec(mode=mode, **(ddtree_settings if mode == "ddtree" else {}))
+def block_tree(mode: str, depth: int | None = None, **ddtree_settings) -> TreeSpec:
+    """A block tree takes only an optional depth (default: the checkpoint's whole block); a ddtree its budget too."""
+    return TreeSpec(mode=mode, depth=depth, **(ddtree_settings if mode == "ddtree" else {}))
 
 
-@pytest.mark.parametrize("tree", ["block", "ddtree"])
-def test_greedy_identity(target, trained, vanilla_runs, tree):
+@pytest.mark.parametrize("tree, depth", [("block", None), ("block", 2), ("ddtree", None), ("ddtree", 3)])
+def test_greedy_identity(target, trained, vanilla_runs, tree, depth):
     model, _ = trained
     accepted = 0
     for prompt, expected in vanilla_runs:
-        drafter = DFlashDrafter(model, block_tree(tree, num_nodes=12, top_k=3))
+        drafter = DFlashDrafter(model, block_tree(tree, depth, num_nodes=12, top_k=3))
         spec = generate(target, prompt, 40, drafter=drafter)
         assert spec.token_ids == expected
         accepted += sum(spec.stats.accepted_per_cycle)
     assert accepted > 0, "the trained drafter never got a token accepted: the accept path is untested"
+
+
+def test_a_shallow_block_drafts_its_first_positions(trained):
+    """tree.depth cuts the block's chain (and a ddtree's positions) to the first positions of the same forward."""
+    model, _ = trained
+    taps = {t: torch.zeros(2, 32) for t in model.target_taps}
+    whole, short = DFlashDrafter(model), DFlashDrafter(model, block_tree("block", 2))
+    ddtree = DFlashDrafter(model, block_tree("ddtree", 2, num_nodes=6, top_k=3))
+    for drafter in (whole, short, ddtree):
+        drafter.begin([1, 2], taps)
+    logits_KV = whole.draft_logits(5)
+    assert logits_KV.shape[0] == model.block_size - 1 and short.max_draft_nodes == 2
+    torch.testing.assert_close(short.draft_logits(5), logits_KV[:2])
+    assert short.propose(5, [1, 2, 5], 0.0, None).tokens_N.tolist() == [5, *logits_KV[:2].argmax(-1).tolist()]
+    assert int(ddtree.propose(5, [1, 2, 5], 0.0, None).depth_N.max()) <= 2
+    with pytest.raises(ConfigError, match="tree.depth=9: a block of block_size=4 drafts at most 3 positions"):
+        DFlashDrafter(model, block_tree("block", 9))
 
 
 @pytest.mark.parametrize("tree", ["block", "ddtree"])
@@ -283,8 +300,9 @@ def test_save_load_roundtrip(tmp_path, target, mask_token_id):
     assert block.tree.mode == "block" and block.max_draft_nodes == 4  # block_size 5: the root + 4 drafted
     with pytest.raises(ConfigError, match="tree.mode='dynamic': a DFlash drafter drafts one of"):
         load_drafter(directory, target, tree={"mode": "dynamic"})
-    with pytest.raises(ConfigError, match="measure.tree.depth=5: does not apply to a block tree"):
-        load_drafter(directory, target, tree={"depth": 5}, where="measure.tree.")
+    with pytest.raises(ConfigError, match="measure.tree.top_k=5: does not apply to a block tree"):
+        load_drafter(directory, target, tree={"top_k": 5}, where="measure.tree.")
+    assert load_drafter(directory, target, tree={"depth": 3}).max_draft_nodes == 3
     (directory / "model.safetensors").unlink()
     with pytest.raises(CheckpointError, match="model.safetensors"):
         load_model(directory, target)

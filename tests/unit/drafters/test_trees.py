@@ -29,6 +29,8 @@ def test_defaults_fill_only_what_a_mode_reads():
     (TreeSpec("best-first", depth=6, top_k=2, num_nodes=9), 9, 6, 10),
     (TreeSpec("ddtree", top_k=3, num_nodes=7), 7, None, None),
     (TreeSpec("block"), None, None, None),
+    (TreeSpec("block", depth=3), 3, 3, None),
+    (TreeSpec("ddtree", depth=2, num_nodes=5), 5, 2, None),
 ])
 def test_bounds(spec, size, depth, expanded):
     assert spec.max_draft_nodes == size and spec.max_depth == depth
@@ -40,7 +42,7 @@ def test_bounds(spec, size, depth, expanded):
     ({"mode": "wide"}, "tree.mode='wide': must be one of"),
     ({"mode": "static", "depth": 3}, r"tree.depth=3: does not apply to a static tree \(it reads \['shape'\]\)"),
     ({"mode": "chain", "num_nodes": 3}, "tree.num_nodes=3: does not apply to a chain tree"),
-    ({"mode": "block", "top_k": 3}, "tree.top_k=3: does not apply to a block tree .*drafter.config.block_size"),
+    ({"mode": "block", "top_k": 3}, r"tree.top_k=3: does not apply to a block tree \(it reads \['depth'\]\)"),
     ({"mode": "ddtree", "shape": ((0,),)}, "tree.shape=.*does not apply to a ddtree tree"),
     ({"mode": "dynamic", "depth": 0}, "tree.depth=0: must be >= 1"),
     ({"mode": "dynamic", "top_k": 5, "num_nodes": 4}, "tree.top_k=5: cannot exceed the node budget"),
