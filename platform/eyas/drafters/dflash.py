@@ -250,16 +250,17 @@ class DFlashDrafter:
     """The speculative-loop side of DFlash: one drafter forward per cycle drafts the whole block.
 
     mode="block":  the chain of the G-1 block positions (the first tree.depth of them when set: a shorter chain
-                   costs fewer LM-head rows and a smaller verify; the block still runs whole). Greedy: each position's argmax (deterministic). With
-                   temperature T > 0 each token is SAMPLED from q_k = softmax(logits_k / T) and the chain carries
-                   sampled=True and the q's, so verification uses the exact p/q rule and accepts x with
-                   min(1, p(x)/q(x)), whose mean sum_x min(p, q) beats the p(argmax) a deterministic chain gets
-                   once the drafter is calibrated. The block is drafted in one pass, so q_k does not depend on the
-                   drafted tokens before it and is exactly the distribution token k was drawn from.
+                   costs fewer LM-head rows and a smaller verify; the block still runs whole). Greedy: each
+                   position's argmax (deterministic). With temperature T > 0 each token is SAMPLED from
+                   q_k = softmax(logits_k / T) and the chain carries sampled=True and the q's, so verification uses
+                   the exact p/q rule and accepts x with min(1, p(x)/q(x)), whose mean sum_x min(p, q) beats the
+                   p(argmax) a deterministic chain gets once the drafter is calibrated. The block is drafted in one
+                   pass, so q_k does not depend on the drafted tokens before it and is exactly the distribution
+                   token k was drawn from.
     mode="ddtree": best-first over the per-position distributions (taken as independent) with a budget of
-                   num_nodes drafted nodes, ranks per position capped by top_k, positions by tree.depth; deterministic distinct candidates
-                   (sampled=False), lossless under sampling via the p(x) rule. Scores use softmax(logits / T)
-                   (T = 1 when greedy).
+                   num_nodes drafted nodes, ranks per position capped by top_k, positions by tree.depth;
+                   deterministic distinct candidates (sampled=False), lossless under sampling via the p(x) rule.
+                   Scores use softmax(logits / T) (T = 1 when greedy).
     """
 
     def __init__(self, model: DFlashModel, tree: TreeSpec = TreeSpec(mode="block"), name: str | None = None):
