@@ -158,9 +158,11 @@ def test_cpu_window_sees_a_busy_process_and_not_our_own_work():
     finally:
         child.kill()
         child.wait()
-    assert child_cores > 0.5, theirs.to_dict()  # it got at least half a core: a load worth seeing
+    # A quarter of a core is a load worth seeing. Not more: under `make test` the other pytest worker and its Ray
+    # processes can fill both cores of a 2-core box (seen: the child got 0.41 of a core, others 1.98).
+    assert child_cores > 0.25, theirs.to_dict()
     assert theirs.others_cores > child_cores - 0.1 and theirs.own_cores < 0.1, (child_cores, theirs.to_dict())
-    assert ours.own_cores > 0.5, ours.to_dict()
+    assert ours.own_cores > 0.25, ours.to_dict()
 
 
 @pytest.fixture(scope="module")
