@@ -11,7 +11,9 @@ q/k/v and gate/up, o_proj, down_proj and the LM head), in three layouts: ``F.lin
 weights, the packed copies ``Decoder.fuse`` builds (``PackedLinear.multi_row``), and ``F.linear`` on a transposed
 view of a contiguous [I, O] copy (``x @ W_IO``, what a column-major weight costs), and as eyas runs them
 (``PackedLinear``); the best of ``--repeats`` passes, the layouts interleaved, and the read bandwidth each reaches
-(weight bytes / time), in all and per weight kind. A decode step is M = 1; a tree verify is M = its nodes.
+(weight bytes / time), in all and per weight kind. A decode step is M = 1; a tree verify is M = its nodes. In
+bfloat16 on a CPU with AMX, eyas's panels also run on the AVX512_BF16 vector kernel (AMX off, ``vector_ms``), side
+by side with the AMX one.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from eyas.config import eyas_home, resolve_path
-from eyas.models import CheckpointError, load_target, torch_dtype
+from eyas.models import CheckpointError, load_target, panels, torch_dtype
 from eyas.models.decoder import Decoder
 from eyas.models.packing import PackedLinear
 from eyas.threads import configure_threads
@@ -58,31 +60,37 @@ def measure(target: Decoder, rows: list[int], repeats: int) -> list[dict]:
     for kind, weight_OI, _ in triples:
         kind_bytes[kind] = kind_bytes.get(kind, 0) + weight_OI.numel() * weight_OI.element_size()
     weight_bytes = sum(kind_bytes.values())
+    amx = target.dtype == torch.bfloat16 and panels.uses_amx()
+    layouts = LAYOUTS + ("vector",) if amx else LAYOUTS  # vector: the AVX512_BF16 kernel, AMX off, side by side
     out = []
     for M in rows:
         inputs = {w.shape[1]: torch.randn(M, w.shape[1], dtype=target.dtype) for _, w, _ in triples}
-        best = {(layout, k): float("inf") for layout in LAYOUTS for k in kind_bytes}
+        best = {(layout, k): float("inf") for layout in layouts for k in kind_bytes}
         for _ in range(repeats + 1):  # the first pass warms up and is not counted
-            for layout in LAYOUTS:
+            for layout in layouts:
                 seconds = dict.fromkeys(kind_bytes, 0.0)
+                if amx:
+                    panels.set_amx(layout != "vector")
                 for (kind, weight_OI, packed), weight_T in zip(triples, transposed):
                     x_MI = inputs[weight_OI.shape[1]]
                     start = time.perf_counter()
                     if layout == "packed":
                         packed.multi_row(x_MI)
-                    elif layout == "eyas":
+                    elif layout in ("eyas", "vector"):
                         packed(x_MI)
                     else:
                         F.linear(x_MI, weight_OI if layout == "linear" else weight_T)
                     seconds[kind] += time.perf_counter() - start
                 for kind, s in seconds.items():
                     best[(layout, kind)] = min(best[(layout, kind)], s)
-        totals = {layout: sum(best[(layout, k)] for k in kind_bytes) for layout in LAYOUTS}
+        if amx:
+            panels.set_amx(True)
+        totals = {layout: sum(best[(layout, k)] for k in kind_bytes) for layout in layouts}
         out.append({"dtype": str(target.dtype).removeprefix("torch."), "rows": M, "weight_bytes": weight_bytes,
-                    "packed_on": triples[0][2].packed,
+                    "packed_on": triples[0][2].packed, "amx": amx,
                     **{f"{layout}_ms": seconds * 1e3 for layout, seconds in totals.items()},
                     **{f"{layout}_gb_s": weight_bytes / seconds / 1e9 for layout, seconds in totals.items()},
-                    "by_kind_gb_s": {k: {layout: b / best[(layout, k)] / 1e9 for layout in LAYOUTS}
+                    "by_kind_gb_s": {k: {layout: b / best[(layout, k)] / 1e9 for layout in layouts}
                                      for k, b in kind_bytes.items()}})
     return out
 
@@ -114,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
                                for k, v in r["by_kind_gb_s"].items())
         print(f"{r['dtype']:9s} {r['rows']:4d} {r['linear_ms']:11.1f} {r['packed_ms']:9.1f} {r['transposed_ms']:13.1f} "
               f"{r['eyas_ms']:7.1f} {r['linear_ms'] / r['eyas_ms']:5.2f}x {r['eyas_gb_s']:9.1f}  {kinds_gb_s}"
-              + ("" if r["packed_on"] else "  (not packed here: plain F.linear as packed)"))
+              + ("" if r["packed_on"] else "  (not packed here: plain F.linear as packed)")
+              + (f"  AMX; AVX512_BF16 vectors {r['vector_ms']:.1f} ms" if r["amx"] else ""))
     print(f"{settings.num_threads} torch thread(s); {results[0]['weight_bytes'] / 1e6:.0f} MB of "
           f"{results[0]['dtype']} weights")
     Path(args.out).write_text(json.dumps({"threads": settings.num_threads, "results": results}, indent=2) + "\n")

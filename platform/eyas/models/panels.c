@@ -76,9 +76,69 @@ CHUNK_BF16(1) CHUNK_BF16(2) CHUNK_BF16(3) CHUNK_BF16(4) CHUNK_BF16(5) CHUNK_BF16
 typedef void (*chunk_bf16_fn)(const uint16_t*, int64_t, const uint16_t*, int64_t, uint16_t*, int64_t, int64_t);
 static const chunk_bf16_fn CHUNKS_BF16[9] = {0, chunk_bf16_1, chunk_bf16_2, chunk_bf16_3, chunk_bf16_4, chunk_bf16_5,
                                              chunk_bf16_6, chunk_bf16_7, chunk_bf16_8};
+
+/* With AMX (Sapphire Rapids and later), the same panels feed the tile unit: a B tile is 16 input pairs of a panel's
+first or last 16 outputs (rows 128 bytes apart), an A tile up to 16 rows' 32 inputs, and one tdpbf16ps per tile pair
+does what 16 vdpbf16ps per row do. A decode step and a verify then cost the same weight stream (the vector kernel
+spends ~2 vdpbf16ps per row per weight line and becomes compute-bound past 2 rows). Each output's float32 sum runs
+over the same 32-input blocks in the same order for every row, so the row invariance holds; the sums differ from the
+vector kernel's only in order, and a process uses one kernel or the other throughout (eyas_panel_amx). */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <unistd.h>
+#include <sys/syscall.h>
+static int amx_on = 0;
+/* Asks Linux for the tile state (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) when want is set; returns
+whether the AMX kernel is on. panels.py calls it once when it loads this library (and jobs.bench_linear
+between products, to time both kernels side by side). */
+int eyas_panel_amx(int want) {
+  amx_on = want && syscall(SYS_arch_prctl, 0x1023, 18) == 0;  /* idempotent once granted */
+  return amx_on;
+}
+int eyas_panel_uses_amx(void) { return amx_on; }
+typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } tile_config;
+static void amx_configure(int mb) {
+  tile_config c; memset(&c, 0, sizeof c); c.palette = 1;
+  c.rows[0] = c.rows[1] = c.rows[2] = (uint8_t)mb;  /* C0, C1: mb rows x 16 float32 sums; A: mb rows x 32 inputs */
+  c.rows[3] = c.rows[4] = 16;                      /* B0, B1: 16 input pairs x 16 outputs x 2 */
+  for (int t = 0; t < 5; ++t) c.colsb[t] = 64;
+  _tile_loadconfig(&c);
+}
+/* x[M, I] @ W^T through the tiles; I a multiple of 32 (pack pads it) */
+static void matmul_amx(const uint16_t* x, int64_t M, int64_t ldx, const uint16_t* panels, int64_t I, int64_t O,
+                       uint16_t* y, int64_t ldy) {
+  const int64_t npanel = (O + W - 1) / W, blocks = I / 32;
+  float sums[16][W];
+  for (int64_t m = 0; m < M; m += 16) {
+    const int mb = (M - m) < 16 ? (int)(M - m) : 16;
+    amx_configure(mb);
+    for (int64_t p = 0; p < npanel; ++p) {
+      const uint16_t* panel = panels + p * I * W;
+      const int64_t nv = (O - p * W) < W ? (O - p * W) : W;
+      _tile_zero(0); _tile_zero(1);
+      for (int64_t k = 0; k < blocks; ++k) {
+        const uint16_t* pairs = panel + k * 16 * 2 * W;  /* input pairs 16k .. 16k+15 */
+        _tile_loadd(2, x + m * ldx + k * 32, ldx * 2);
+        _tile_loadd(3, pairs, 4 * W); _tile_loadd(4, pairs + W, 4 * W);
+        _tile_dpbf16ps(0, 2, 3); _tile_dpbf16ps(1, 2, 4);
+      }
+      _tile_stored(0, &sums[0][0], 4 * W); _tile_stored(1, &sums[0][16], 4 * W);
+      for (int r = 0; r < mb; ++r)
+        for (int64_t j = 0; j < nv; ++j) y[(m + r) * ldy + p * W + j] = to_bf16(sums[r][j]);
+    }
+  }
+  _tile_release();
+}
+#else
+int eyas_panel_amx(int want) { (void)want; return 0; }
+int eyas_panel_uses_amx(void) { return 0; }
+#endif
+
 /* y[M, O] = x[M, I] @ W^T in bfloat16, W given as bfloat16 panels [ceil(O/32), I/2, 32, 2]; I even */
 void eyas_panel_matmul_bf16(const uint16_t* x, int64_t M, int64_t ldx, const uint16_t* panels, int64_t I, int64_t O,
                             uint16_t* y, int64_t ldy) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if (amx_on && I % 32 == 0) { matmul_amx(x, M, ldx, panels, I, O, y, ldy); return; }
+#endif
   const int64_t npanel = (O + W - 1) / W, I2 = I / 2;
   for (int64_t p = 0; p < npanel; ++p) {
     const uint16_t* panel = panels + p * I * W;

@@ -9,7 +9,10 @@ rows, so a row's outputs are bit-identical whether it is decoded alone or verifi
 bfloat16 weights (where the CPU has AVX512_BF16; elsewhere torch's kernels) lie in panels [ceil(O/32), I/2, 64]:
 each output's inputs i and i+1 side by side, one ``vdpbf16ps`` per pair, float32 sums rounded to bfloat16 once. They
 read half float32's bytes at the same rate, and keep the row invariance: in bfloat16 too a verify's linear outputs
-are a decode step's (attention's are too, through ``eyas.models.attention``: ``Decoder.verify_is_exact``).
+are a decode step's (attention's are too, through ``eyas.models.attention``: ``Decoder.verify_is_exact``). Where the
+CPU also has AMX (Sapphire Rapids and later), the same panels go through the tile unit (``uses_amx``; off with
+``EYAS_AMX=0``): one ``tdpbf16ps`` per 16 rows x 32 inputs x 16 outputs, so a 16-row verify streams the weights in
+about a decode step's time, where the vector kernel turns compute-bound past 2 rows (``jobs.bench_linear``).
 
 The kernel is compiled once per CPU kind with the host's C compiler (``eyas.models.kernels``). Where no compiler
 works, or with ``EYAS_PANELS=0``, ``available()`` is False and ``PackedLinear`` keeps torch's kernels. The kernel is
@@ -21,6 +24,7 @@ Shape legend: O output features, I input features, M rows, P panels.
 from __future__ import annotations
 
 import ctypes
+import os
 from functools import lru_cache
 from pathlib import Path
 
@@ -32,6 +36,7 @@ from eyas.models import kernels
 WIDTH = 32     # outputs per panel (panels.c's W)
 MAX_ROWS = 64  # faster than oneDNN's packed product up to 64 rows (README "Threads and dtype"), so every tree
 # (MAX_TREE_NODES = 64) verifies through it and a verified token gets a decode step's bits
+AMX_BLOCK = 32  # inputs per AMX tile product: bfloat16 panels pad I to a multiple of it
 SOURCE = Path(__file__).with_name("panels.c")
 
 
@@ -46,7 +51,27 @@ def _library() -> ctypes.CDLL | None:
             function.restype = None
             function.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                                  ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
+    amx = getattr(library, "eyas_panel_amx", None)
+    if amx is not None:  # once per process, before any product: a process multiplies with one kernel throughout
+        amx.restype, amx.argtypes = ctypes.c_int, [ctypes.c_int]
+        amx(int(os.environ.get("EYAS_AMX", "1") != "0"))
     return library
+
+
+def set_amx(on: bool) -> bool:
+    """Turns the AMX kernel on (where ``uses_amx`` could be) or off for the bfloat16 products that follow; returns
+    whether it is on. For side-by-side measurements only (``jobs.bench_linear``): the two kernels sum in different
+    orders, so a decode step and the verifies after it must run on one of them."""
+    library = _library()
+    amx = getattr(library, "eyas_panel_amx", None) if library is not None else None
+    return amx is not None and bool(amx(int(on)))
+
+
+def uses_amx() -> bool:
+    """Whether bfloat16 products run on the AMX tiles here (the CPU has AMX, Linux granted the tile state, and
+    ``EYAS_AMX`` is not 0); else on AVX512_BF16 vectors, where those exist."""
+    library = _library()
+    return library is not None and bool(getattr(library, "eyas_panel_uses_amx", lambda: 0)())
 
 
 def available(dtype: torch.dtype = torch.float32) -> bool:
@@ -65,11 +90,11 @@ def applies(weight_OI: torch.Tensor) -> bool:
 
 def pack(weight_OI: torch.Tensor) -> torch.Tensor:
     """``weight_OI`` as panels, the last one zero-padded: float32 [P, I, WIDTH]; bfloat16 [P, I/2, 2 WIDTH] (I padded
-    to even), each output's inputs 2i and 2i+1 side by side."""
+    with zeros to a multiple of ``AMX_BLOCK``), each output's inputs 2i and 2i+1 side by side."""
     num_out, num_in = weight_OI.shape
     num_panels = -(-num_out // WIDTH)
     pairs = weight_OI.dtype == torch.bfloat16
-    num_in_padded = num_in + (num_in % 2 if pairs else 0)
+    num_in_padded = -(-num_in // AMX_BLOCK) * AMX_BLOCK if pairs else num_in
     padded_OI = torch.zeros(num_panels * WIDTH, num_in_padded, dtype=weight_OI.dtype)
     padded_OI[:num_out, :num_in] = weight_OI.detach()
     if pairs:

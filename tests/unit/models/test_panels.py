@@ -90,3 +90,52 @@ def test_packed_linear_uses_bfloat16_panels_for_bfloat16_rows_only(monkeypatch):
     x = torch.randn(2, 48).bfloat16()
     torch.testing.assert_close(linear(x).float(), F.linear(x, weight_OI).float(), atol=1e-2, rtol=2 ** -7)
     assert calls == [torch.bfloat16]
+
+
+def _cpu_has_amx() -> bool:
+    from pathlib import Path
+    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    return {"amx_tile", "amx_bf16"} <= set(flags.split())
+
+
+@bf16
+def test_the_amx_kernel_runs_where_the_cpu_has_amx():
+    assert panels.uses_amx() == _cpu_has_amx()  # EYAS_AMX is not set in the tests
+
+
+amx = pytest.mark.skipif(not panels.uses_amx(), reason="no AMX here: the vector kernel's tests cover bfloat16")
+
+
+@amx
+@pytest.mark.parametrize("num_out,num_in", [(70, 33), (960, 576), (200, 1728)])
+def test_amx_and_vector_kernels_agree_and_each_keeps_a_row_at_any_number_of_rows(num_out, num_in):
+    generator = torch.Generator().manual_seed(num_in)
+    weight_OI = torch.randn(num_out, num_in, generator=generator).bfloat16()
+    panels_PIW = panels.pack(weight_OI)
+    x_MI = torch.randn(40, num_in, generator=generator).bfloat16()  # 16-row tile blocks, and a part block
+    by_kernel = {}
+    try:
+        for on in (True, False):
+            assert panels.set_amx(on) == on
+            together_MO = panels.matmul(x_MI, panels_PIW, num_out)
+            for row in (0, 15, 16, 17, 39):
+                assert torch.equal(panels.matmul(x_MI[row:row + 1], panels_PIW, num_out)[0], together_MO[row])
+            by_kernel[on] = together_MO
+    finally:
+        panels.set_amx(True)
+    exact_MO = x_MI.float() @ weight_OI.float().t()
+    for y_MO in by_kernel.values():
+        torch.testing.assert_close(y_MO.float(), exact_MO, atol=1e-3, rtol=2 ** -8)
+    # the two sum in different orders: they may differ by one bfloat16 rounding, rarely more
+    torch.testing.assert_close(by_kernel[True].float(), by_kernel[False].float(), atol=1e-3, rtol=2 ** -7)
+
+
+@amx
+def test_eyas_amx_0_keeps_the_vector_kernel(tmp_path):
+    import os
+    import subprocess
+    import sys
+    code = "from eyas.models import panels\nprint(panels.uses_amx())\n"
+    env = {**os.environ, "EYAS_AMX": "0", "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "False", done.stderr
