@@ -20,3 +20,11 @@ def torch_dtype(name: str, field: str = "dtype") -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"{field}={name!r}: must be one of {list(DTYPES)}")
     return DTYPES[name]
+
+
+def fastest_exact() -> str:
+    """The dtype a CPU run at one torch thread decodes fastest in with greedy speculative output still vanilla's bit
+    for bit (``Decoder.verify_is_exact``): bfloat16 where eyas's bfloat16 panel kernel and its attention kernel built
+    (the CPU has AVX512_BF16; on AMX too the tiles), else float32."""
+    from eyas.models import attention, panels
+    return "bfloat16" if panels.available(torch.bfloat16) and attention.available() else "float32"

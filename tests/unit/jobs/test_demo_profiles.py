@@ -70,3 +70,16 @@ def test_tiny_demo_trains_the_table_drafters_for_demo_epochs():
     for path in profile.drafters:
         cfg = load_config(TrainConfig, REPO_ROOT / path, list(profile.overrides[path]))
         assert cfg.train.num_epochs == DEMO_EPOCHS
+
+
+def test_the_demo_dtype_is_the_fastest_exact_one_for_smollm2_only():
+    import torch
+
+    from eyas.models import attention, dtypes, panels
+    from jobs.demo import demo_dtype
+    fast = "bfloat16" if panels.available(torch.bfloat16) and attention.available() else "float32"
+    assert dtypes.fastest_exact() == fast
+    assert demo_dtype(PROFILES["smollm2"], "auto") == fast
+    assert demo_dtype(PROFILES["micro"], "auto") == demo_dtype(PROFILES["tiny"], "auto") == "float32"
+    assert demo_dtype(PROFILES["smollm2"], "float32") == "float32"
+    assert demo_dtype(PROFILES["micro"], "bfloat16") == "bfloat16"
