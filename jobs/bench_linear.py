@@ -61,7 +61,9 @@ def measure(target: Decoder, rows: list[int], repeats: int) -> list[dict]:
         kind_bytes[kind] = kind_bytes.get(kind, 0) + weight_OI.numel() * weight_OI.element_size()
     weight_bytes = sum(kind_bytes.values())
     amx = target.dtype == torch.bfloat16 and panels.uses_amx()
-    layouts = LAYOUTS + ("vector",) if amx else LAYOUTS  # vector: the AVX512_BF16 kernel, AMX off, side by side
+    # vector: the AVX512_BF16 kernel, AMX off, side by side with eyas's AMX one. It reads the same panels, so it
+    # runs after another layout (not right after eyas): a pass over the same bytes would find part of them cached.
+    layouts = ("linear", "eyas", "packed", "vector", "transposed") if amx else LAYOUTS
     out = []
     for M in rows:
         inputs = {w.shape[1]: torch.randn(M, w.shape[1], dtype=target.dtype) for _, w, _ in triples}
