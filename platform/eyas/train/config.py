@@ -70,6 +70,9 @@ class DataConfig:
     shard_size: int = 64             # sequences per parquet shard (the unit a rerun skips or redoes)
     num_workers: int = 0             # Ray actors; 0 = one per CPU (one per GPU with use_gpu)
     use_gpu: bool = False
+    # Not part of the content key: the dtypes give the same answers up to near-ties, so a rerun in another dtype
+    # keeps the shards it has (data.json's last_run says which dtype answered)
+    dtype: Literal["auto", "float32", "bfloat16"] = "float32"  # target's dtype; auto: bfloat16 on GPU and AVX512_BF16 CPU
 
     def __post_init__(self) -> None:
         _name(self.name, "name")
@@ -81,6 +84,8 @@ class DataConfig:
         require(self.temperature >= 0, "temperature", self.temperature, "must be >= 0 (0 = greedy)")
         require(0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]")
         require(self.num_workers >= 0, "num_workers", self.num_workers, "must be >= 0 (0 = one per CPU/GPU)")
+        require(self.dtype in ("auto", "float32", "bfloat16"), "dtype", self.dtype,
+                "must be auto, float32 or bfloat16")
 
     def content_key(self) -> dict[str, Any]:
         """The fields that decide what a shard holds: a rerun may only reuse shards written under the same key."""

@@ -70,7 +70,7 @@ def test_a_shard_learns_the_answer_only(chat_home, tmp_path):
     target = load_target(target_dir)
     rows = SequenceDataset(tmp_path, "train").rows
     assert result == {"prompts": 4, "rows": 4, "skipped": 0,
-                      "new_tokens": sum(len(row["response_ids"]) for row in rows)}
+                      "new_tokens": sum(len(row["response_ids"]) for row in rows), "dtype": "float32"}
     assert sorted(prompts, key=len) != prompts  # the batches ran in another order than the rows are written
     assert [row["prompt_ids"] for row in rows] == prompts  # prompt order kept (batches ran sorted by length)
     for prompt, row in zip(prompts, rows):
@@ -107,3 +107,20 @@ def test_sharegpt_needs_a_chat_template_and_pins_the_data_set(chat_home, make_ch
     assert "dataset" not in chat_config(source="regenerate").content_key()
     with pytest.raises(ConfigError, match="source"):
         chat_config(source="mtbench")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "auto"])
+def test_a_shard_answered_in_another_dtype_is_that_dtype_s_greedy_answer(chat_home, tmp_path, dtype):
+    from eyas.models import dtypes, load_target
+    from jobs.generate_data import Regenerator, answer_dtype, plan_prompts
+
+    cfg = chat_config(dtype=dtype)
+    target_dir = chat_home / "targets" / "chat-rand"
+    prompts = plan_prompts(cfg, target_dir)["train"][:3]
+    result = Regenerator(to_dict(cfg), str(target_dir), False).run("train", 0, prompts, str(tmp_path))
+    resolved = dtype if dtype != "auto" else dtypes.fastest_exact()
+    assert result["dtype"] == answer_dtype(dtype, "cpu") == resolved and answer_dtype(dtype, "cuda") == "bfloat16"
+    target = load_target(target_dir, dtype=getattr(torch, resolved))
+    for prompt, row in zip(prompts, SequenceDataset(tmp_path, "train").rows):
+        assert row["response_ids"] == regenerate(target, [prompt], 5, eos_token_ids=[2])[0]
+    assert cfg.content_key() == chat_config().content_key()  # a rerun in another dtype keeps the shards it has
