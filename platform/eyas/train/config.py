@@ -72,7 +72,7 @@ class DataConfig:
     use_gpu: bool = False
     # Not part of the content key: the dtypes give the same answers up to near-ties, so a rerun in another dtype
     # keeps the shards it has (data.json's last_run says which dtype answered)
-    dtype: Literal["auto", "float32", "bfloat16"] = "float32"  # target's dtype; auto: bfloat16 on GPU and AVX512_BF16 CPU
+    dtype: Literal["auto", "float32", "bfloat16"] = "float32"  # while answering; auto: bfloat16 on GPU, AVX512_BF16 CPU
 
     def __post_init__(self) -> None:
         _name(self.name, "name")
