@@ -14,7 +14,8 @@ source=sharegpt: the same, with ShareGPT first human turns (``eyas.datasets``, t
 the conversation id) rendered with the target's chat template; prompts over ``max_prompt_tokens`` are skipped, and
 the loss mask covers the target's answer only (the template's system, user and assistant-header tokens are
 prompt). The target answers in ``dtype`` (``auto``: bfloat16 on a GPU or a CPU with AVX512_BF16, where its batched
-decode runs 4-6x float32's with AMX tiles; float32 elsewhere). source=corpus: fixed chunks of the packed train / held-out documents (EAGLE-1's fixed-data setting), cut
+decode runs 4-6x float32's with AMX tiles; float32 elsewhere). source=corpus: fixed chunks of the packed train /
+held-out documents (EAGLE-1's fixed-data setting), cut
 on the driver; no target forward is needed.
 
 Shards are the unit of work and of restart: shard i of a split holds sequences [i * shard_size, (i+1) * shard_size)
