@@ -15,8 +15,7 @@ the conversation id) rendered with the target's chat template; prompts over ``ma
 the loss mask covers the target's answer only (the template's system, user and assistant-header tokens are
 prompt). The target answers in ``dtype`` (``auto``: bfloat16 on a GPU or a CPU with AVX512_BF16, where its batched
 decode runs 4-6x float32's with AMX tiles; float32 elsewhere). source=corpus: fixed chunks of the packed train /
-held-out documents (EAGLE-1's fixed-data setting), cut
-on the driver; no target forward is needed.
+held-out documents (EAGLE-1's fixed-data setting), cut on the driver; no target forward is needed.
 
 Shards are the unit of work and of restart: shard i of a split holds sequences [i * shard_size, (i+1) * shard_size)
 and is written atomically, so a rerun skips the shards already on disk and builds missing or unreadable ones.
