@@ -50,3 +50,13 @@ def test_bad_rows_and_dtypes_fail_clearly(random_checkpoint, tmp_path, capsys):
                                   str(tmp_path / "x.json")]) == 2
         assert "error:" in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()
+
+
+def test_bfloat16_times_the_vector_kernel_beside_amx_where_the_cpu_has_it(random_checkpoint, tmp_path, capsys):
+    from eyas.models import panels
+    out = tmp_path / "linear.json"
+    assert bench_linear.main(["--target", str(random_checkpoint), "--dtypes", "bfloat16", "--rows", "3",
+                              "--repeats", "1", "--threads", "1", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["amx"] == panels.uses_amx() == ("vector_ms" in row)  # uses_amx after the run: AMX is left on
+    assert row.get("vector_ms", 1) > 0
