@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from eyas.models import attention, panels
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -26,5 +28,4 @@ def fastest_exact() -> str:
     """The dtype a CPU run at one torch thread decodes fastest in with greedy speculative output still vanilla's bit
     for bit (``Decoder.verify_is_exact``): bfloat16 where eyas's bfloat16 panel kernel and its attention kernel built
     (the CPU has AVX512_BF16; on AMX too the tiles), else float32."""
-    from eyas.models import attention, panels
     return "bfloat16" if panels.available(torch.bfloat16) and attention.available() else "float32"
