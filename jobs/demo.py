@@ -180,10 +180,10 @@ def serve_one_request(head, profile: Profile, env: dict[str, str]) -> None:
 def demo_dtype(profile: Profile, requested: str) -> str:
     """The sweep's and the bench's dtype: ``requested``, or for ``auto`` the fastest exact one where the profile
     allows it (bfloat16 on a CPU with AVX512_BF16: 2-3x float32's decode speed on smollm2), else float32."""
-    if requested != "auto" or not profile.fastest_dtype:
-        return "float32" if requested == "auto" else requested
+    if requested == "auto" and not profile.fastest_dtype:
+        return "float32"
     from eyas.models import dtypes  # torch: only where asked
-    return dtypes.fastest_exact()
+    return dtypes.resolve(requested)
 
 
 def run_demo(profile: Profile, args: argparse.Namespace) -> int:

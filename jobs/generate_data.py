@@ -130,7 +130,7 @@ class Regenerator:
         configure_threads(cpu_budget=1)  # the actor's num_cpus=1 (regenerate_shards)
         self.cfg = DataConfig(**cfg_dict) if not isinstance(cfg_dict, DataConfig) else cfg_dict
         device = "cuda" if use_gpu else "cpu"
-        self.dtype = answer_dtype(self.cfg.dtype, device)
+        self.dtype = dtypes.resolve(self.cfg.dtype, device)
         self.target = load_target(target_dir, dtype=torch_dtype(self.dtype), device=device)
         tokenizer = load_tokenizer(target_dir)
         eos = set(self.target.config.eos_token_ids)
@@ -157,14 +157,6 @@ class Regenerator:
         write_shard(shard_path(Path(out_dir), split, index), rows)
         return {"prompts": len(prompts), "rows": len(rows), "skipped": len(prompts) - len(kept),
                 "new_tokens": sum(map(len, responses.values())), "dtype": self.dtype}
-
-
-def answer_dtype(requested: str, device: str) -> str:
-    """The dtype the target answers in: ``requested``, or for auto bfloat16 on a GPU and the fastest exact dtype
-    on a CPU (bfloat16 where the CPU has AVX512_BF16: 4-6x float32's batched decode on smollm2 with AMX)."""
-    if requested != "auto":
-        return requested
-    return "bfloat16" if device != "cpu" else dtypes.fastest_exact()
 
 
 def regenerate_shards(cfg: DataConfig, out: Path, target_dir: Path, todo: list[tuple[str, int]]) -> dict[str, int]:

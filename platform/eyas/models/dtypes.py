@@ -29,3 +29,10 @@ def fastest_exact() -> str:
     for bit (``Decoder.verify_is_exact``): bfloat16 where eyas's bfloat16 panel kernel and its attention kernel built
     (the CPU has AVX512_BF16; on AMX too the tiles), else float32."""
     return "bfloat16" if panels.available(torch.bfloat16) and attention.available() else "float32"
+
+
+def resolve(name: str, device: str = "cpu") -> str:
+    """A config's dtype name with ``auto`` resolved: bfloat16 on a GPU, ``fastest_exact()`` on a CPU."""
+    if name != "auto":
+        return name
+    return "bfloat16" if device != "cpu" else fastest_exact()

@@ -84,8 +84,6 @@ class DataConfig:
         require(self.temperature >= 0, "temperature", self.temperature, "must be >= 0 (0 = greedy)")
         require(0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]")
         require(self.num_workers >= 0, "num_workers", self.num_workers, "must be >= 0 (0 = one per CPU/GPU)")
-        require(self.dtype in ("auto", "float32", "bfloat16"), "dtype", self.dtype,
-                "must be auto, float32 or bfloat16")
 
     def content_key(self) -> dict[str, Any]:
         """The fields that decide what a shard holds: a rerun may only reuse shards written under the same key."""

@@ -112,14 +112,14 @@ def test_sharegpt_needs_a_chat_template_and_pins_the_data_set(chat_home, make_ch
 @pytest.mark.parametrize("dtype", ["bfloat16", "auto"])
 def test_a_shard_answered_in_another_dtype_is_that_dtype_s_greedy_answer(chat_home, tmp_path, dtype):
     from eyas.models import dtypes, load_target
-    from jobs.generate_data import Regenerator, answer_dtype, plan_prompts
+    from jobs.generate_data import Regenerator, plan_prompts
 
     cfg = chat_config(dtype=dtype)
     target_dir = chat_home / "targets" / "chat-rand"
     prompts = plan_prompts(cfg, target_dir)["train"][:3]
     result = Regenerator(to_dict(cfg), str(target_dir), False).run("train", 0, prompts, str(tmp_path))
     resolved = dtype if dtype != "auto" else dtypes.fastest_exact()
-    assert result["dtype"] == answer_dtype(dtype, "cpu") == resolved and answer_dtype(dtype, "cuda") == "bfloat16"
+    assert result["dtype"] == dtypes.resolve(dtype, "cpu") == resolved and dtypes.resolve(dtype, "cuda") == "bfloat16"
     target = load_target(target_dir, dtype=getattr(torch, resolved))
     for prompt, row in zip(prompts, SequenceDataset(tmp_path, "train").rows):
         assert row["response_ids"] == regenerate(target, [prompt], 5, eos_token_ids=[2])[0]
