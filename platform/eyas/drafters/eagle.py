@@ -35,6 +35,8 @@ from eyas.models.decoder import MLP, Decoder, RMSNorm, TensorParallel, apply_rop
 
 KV = tuple[torch.Tensor, torch.Tensor]  # (k_BHSD, v_BHSD)
 
+LOSS_TARGETS = ("soft", "argmax")  # a drafter's CE against the target's distribution or a one-hot on its argmax
+
 
 @dataclass(frozen=True)
 class DraftLayerConfig:

@@ -27,8 +27,8 @@ import torch
 from torch import nn
 
 from eyas.config import require
-from eyas.drafters.eagle import (KV, DraftLayerConfig, EagleModel, check_taps, hard_cross_entropy, masked_mean,
-                                 scalar, shift_left, soft_cross_entropy, step_mask, unroll)
+from eyas.drafters.eagle import (KV, LOSS_TARGETS, DraftLayerConfig, EagleModel, check_taps, hard_cross_entropy,
+                                 masked_mean, scalar, shift_left, soft_cross_entropy, step_mask, unroll)
 from eyas.models.decoder import Decoder, RMSNorm
 from eyas.models.features import TargetFeatures, TrainBatch
 from eyas.models.packing import linear
@@ -57,7 +57,6 @@ def build_draft_vocab(token_counts_V: torch.Tensor, size: int) -> torch.Tensor:
     return order_V[:size].sort().values.long()
 
 
-LOSS_TARGETS = ("soft", "argmax")
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 next one.
 
 Shape legend (docs/SHAPES.md): B batch, T tokens, K drafted positions (one head each: head k drafts depth k+1),
-E target hidden size, V target vocab.
+E target hidden size, V target vocab. This file adds R, the positions (b, i) some head learns from in a training
+batch, and J, the indices whose target distribution those heads read.
 
 Head k (0-based) at position i reads the final-normed target state h_i (tap ``num_layers``) and predicts t_{i+2+k}:
   p_k = softmax(LMHead(h + SiLU(W_k h)))   (``num_res_layers`` such residual blocks per head)
@@ -11,8 +12,12 @@ initialised from the LM head; sharing keeps a head at E*E parameters instead of 
 and E = 4096, 17M instead of 540M per head), trains faster and keeps checkpoints small. W_k starts at zero, so every
 head starts out predicting what the target predicts for the next token.
 
-Loss: sum_k step_decay^k * soft CE(p_k, target distribution for t_{i+2+k}) over positions whose token t_{i+2+k} is a
-response token; acc_{k+1} is head k's top-1 agreement with the target's argmax.
+Loss: sum_k step_decay^k * CE(p_k, target for t_{i+2+k}) over positions whose token t_{i+2+k} is a response token;
+acc_{k+1} is head k's top-1 agreement with the target's argmax. The target is the target model's distribution
+(``loss_target: soft``, Medusa-2's self-distillation) or a one-hot on its argmax (``argmax``: Medusa-1's hard labels
+on data the target regenerated greedily, and what greedy acceptance counts). The heads are read only at positions
+where some head has a token to learn: K full-vocabulary logits per position are the whole step's cost, and a padded
+batch of chat prompts holds more prompt than response.
 
 Inference: the heads are read once per cycle on the state that predicted the root. A tree node at depth d takes
 its candidates from head d-1's top-k, whatever its parent: the static tree (or chain / dynamic / best-first) is
@@ -28,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eyas.config import require
-from eyas.drafters.eagle import masked_mean, scalar, shift_left, soft_cross_entropy, step_mask
+from eyas.drafters.eagle import LOSS_TARGETS, hard_cross_entropy, masked_mean, scalar, step_mask
 from eyas.drafters.trees import EXPAND_MODES, TreeSpec, grow_tree
 from eyas.models.decoder import Decoder
 from eyas.models.packing import InferencePacking, frozen_head, linear
@@ -42,11 +47,13 @@ class MedusaConfig:
     num_heads: int = 4  # K: the deepest token a tree can draft
     num_res_layers: int = 1  # residual SiLU blocks per head
     step_decay: float = 0.8  # loss weight of head k: step_decay ** k
+    loss_target: str = "soft"  # "soft": the target's distribution; "argmax": a one-hot on its argmax
 
     def __post_init__(self) -> None:
         require(self.num_heads >= 1, "num_heads", self.num_heads, "must be >= 1")
         require(self.num_res_layers >= 1, "num_res_layers", self.num_res_layers, "must be >= 1")
         require(0 < self.step_decay <= 1, "step_decay", self.step_decay, "must be in (0, 1]")
+        require(self.loss_target in LOSS_TARGETS, "loss_target", self.loss_target, f"must be one of {LOSS_TARGETS}")
 
 
 class ResBlock(nn.Module):
@@ -84,17 +91,33 @@ class MedusaModel(InferencePacking, nn.Module):
                            dim=-2)
 
     def training_loss(self, batch: TrainBatch, features: TargetFeatures) -> tuple[torch.Tensor, dict[str, float]]:
-        logits_BTKV = self.head_logits(features.taps[self.target_config.num_layers].detach())
-        loss = logits_BTKV.new_zeros((), dtype=torch.float32)
+        K, final = self.config.num_heads, self.target_config.num_layers
+        learn_KBT = torch.stack([step_mask(batch, 2 + k) for k in range(K)])  # head k at i predicts t_{i+2+k}
+        b_R, i_R = learn_KBT.amax(0).nonzero(as_tuple=True)  # positions where some head has a token to learn
+        learn_KR = learn_KBT[:, b_R, i_R]
+        final_BTE = features.taps[final].detach()
+        logits_RKV = self.head_logits(final_BTE[b_R, i_R])
+        T = final_BTE.shape[1]
+        ahead_KR = (i_R + 1 + torch.arange(K, device=i_R.device)[:, None]).clamp(max=T - 1)  # the target's index
+        argmax_KR = features.argmax_BT[b_R, ahead_KR]
+        soft = self.config.loss_target == "soft"
+        if soft:  # the target's distribution at every index some head reads: those whose next token is learned
+            b_J, t_J = (step_mask(batch, 1) > 0).nonzero(as_tuple=True)
+            probs_JV = features.logits_at(b_J, t_J).float().softmax(-1)
+            row_BT = torch.zeros(final_BTE.shape[:2], dtype=torch.long, device=b_R.device)
+            row_BT[b_J, t_J] = torch.arange(len(b_J), device=b_R.device)  # unread indices: row 0, masked
+        loss = logits_RKV.new_zeros((), dtype=torch.float32)
         metrics: dict[str, float] = {}
-        target_probs_BTV = features.logits_BTV.float().softmax(-1)  # once: each head reads it k + 1 ahead
-        target_argmax_BT = features.argmax_BT
-        for k in range(self.config.num_heads):
-            mask_BT = step_mask(batch, 2 + k)  # head k at position i predicts t_{i+2+k}
-            ce = soft_cross_entropy(logits_BTKV[:, :, k], target_probs_BTV, mask_BT, ahead=1 + k)
+        for k in range(K):
+            logits_RV = logits_RKV[:, k]
+            if soft:
+                log_q_RV = logits_RV.float().log_softmax(-1)
+                ce = masked_mean(-(probs_JV[row_BT[b_R, ahead_KR[k]]] * log_q_RV).sum(-1), learn_KR[k])
+            else:
+                ce = hard_cross_entropy(logits_RV[None], argmax_KR[k][None], learn_KR[k][None])
             loss = loss + self.config.step_decay ** k * ce
-            agree_BT = (logits_BTKV[:, :, k].argmax(-1) == shift_left(target_argmax_BT, 1 + k)).float()
-            metrics[f"acc_{k + 1}"] = scalar(masked_mean(agree_BT, mask_BT))
+            agree_R = (logits_RV.argmax(-1) == argmax_KR[k]).float()
+            metrics[f"acc_{k + 1}"] = scalar(masked_mean(agree_R, learn_KR[k]))
             metrics[f"ce_{k + 1}"] = scalar(ce)
         metrics["loss"] = scalar(loss)
         return loss, metrics

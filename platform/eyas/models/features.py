@@ -20,20 +20,24 @@ class TrainBatch:
     valid_BT: torch.Tensor       # 1 for real tokens, 0 for padding
 
 
+Index = tuple[torch.Tensor, torch.Tensor]  # (b_R, t_R): R positions of a [B, T] batch (this file adds R)
+
+
 class TargetFeatures:
     """The frozen target's view of a batch: ``taps`` {tap layer: hidden_BTE} (HF hidden_states numbering,
     num_layers = final-normed), its greedy next token ``argmax_BT`` at every position, and its next-token
     ``logits_BTV``.
 
-    The logits are built on first use only (``logits_from``): the LM head over every position is the costliest part
-    of a cached training step (smollm2, 4 x 384 positions x 49152: ~1.2 s of a 4.5 s EAGLE-3 step, 1 CPU thread),
-    and only the soft-target losses (EAGLE-1, Medusa, EAGLE-3 ``loss_target: soft``) read them; the argmax losses
-    read ``argmax_BT``, which a feature cache stores, and DFlash neither.
+    The logits are built on first use only (``logits_from(index)``: the LM head at ``index`` = (b_R, t_R), or at
+    every position for None): the LM head over every position is the costliest part of a cached training step
+    (smollm2, 4 x 384 positions x 49152: ~1.2 s of a 4.5 s EAGLE-3 step, 1 CPU thread), and only the soft-target
+    losses (EAGLE-1, Medusa and EAGLE-3 with ``loss_target: soft``) read them, Medusa at its response positions
+    only (``logits_at``); the argmax losses read ``argmax_BT``, which a feature cache stores, and DFlash neither.
     """
 
     def __init__(self, taps: dict[int, torch.Tensor], logits_BTV: torch.Tensor | None = None, *,
                  argmax_BT: torch.Tensor | None = None,
-                 logits_from: Callable[[], torch.Tensor] | None = None) -> None:
+                 logits_from: Callable[[Index | None], torch.Tensor] | None = None) -> None:
         if logits_BTV is None and logits_from is None:
             raise ValueError("TargetFeatures needs logits_BTV or logits_from")
         if logits_BTV is None and argmax_BT is None:
@@ -46,9 +50,17 @@ class TargetFeatures:
     def logits_BTV(self) -> torch.Tensor:
         if self._logits_BTV is None:
             with torch.no_grad():
-                self._logits_BTV = self._logits_from()
+                self._logits_BTV = self._logits_from(None)
             self._logits_from = None
         return self._logits_BTV
+
+    def logits_at(self, b_R: torch.Tensor, t_R: torch.Tensor) -> torch.Tensor:
+        """[R, V]: the logits at positions (b_R[r], t_R[r]) only. A loss over the response tokens reads a fraction
+        of a padded batch's positions: built lazily, that is the LM head over those rows alone."""
+        if self._logits_BTV is not None:
+            return self._logits_BTV[b_R, t_R]
+        with torch.no_grad():
+            return self._logits_from((b_R, t_R))
 
     @property
     def argmax_BT(self) -> torch.Tensor:

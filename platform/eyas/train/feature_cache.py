@@ -147,14 +147,14 @@ class FeatureCache:
         taps = {t: right_padded([row[t] for row in rows], T) for t in self.stored_taps}
         final_BTE = taps[self.target.config.num_layers]
 
-        def logits_from() -> torch.Tensor:
-            return self.target.lm_head(final_BTE)
+        def logits_from(index: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+            return self.target.lm_head(final_BTE if index is None else final_BTE[index])
 
         if all(ARGMAX in row for row in rows):
             argmax_BT = right_padded([row[ARGMAX] for row in rows], T)
             return TargetFeatures({t: taps[t] for t in self.taps}, argmax_BT=argmax_BT, logits_from=logits_from)
         with torch.no_grad():  # an older disk cache without ARGMAX
-            return TargetFeatures({t: taps[t] for t in self.taps}, logits_from())
+            return TargetFeatures({t: taps[t] for t in self.taps}, logits_from(None))
 
     def _lookup(self, index: int) -> dict[int | str, torch.Tensor] | None:
         if index in self.memory:

@@ -1,11 +1,14 @@
-"""Medusa: heads start as the target's readout, the loss falls, greedy speculative output equals plain greedy output
-(static tree from the heads' top-k products, and a chain), a sampled run completes."""
+"""Medusa: heads start as the target's readout, the loss (read at the learned positions only) equals the loss over the
+whole batch, the loss falls, greedy speculative output equals plain greedy output (static tree from the heads' top-k
+products, and a chain), a sampled run completes."""
 import pytest
 import torch
 from drafter_testing import assert_greedy_identity, random_prompts, regenerated_batch, tiny_target, train
 
 from eyas.config import ConfigError
+from eyas.drafters.eagle import hard_cross_entropy, masked_mean, shift_left, soft_cross_entropy, step_mask
 from eyas.drafters.medusa import MedusaConfig, MedusaDrafter, MedusaModel
+from eyas.models.features import TargetFeatures, target_features
 from eyas.drafters.trees import TreeSpec
 from eyas.decoding.generate import SamplingParams, generate
 from eyas.decoding.builders import EAGLE_DEFAULT
@@ -29,6 +32,59 @@ def test_untrained_heads_read_like_the_target():
     expected_V = target.lm_head(hidden_E)
     torch.testing.assert_close(model.head_logits(hidden_E), torch.stack([expected_V, expected_V]))
     assert not any(name.startswith("lm_head") for name in model.state_dict())  # shared, frozen, not saved
+
+
+def whole_batch_loss(model, batch, features):
+    """The loss as the paper writes it: every head at every position of the padded batch, masked afterwards."""
+    logits_BTKV = model.head_logits(features.taps[model.target_config.num_layers])
+    probs_BTV = features.logits_BTV.float().softmax(-1)
+    loss = 0.0
+    for k in range(model.config.num_heads):
+        mask_BT = step_mask(batch, 2 + k)
+        if model.config.loss_target == "soft":
+            ce = soft_cross_entropy(logits_BTKV[:, :, k], probs_BTV, mask_BT, ahead=1 + k)
+        else:
+            ce = hard_cross_entropy(logits_BTKV[:, :, k], shift_left(features.argmax_BT, 1 + k), mask_BT)
+        loss = loss + model.config.step_decay ** k * ce
+    return loss
+
+
+@pytest.mark.parametrize("loss_target", ["soft", "argmax"])
+@pytest.mark.parametrize("lazy", [False, True], ids=["logits", "lazy"])
+def test_loss_on_learned_positions_equals_the_whole_batch_loss(loss_target, lazy):
+    target = tiny_target()
+    torch.manual_seed(3)
+    model = MedusaModel(MedusaConfig(num_heads=3, loss_target=loss_target), target)
+    for head in model.heads:  # away from the identity start, so the heads differ
+        torch.nn.init.normal_(head[0].linear.weight, std=0.3)
+    batch = regenerated_batch(target, num_rows=4)
+    batch.loss_mask_BT[1, -3:] = 0  # ragged: responses of different lengths
+    batch.valid_BT[2, -2:] = 0
+    features = target_features(target, batch.input_ids_BT, model.target_taps)
+    asked = []
+    if lazy:  # as a feature cache builds them: the LM head on the final state, at the positions asked for
+        final_BTE = features.taps[model.target_config.num_layers]
+
+        def logits_from(index):
+            asked.append(index)
+            return target.lm_head(final_BTE if index is None else final_BTE[index])
+
+        features = TargetFeatures(features.taps, argmax_BT=features.argmax_BT, logits_from=logits_from)
+    loss, metrics = model.training_loss(batch, features)
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    if lazy and loss_target == "soft":
+        assert len(asked) == 1 and len(asked[0][0]) == int(step_mask(batch, 1).sum())  # the response rows only
+    assert asked == [] or loss_target == "soft"
+    expected = whole_batch_loss(model, batch, features)
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    for grad, expected_grad in zip(grads, torch.autograd.grad(expected, list(model.parameters()))):
+        torch.testing.assert_close(grad, expected_grad, rtol=1e-4, atol=1e-6)
+    assert 0 <= metrics["acc_1"] <= 1
+
+
+def test_loss_target_is_checked():
+    with pytest.raises(ConfigError, match="loss_target"):
+        MedusaConfig(loss_target="hard")
 
 
 def test_loss_falls(setup):

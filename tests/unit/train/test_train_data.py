@@ -173,6 +173,22 @@ def test_target_features_needs_logits_or_an_argmax():
     with pytest.raises(ValueError, match="needs logits_BTV or logits_from"):
         TargetFeatures(taps)
     with pytest.raises(ValueError, match="needs argmax_BT"):
-        TargetFeatures(taps, logits_from=lambda: torch.zeros(1, 2, 8))
-    lazy = TargetFeatures(taps, argmax_BT=torch.tensor([[3, 1]]), logits_from=lambda: torch.ones(1, 2, 8))
+        TargetFeatures(taps, logits_from=lambda index: torch.zeros(1, 2, 8))
+    lazy = TargetFeatures(taps, argmax_BT=torch.tensor([[3, 1]]), logits_from=lambda index: torch.ones(1, 2, 8))
     assert lazy.argmax_BT.tolist() == [[3, 1]] and lazy.logits_BTV.shape == (1, 2, 8)
+
+
+def test_logits_at_reads_only_the_positions_asked_for():
+    logits_BTV = torch.randn(2, 5, 8)
+    asked = []
+
+    def logits_from(index):
+        asked.append(index)
+        return logits_BTV if index is None else logits_BTV[index]
+
+    lazy = TargetFeatures({}, argmax_BT=logits_BTV.argmax(-1), logits_from=logits_from)
+    b_R, t_R = torch.tensor([1, 0, 1]), torch.tensor([4, 2, 0])
+    assert torch.equal(lazy.logits_at(b_R, t_R), logits_BTV[b_R, t_R])
+    assert len(asked) == 1 and asked[0][1].tolist() == [4, 2, 0]  # three rows, not the whole [2, 5]
+    assert torch.equal(lazy.logits_BTV, logits_BTV) and asked[1] is None
+    assert torch.equal(lazy.logits_at(b_R, t_R), logits_BTV[b_R, t_R]) and len(asked) == 2  # held: indexed
