@@ -6,7 +6,7 @@ import torch
 from drafter_testing import assert_greedy_identity, random_prompts, regenerated_batch, tiny_target, train
 
 from eyas.config import ConfigError
-from eyas.drafters.eagle import hard_cross_entropy, masked_mean, shift_left, soft_cross_entropy, step_mask
+from eyas.drafters.eagle import hard_cross_entropy, shift_left, soft_cross_entropy, step_mask
 from eyas.drafters.medusa import MedusaConfig, MedusaDrafter, MedusaModel
 from eyas.models.features import TargetFeatures, target_features
 from eyas.drafters.trees import TreeSpec
