@@ -15,7 +15,7 @@ greedy verification the chance that a drafted token is accepted is the chance th
 drafter trained this way has confidences calibrated to greedy acceptance even when the target's own distribution is
 flat, which the dynamic tree's value V (a product of confidences) relies on (papers.md, EAGLE-2).
 
-Draft vocabulary: the ``draft_vocab_size`` most frequent target tokens of the training data (``build_draft_vocab``),
+Draft vocabulary: the ``draft_vocab_size`` most frequent target tokens of the training data (``eyas.drafters.vocab``),
 kept as d2t (draft index -> target token id, ascending ids) and saved in the checkpoint's config.json.
 """
 from __future__ import annotations
@@ -29,6 +29,7 @@ from torch import nn
 from eyas.config import require
 from eyas.drafters.eagle import (KV, LOSS_TARGETS, DraftLayerConfig, EagleModel, check_taps, hard_cross_entropy,
                                  masked_mean, scalar, shift_left, soft_cross_entropy, step_mask, unroll)
+from eyas.drafters.vocab import to_target_probs, vocab_maps
 from eyas.models.decoder import Decoder, RMSNorm
 from eyas.models.features import TargetFeatures, TrainBatch
 from eyas.models.packing import linear
@@ -43,20 +44,6 @@ def eagle3_taps(num_layers: int) -> tuple[int, int, int]:
     if low < mid < high:
         return low, mid, high
     return 1, max(1, num_layers // 2), max(1, num_layers - 1)
-
-
-def build_draft_vocab(token_counts_V: torch.Tensor, size: int) -> torch.Tensor:
-    """d2t: the ``size`` most frequent token ids (ties: lower id first), as a long tensor in ascending id order.
-
-    token_counts_V: counts per target token id, e.g. ``torch.bincount(ids[loss_mask > 0], minlength=V)``."""
-    if token_counts_V.dim() != 1:
-        raise ValueError(f"token_counts must be 1-D over the target vocabulary, got {tuple(token_counts_V.shape)}")
-    if not 1 <= size <= token_counts_V.numel():
-        raise ValueError(f"draft_vocab_size={size}: must be in [1, {token_counts_V.numel()}] (the target vocab)")
-    order_V = torch.sort(-token_counts_V.double(), stable=True).indices  # descending count, lower id on ties
-    return order_V[:size].sort().values.long()
-
-
 
 
 @dataclass(frozen=True)
@@ -87,11 +74,9 @@ class Eagle3Model(EagleModel):
         super().__init__(config, target, two_stream=True)
         num_layers, E, V = target.config.num_layers, target.config.hidden_size, target.config.vocab_size
         self.target_taps = check_taps(config.taps or eagle3_taps(num_layers), num_layers, "taps")
-        d2t_X = self._check_vocab(config, draft_vocab, V)
+        d2t_X, t2d_V = vocab_maps(draft_vocab, config.draft_vocab_size, V)
         self.draft_vocab = None if draft_vocab is None else d2t_X.tolist()
         self.register_buffer("d2t", d2t_X, persistent=False)  # draft index -> target id (saved in config.json)
-        t2d_V = torch.full((V,), -1, dtype=torch.long)
-        t2d_V[d2t_X] = torch.arange(d2t_X.numel())
         self.register_buffer("t2d", t2d_V, persistent=False)  # target id -> draft index, -1 outside
         self.fc = nn.Linear(len(self.target_taps) * E, E, bias=False)
         self.norm = RMSNorm(E, target.config.rms_norm_eps)
@@ -100,22 +85,6 @@ class Eagle3Model(EagleModel):
             self.norm.weight.copy_(target.norm.weight)
             self.lm_head.weight.copy_(target.lm_head.weight[d2t_X.to(target.device)])
         self.place_like(target)
-
-    @staticmethod
-    def _check_vocab(config: Eagle3Config, draft_vocab, vocab_size: int) -> torch.Tensor:
-        if draft_vocab is None:
-            if config.draft_vocab_size not in (None, vocab_size):
-                raise ValueError(f"draft_vocab_size={config.draft_vocab_size} needs a draft vocabulary: build it "
-                                 f"with build_draft_vocab(token_counts, {config.draft_vocab_size})")
-            return torch.arange(vocab_size)
-        d2t_X = torch.as_tensor(draft_vocab, dtype=torch.long).cpu()
-        if d2t_X.dim() != 1 or d2t_X.numel() == 0 or d2t_X.unique().numel() != d2t_X.numel():
-            raise ValueError("draft_vocab must be a non-empty list of distinct target token ids")
-        if int(d2t_X.min()) < 0 or int(d2t_X.max()) >= vocab_size:
-            raise ValueError(f"draft_vocab holds ids outside the target vocabulary [0, {vocab_size})")
-        if config.draft_vocab_size is not None and d2t_X.numel() != config.draft_vocab_size:
-            raise ValueError(f"draft_vocab has {d2t_X.numel()} ids but draft_vocab_size={config.draft_vocab_size}")
-        return d2t_X
 
     def initial_hidden(self, taps: dict[int, torch.Tensor]) -> torch.Tensor:
         fused_TF = torch.cat([taps[layer] for layer in self.target_taps], dim=-1)
@@ -129,10 +98,7 @@ class Eagle3Model(EagleModel):
 
     def draft_probs(self, logits_X: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [..., X] -> probabilities over the target vocabulary [..., V] (0 outside)."""
-        probs = logits_X.float().softmax(-1)
-        full = probs.new_zeros(*probs.shape[:-1], self.target_config.vocab_size)
-        full[..., self.d2t] = probs
-        return full
+        return to_target_probs(logits_X, self.d2t, self.target_config.vocab_size)
 
     def training_loss(self, batch: TrainBatch, features: TargetFeatures) -> tuple[torch.Tensor, dict[str, float]]:
         """Step j's CE against the target's next-token choice 1 + j positions ahead, over the draft vocabulary: a

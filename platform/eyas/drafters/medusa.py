@@ -2,7 +2,7 @@
 next one.
 
 Shape legend (docs/SHAPES.md): B batch, T tokens, K drafted positions (one head each: head k drafts depth k+1),
-E target hidden size, V target vocab. This file adds R, the positions (b, i) some head learns from in a training
+E target hidden size, V target vocab, X the draft vocabulary (V without one). This file adds R, the positions (b, i) some head learns from in a training
 batch, and J, the indices whose target distribution those heads read.
 
 Head k (0-based) at position i reads the final-normed target state h_i (tap ``num_layers``) and predicts t_{i+2+k}:
@@ -18,6 +18,12 @@ acc_{k+1} is head k's top-1 agreement with the target's argmax. The target is th
 on data the target regenerated greedily, and what greedy acceptance counts). The heads are read only at positions
 where some head has a token to learn: K full-vocabulary logits per position are the whole step's cost, and a padded
 batch of chat prompts holds more prompt than response.
+
+Choice: ``draft_vocab_size`` reads the heads over the X most frequent target tokens of the training data only
+(EAGLE-3's reduced draft vocabulary, ``eyas.drafters.vocab``), through those X rows of the target's LM head (frozen,
+saved with the checkpoint): on a small target the LM head is a large share of a decode step (SmolLM2-135M: 28M of
+its 135M weights), and one head is one pass of it per cycle. The heads then propose only those tokens; the losses
+mask targets outside them and count them as misses.
 
 Inference: the heads are read once per cycle on the state that predicted the root. A tree node at depth d takes
 its candidates from head d-1's top-k, whatever its parent: the static tree (or chain / dynamic / best-first) is
@@ -35,6 +41,7 @@ from torch import nn
 from eyas.config import require
 from eyas.drafters.eagle import LOSS_TARGETS, hard_cross_entropy, masked_mean, scalar, step_mask
 from eyas.drafters.trees import EXPAND_MODES, TreeSpec, grow_tree
+from eyas.drafters.vocab import to_target_probs, vocab_maps
 from eyas.models.decoder import Decoder
 from eyas.models.packing import InferencePacking, frozen_head, linear
 from eyas.decoding.builders import EAGLE_DEFAULT
@@ -48,11 +55,14 @@ class MedusaConfig:
     num_res_layers: int = 1  # residual SiLU blocks per head
     step_decay: float = 0.8  # loss weight of head k: step_decay ** k
     loss_target: str = "soft"  # "soft": the target's distribution; "argmax": a one-hot on its argmax
+    draft_vocab_size: int | None = None  # read the heads over the most frequent tokens only; None = all V
 
     def __post_init__(self) -> None:
         require(self.num_heads >= 1, "num_heads", self.num_heads, "must be >= 1")
         require(self.num_res_layers >= 1, "num_res_layers", self.num_res_layers, "must be >= 1")
         require(0 < self.step_decay <= 1, "step_decay", self.step_decay, "must be in (0, 1]")
+        require(self.draft_vocab_size is None or self.draft_vocab_size >= 1, "draft_vocab_size",
+                self.draft_vocab_size, "must be >= 1 (or null: the full vocabulary)")
         require(self.loss_target in LOSS_TARGETS, "loss_target", self.loss_target, f"must be one of {LOSS_TARGETS}")
 
 
@@ -69,26 +79,38 @@ class ResBlock(nn.Module):
 
 class MedusaModel(InferencePacking, nn.Module):
     drafter_type = "medusa"
-    draft_vocab = None
 
     def __init__(self, config: MedusaConfig, target: Decoder, draft_vocab: list[int] | None = None) -> None:
         super().__init__()
-        if draft_vocab is not None:
-            raise ValueError("Medusa reads tokens through the target's LM head: draft_vocab must be null")
         self.config = config
         self.target_config = target.config
         self.target_taps = (target.config.num_layers,)
+        E, V = target.config.hidden_size, target.config.vocab_size
+        d2t_X, t2d_V = vocab_maps(draft_vocab, config.draft_vocab_size, V)
+        self.draft_vocab = None if draft_vocab is None else d2t_X.tolist()
+        self.register_buffer("d2t", d2t_X, persistent=False)  # draft index -> target id (saved in config.json)
+        self.register_buffer("t2d", t2d_V, persistent=False)  # target id -> draft index, -1 outside
         self.lm_head = (target.lm_head,)  # in a tuple: shared and frozen, not registered, not saved
-        E = target.config.hidden_size
+        if draft_vocab is not None:  # the target's LM head rows of the draft vocabulary: frozen, saved, packed
+            self.vocab_head = nn.Linear(E, d2t_X.numel(), bias=False).requires_grad_(False)
+            with torch.no_grad():
+                self.vocab_head.weight.copy_(target.lm_head.weight[d2t_X.to(target.device)])
         self.heads = nn.ModuleList(nn.Sequential(*(ResBlock(E) for _ in range(config.num_res_layers)))
                                    for _ in range(config.num_heads))
         self.to(device=target.device, dtype=target.dtype)
 
     def head_logits(self, hidden_E: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
-        """[..., E] -> [..., K, V]: the logits of the first ``num_heads`` heads (all by default)."""
+        """[..., E] -> [..., K, X]: the logits of the first ``num_heads`` heads (all by default) over the draft
+        vocabulary (X = V without one)."""
         hidden_E = hidden_E.to(self.heads[0][0].linear.weight.dtype)  # the heads may train in float32
-        return torch.stack([frozen_head(self.lm_head[0], head(hidden_E)) for head in self.heads[:num_heads]],
-                           dim=-2)
+        readout = self.vocab_head if self.draft_vocab is not None else self.lm_head[0]
+        return torch.stack([frozen_head(readout, head(hidden_E)) for head in self.heads[:num_heads]], dim=-2)
+
+    def draft_probs(self, logits_X: torch.Tensor) -> torch.Tensor:
+        """[..., X] -> probabilities over the target vocabulary [..., V] (0 outside the draft vocabulary)."""
+        if self.draft_vocab is None:
+            return logits_X.float().softmax(-1)
+        return to_target_probs(logits_X, self.d2t, self.target_config.vocab_size)
 
     def training_loss(self, batch: TrainBatch, features: TargetFeatures) -> tuple[torch.Tensor, dict[str, float]]:
         K, final = self.config.num_heads, self.target_config.num_layers
@@ -96,27 +118,29 @@ class MedusaModel(InferencePacking, nn.Module):
         b_R, i_R = learn_KBT.amax(0).nonzero(as_tuple=True)  # positions where some head has a token to learn
         learn_KR = learn_KBT[:, b_R, i_R]
         final_BTE = features.taps[final].detach()
-        logits_RKV = self.head_logits(final_BTE[b_R, i_R])
+        logits_RKX = self.head_logits(final_BTE[b_R, i_R])
         T = final_BTE.shape[1]
         ahead_KR = (i_R + 1 + torch.arange(K, device=i_R.device)[:, None]).clamp(max=T - 1)  # the target's index
-        argmax_KR = features.argmax_BT[b_R, ahead_KR]
+        draft_KR = self.t2d[features.argmax_BT[b_R, ahead_KR]]  # the target's argmax; -1 outside the draft vocab
         soft = self.config.loss_target == "soft"
         if soft:  # the target's distribution at every index some head reads: those whose next token is learned
             b_J, t_J = (step_mask(batch, 1) > 0).nonzero(as_tuple=True)
-            probs_JV = features.logits_at(b_J, t_J).float().softmax(-1)
+            probs_JX = features.logits_at(b_J, t_J)[:, self.d2t].float().softmax(-1)  # restricted, renormalised
             row_BT = torch.zeros(final_BTE.shape[:2], dtype=torch.long, device=b_R.device)
             row_BT[b_J, t_J] = torch.arange(len(b_J), device=b_R.device)  # unread indices: row 0, masked
-        loss = logits_RKV.new_zeros((), dtype=torch.float32)
+        loss = logits_RKX.new_zeros((), dtype=torch.float32)
         metrics: dict[str, float] = {}
         for k in range(K):
-            logits_RV = logits_RKV[:, k]
+            logits_RX = logits_RKX[:, k]
+            in_vocab_R = learn_KR[k] * (draft_KR[k] >= 0)
             if soft:
-                log_q_RV = logits_RV.float().log_softmax(-1)
-                ce = masked_mean(-(probs_JV[row_BT[b_R, ahead_KR[k]]] * log_q_RV).sum(-1), learn_KR[k])
+                log_q_RX = logits_RX.float().log_softmax(-1)
+                ce = masked_mean(-(probs_JX[row_BT[b_R, ahead_KR[k]]] * log_q_RX).sum(-1), in_vocab_R)
             else:
-                ce = hard_cross_entropy(logits_RV[None], argmax_KR[k][None], learn_KR[k][None])
+                ce = hard_cross_entropy(logits_RX[None], draft_KR[k][None], in_vocab_R[None])
             loss = loss + self.config.step_decay ** k * ce
-            agree_R = (logits_RV.argmax(-1) == argmax_KR[k]).float()
+            # acceptance counts out-of-vocabulary targets as misses: the heads can never propose them
+            agree_R = (logits_RX.argmax(-1) == draft_KR[k]).float()
             metrics[f"acc_{k + 1}"] = scalar(masked_mean(agree_R, learn_KR[k]))
             metrics[f"ce_{k + 1}"] = scalar(ce)
         metrics["loss"] = scalar(loss)
@@ -152,7 +176,7 @@ class MedusaDrafter:
         """Deterministic top-k trees at any temperature: temperature and generator are not used."""
         assert self._last_state_E is not None, "call begin() first"
         # only the heads the tree reaches: each costs one pass of the target's LM head
-        probs_KV = self.model.head_logits(self._last_state_E, self.tree.max_depth).float().softmax(-1)
+        probs_KV = self.model.draft_probs(self.model.head_logits(self._last_state_E, self.tree.max_depth))
 
         def expand(parent_ids: list[int], partial: PartialTree) -> torch.Tensor:
             return probs_KV[[partial.depth[p] for p in parent_ids]]  # head d drafts depth d + 1

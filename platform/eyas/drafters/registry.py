@@ -28,8 +28,9 @@ from eyas.config import ConfigError, from_dict, resolve_path, to_dict
 from eyas.drafters.dflash import DFlashConfig, DFlashModel, make_dflash_drafter
 from eyas.drafters.eagle_drafter import EagleDrafter
 from eyas.drafters.eagle1 import Eagle1Config, Eagle1Model
-from eyas.drafters.eagle3 import Eagle3Config, Eagle3Model, build_draft_vocab
+from eyas.drafters.eagle3 import Eagle3Config, Eagle3Model
 from eyas.drafters.medusa import MedusaConfig, MedusaDrafter, MedusaModel
+from eyas.drafters.vocab import build_draft_vocab
 from eyas.drafters.trees import BLOCK_MODES, EXPAND_MODES, TreeSpec
 from eyas.interop.fingerprint import check_fingerprint, target_fingerprint
 from eyas.models.config import CheckpointError

@@ -9,7 +9,8 @@ from eyas.config import ConfigError
 from eyas.drafters.eagle import shift_left, ttt_attention_mask, unroll
 from eyas.drafters.eagle_drafter import EagleDrafter
 from eyas.drafters.eagle1 import Eagle1Config, Eagle1Model
-from eyas.drafters.eagle3 import Eagle3Config, Eagle3Model, build_draft_vocab, eagle3_taps
+from eyas.drafters.eagle3 import Eagle3Config, Eagle3Model, eagle3_taps
+from eyas.drafters.vocab import build_draft_vocab
 from eyas.drafters.trees import TreeSpec
 from eyas.decoding.tree import PartialTree
 from eyas.models.features import target_features

@@ -5,7 +5,8 @@ import torch
 from drafter_testing import assert_greedy_identity, random_prompts, regenerated_batch, tiny_target, train
 
 from eyas.drafters.eagle_drafter import EagleDrafter
-from eyas.drafters.eagle3 import Eagle3Config, Eagle3Model, build_draft_vocab
+from eyas.drafters.eagle3 import Eagle3Config, Eagle3Model
+from eyas.drafters.vocab import build_draft_vocab
 from eyas.drafters.trees import TreeSpec
 from eyas.decoding.generate import SamplingParams, generate
 

@@ -3,11 +3,14 @@ whole batch, the loss falls, greedy speculative output equals plain greedy outpu
 products, and a chain), a sampled run completes."""
 import pytest
 import torch
-from drafter_testing import assert_greedy_identity, random_prompts, regenerated_batch, tiny_target, train
+from drafter_testing import (TARGET_CONFIG, assert_greedy_identity, random_prompts, regenerated_batch, tiny_target,
+                             train)
 
 from eyas.config import ConfigError
 from eyas.drafters.eagle import hard_cross_entropy, shift_left, soft_cross_entropy, step_mask
+from eyas.drafters import registry
 from eyas.drafters.medusa import MedusaConfig, MedusaDrafter, MedusaModel
+from eyas.drafters.vocab import build_draft_vocab
 from eyas.models.features import TargetFeatures, target_features
 from eyas.drafters.trees import TreeSpec
 from eyas.decoding.generate import SamplingParams, generate
@@ -36,25 +39,33 @@ def test_untrained_heads_read_like_the_target():
 
 def whole_batch_loss(model, batch, features):
     """The loss as the paper writes it: every head at every position of the padded batch, masked afterwards."""
-    logits_BTKV = model.head_logits(features.taps[model.target_config.num_layers])
-    probs_BTV = features.logits_BTV.float().softmax(-1)
+    logits_BTKX = model.head_logits(features.taps[model.target_config.num_layers])
+    probs_BTX = features.logits_BTV[..., model.d2t].float().softmax(-1)
+    draft_BT = model.t2d[features.argmax_BT]
     loss = 0.0
     for k in range(model.config.num_heads):
-        mask_BT = step_mask(batch, 2 + k)
+        mask_BT = step_mask(batch, 2 + k) * (shift_left(draft_BT, 1 + k) >= 0)
         if model.config.loss_target == "soft":
-            ce = soft_cross_entropy(logits_BTKV[:, :, k], probs_BTV, mask_BT, ahead=1 + k)
+            ce = soft_cross_entropy(logits_BTKX[:, :, k], probs_BTX, mask_BT, ahead=1 + k)
         else:
-            ce = hard_cross_entropy(logits_BTKV[:, :, k], shift_left(features.argmax_BT, 1 + k), mask_BT)
+            ce = hard_cross_entropy(logits_BTKX[:, :, k], shift_left(draft_BT, 1 + k), mask_BT)
         loss = loss + model.config.step_decay ** k * ce
     return loss
 
 
+def vocab_of(target, size):
+    counts_V = torch.bincount(regenerated_batch(target).input_ids_BT.flatten(), minlength=TARGET_CONFIG.vocab_size)
+    return build_draft_vocab(counts_V, size).tolist()
+
+
 @pytest.mark.parametrize("loss_target", ["soft", "argmax"])
 @pytest.mark.parametrize("lazy", [False, True], ids=["logits", "lazy"])
-def test_loss_on_learned_positions_equals_the_whole_batch_loss(loss_target, lazy):
+@pytest.mark.parametrize("vocab_size", [None, 40], ids=["full-vocab", "draft-vocab"])
+def test_loss_on_learned_positions_equals_the_whole_batch_loss(loss_target, lazy, vocab_size):
     target = tiny_target()
     torch.manual_seed(3)
-    model = MedusaModel(MedusaConfig(num_heads=3, loss_target=loss_target), target)
+    model = MedusaModel(MedusaConfig(num_heads=3, loss_target=loss_target, draft_vocab_size=vocab_size), target,
+                        vocab_of(target, vocab_size) if vocab_size else None)
     for head in model.heads:  # away from the identity start, so the heads differ
         torch.nn.init.normal_(head[0].linear.weight, std=0.3)
     batch = regenerated_batch(target, num_rows=4)
@@ -71,15 +82,61 @@ def test_loss_on_learned_positions_equals_the_whole_batch_loss(loss_target, lazy
 
         features = TargetFeatures(features.taps, argmax_BT=features.argmax_BT, logits_from=logits_from)
     loss, metrics = model.training_loss(batch, features)
-    grads = torch.autograd.grad(loss, list(model.parameters()))
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(loss, params)
     if lazy and loss_target == "soft":
         assert len(asked) == 1 and len(asked[0][0]) == int(step_mask(batch, 1).sum())  # the response rows only
     assert asked == [] or loss_target == "soft"
     expected = whole_batch_loss(model, batch, features)
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
-    for grad, expected_grad in zip(grads, torch.autograd.grad(expected, list(model.parameters()))):
+    for grad, expected_grad in zip(grads, torch.autograd.grad(expected, params)):
         torch.testing.assert_close(grad, expected_grad, rtol=1e-4, atol=1e-6)
     assert 0 <= metrics["acc_1"] <= 1
+
+
+@pytest.fixture(scope="module")
+def vocab_setup(setup):
+    """A Medusa over a 40-token draft vocabulary, trained on the argmax of the same data."""
+    target = setup["target"]
+    torch.manual_seed(2)
+    model = MedusaModel(MedusaConfig(num_heads=3, loss_target="argmax", draft_vocab_size=40), target,
+                        vocab_of(target, 40))
+    train(model, regenerated_batch(target), target)
+    return model
+
+
+def test_a_draft_vocabulary_reads_those_rows_of_the_target_head(setup):
+    target = setup["target"]
+    vocab = vocab_of(target, 40)
+    model = MedusaModel(MedusaConfig(num_heads=2, draft_vocab_size=40), target, vocab)
+    hidden_E = torch.randn(32)
+    expected_X = target.lm_head(hidden_E)[vocab]
+    torch.testing.assert_close(model.head_logits(hidden_E), torch.stack([expected_X, expected_X]))
+    assert not model.vocab_head.weight.requires_grad
+    with torch.no_grad():
+        probs_V = model.draft_probs(model.head_logits(hidden_E)[0])
+    assert probs_V.shape == (TARGET_CONFIG.vocab_size,) and float(probs_V[vocab].sum()) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="needs a draft vocabulary"):
+        MedusaModel(MedusaConfig(draft_vocab_size=40), target)
+
+
+@pytest.mark.parametrize("tree", [TreeSpec(mode="static"), TreeSpec(mode="dynamic", depth=3, top_k=3, num_nodes=8)],
+                         ids=["static", "dynamic"])
+def test_greedy_identity_with_a_draft_vocabulary(setup, vocab_setup, tree):
+    drafter = MedusaDrafter(vocab_setup, tree)
+    accepted = assert_greedy_identity(setup["target"], drafter, setup["prompts"], setup["vanilla"])
+    assert accepted > 0
+    drafter.begin([1, 2, 3], {4: torch.randn(3, 32)})
+    drafted = drafter.propose(5, [1, 2, 3, 5]).tokens_N.tolist()[1:]
+    assert drafted and set(drafted) <= set(vocab_setup.draft_vocab)  # the heads propose draft tokens only
+
+
+def test_a_draft_vocabulary_survives_a_checkpoint(setup, vocab_setup, tmp_path):
+    registry.save_drafter(vocab_setup, tmp_path / "medusa", "tiny")
+    loaded = registry.load_model(tmp_path / "medusa", setup["target"])
+    assert loaded.draft_vocab == vocab_setup.draft_vocab and loaded.config.draft_vocab_size == 40
+    hidden_E = torch.randn(32)
+    torch.testing.assert_close(loaded.head_logits(hidden_E), vocab_setup.head_logits(hidden_E))
 
 
 def test_loss_target_is_checked():
