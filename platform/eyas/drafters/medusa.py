@@ -2,8 +2,8 @@
 next one.
 
 Shape legend (docs/SHAPES.md): B batch, T tokens, K drafted positions (one head each: head k drafts depth k+1),
-E target hidden size, V target vocab, X the draft vocabulary (V without one). This file adds R, the positions (b, i) some head learns from in a training
-batch, and J, the indices whose target distribution those heads read.
+E target hidden size, V target vocab, X the draft vocabulary (V without one). This file adds R, the positions
+(b, i) some head learns from in a training batch, and J, the indices whose target distribution those heads read.
 
 Head k (0-based) at position i reads the final-normed target state h_i (tap ``num_layers``) and predicts t_{i+2+k}:
   p_k = softmax(LMHead(h + SiLU(W_k h)))   (``num_res_layers`` such residual blocks per head)
