@@ -30,7 +30,7 @@ from torch import nn
 
 from eyas.config import require
 from eyas.models.config import ModelConfig
-from eyas.models.packing import InferencePacking, frozen_head, linear
+from eyas.models.packing import InferencePacking, linear
 from eyas.models.decoder import MLP, Decoder, RMSNorm, TensorParallel, apply_rope, rope_inv_freq
 
 KV = tuple[torch.Tensor, torch.Tensor]  # (k_BHSD, v_BHSD)
@@ -121,11 +121,9 @@ class DraftLayer(nn.Module):
 
 @dataclass
 class FrozenTarget:
-    """The target's embedding and LM head, used but never trained or saved (a plain object, so nn.Module does not
-    register them as submodules)."""
+    """The target's embedding, used but never trained or saved (a plain object, so nn.Module does not register it
+    as a submodule; the LM head EAGLE-1 reads: ``eyas.drafters.vocab.FrozenReadout``)."""
     embed: nn.Embedding
-    lm_head: nn.Linear
-    norm: RMSNorm
 
 
 class EagleModel(InferencePacking, nn.Module):
@@ -143,7 +141,7 @@ class EagleModel(InferencePacking, nn.Module):
         self.config = config
         self.target_config = target.config
         self.layer_config = config.layer.model_config(target.config)
-        self.frozen = FrozenTarget(target.embed_tokens, target.lm_head, target.norm)
+        self.frozen = FrozenTarget(target.embed_tokens)
         self.layer = DraftLayer(self.layer_config, two_stream)
         self.register_buffer("inv_freq", rope_inv_freq(self.layer_config), persistent=False)
 
@@ -162,10 +160,6 @@ class EagleModel(InferencePacking, nn.Module):
 
     def embed(self, tokens_BT: torch.Tensor) -> torch.Tensor:
         return F.embedding(tokens_BT, self.frozen.embed.weight.detach()).to(self.dtype)
-
-    def target_logits(self, hidden_BTE: torch.Tensor) -> torch.Tensor:
-        """The target's frozen LM head: gradients reach the input, never the weight."""
-        return frozen_head(self.frozen.lm_head, hidden_BTE)
 
     def rope(self, positions_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs_BTd = positions_BT.to(self.inv_freq.dtype)[..., None] * self.inv_freq

@@ -41,9 +41,9 @@ from torch import nn
 from eyas.config import require
 from eyas.drafters.eagle import LOSS_TARGETS, hard_cross_entropy, masked_mean, scalar, step_mask
 from eyas.drafters.trees import EXPAND_MODES, TreeSpec, grow_tree
-from eyas.drafters.vocab import to_target_probs, vocab_maps
+from eyas.drafters.vocab import FrozenReadout
 from eyas.models.decoder import Decoder
-from eyas.models.packing import InferencePacking, frozen_head, linear
+from eyas.models.packing import InferencePacking, linear
 from eyas.decoding.builders import EAGLE_DEFAULT
 from eyas.decoding.tree import DraftTree, PartialTree
 from eyas.models.features import TargetFeatures, TrainBatch
@@ -77,7 +77,7 @@ class ResBlock(nn.Module):
         return x + F.silu(linear(self.linear, x))
 
 
-class MedusaModel(InferencePacking, nn.Module):
+class MedusaModel(FrozenReadout, InferencePacking, nn.Module):
     drafter_type = "medusa"
 
     def __init__(self, config: MedusaConfig, target: Decoder, draft_vocab: list[int] | None = None) -> None:
@@ -85,16 +85,8 @@ class MedusaModel(InferencePacking, nn.Module):
         self.config = config
         self.target_config = target.config
         self.target_taps = (target.config.num_layers,)
-        E, V = target.config.hidden_size, target.config.vocab_size
-        d2t_X, t2d_V = vocab_maps(draft_vocab, config.draft_vocab_size, V)
-        self.draft_vocab = None if draft_vocab is None else d2t_X.tolist()
-        self.register_buffer("d2t", d2t_X, persistent=False)  # draft index -> target id (saved in config.json)
-        self.register_buffer("t2d", t2d_V, persistent=False)  # target id -> draft index, -1 outside
-        self.lm_head = (target.lm_head,)  # in a tuple: shared and frozen, not registered, not saved
-        if draft_vocab is not None:  # the target's LM head rows of the draft vocabulary: frozen, saved, packed
-            self.vocab_head = nn.Linear(E, d2t_X.numel(), bias=False).requires_grad_(False)
-            with torch.no_grad():
-                self.vocab_head.weight.copy_(target.lm_head.weight[d2t_X.to(target.device)])
+        E = target.config.hidden_size
+        self.init_readout(target.lm_head, draft_vocab, config.draft_vocab_size)
         self.heads = nn.ModuleList(nn.Sequential(*(ResBlock(E) for _ in range(config.num_res_layers)))
                                    for _ in range(config.num_heads))
         self.to(device=target.device, dtype=target.dtype)
@@ -103,14 +95,7 @@ class MedusaModel(InferencePacking, nn.Module):
         """[..., E] -> [..., K, X]: the logits of the first ``num_heads`` heads (all by default) over the draft
         vocabulary (X = V without one)."""
         hidden_E = hidden_E.to(self.heads[0][0].linear.weight.dtype)  # the heads may train in float32
-        readout = self.vocab_head if self.draft_vocab is not None else self.lm_head[0]
-        return torch.stack([frozen_head(readout, head(hidden_E)) for head in self.heads[:num_heads]], dim=-2)
-
-    def draft_probs(self, logits_X: torch.Tensor) -> torch.Tensor:
-        """[..., X] -> probabilities over the target vocabulary [..., V] (0 outside the draft vocabulary)."""
-        if self.draft_vocab is None:
-            return logits_X.float().softmax(-1)
-        return to_target_probs(logits_X, self.d2t, self.target_config.vocab_size)
+        return torch.stack([self.readout(head(hidden_E)) for head in self.heads[:num_heads]], dim=-2)
 
     def training_loss(self, batch: TrainBatch, features: TargetFeatures) -> tuple[torch.Tensor, dict[str, float]]:
         K, final = self.config.num_heads, self.target_config.num_layers

@@ -158,12 +158,15 @@ def _check_target(meta: dict[str, Any], target: Decoder, where: Path) -> None:
 
 
 def load_model(path: str | Path, target: Decoder, target_dir: str | Path | None = None,
-               config_overrides: dict[str, Any] | None = None, drafter_type: str | None = None) -> torch.nn.Module:
+               config_overrides: dict[str, Any] | None = None, drafter_type: str | None = None,
+               token_counts_V: torch.Tensor | None = None) -> torch.nn.Module:
     """The drafter model saved at ``path`` (directory or a file in it), attached to ``target``, in eval mode.
     ``target_dir`` (the target's checkpoint directory, when known) adds its tokenizer to the fingerprint check.
     ``config_overrides`` replace fields of the saved config (a warm start that trains with other settings; a field
     that changes the weights' shapes fails the shape check); ``drafter_type``, when given, is the family the
-    checkpoint must hold."""
+    checkpoint must hold. A warm start that asks for a ``draft_vocab_size`` the checkpoint has no draft vocabulary
+    for builds one from ``token_counts_V`` where the family reads it through the target's frozen head (EAGLE-1,
+    Medusa: the head's rows are the target's, ``TARGET_DERIVED``, not the checkpoint's)."""
     directory, meta = read_meta(path)
     state = None
     if "format" in meta:  # SGLang / vLLM / speculators: converted to eyas's meta and tensor names
@@ -182,7 +185,11 @@ def load_model(path: str | Path, target: Decoder, target_dir: str | Path | None 
                       meta["target"])
     try:
         config = from_dict(entry.config_cls, meta["config"], prefix="config.")
-        model = entry.build_model(config, target, meta.get("draft_vocab"))
+        draft_vocab = meta.get("draft_vocab")
+        size = getattr(config, "draft_vocab_size", None)
+        if draft_vocab is None and size is not None and token_counts_V is not None:
+            draft_vocab = build_draft_vocab(token_counts_V, size).tolist()
+        model = entry.build_model(config, target, draft_vocab)
     except (ConfigError, ValueError) as err:
         raise CheckpointError(f"{directory / CONFIG_FILE}: {err}") from None
     if list(model.target_taps) != list(meta["target_taps"]):
@@ -194,6 +201,8 @@ def load_model(path: str | Path, target: Decoder, target_dir: str | Path | None 
             raise CheckpointError(f"{weights}: missing file; {RETRAIN}")
         state = load_safetensors(weights, target.device, RETRAIN)
     expected = model.state_dict()
+    derived = set(getattr(model, "TARGET_DERIVED", ())) & set(expected)  # built from the target, not trained
+    state = {**{name: expected[name] for name in derived - set(state)}, **state}
     missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
     if missing or unexpected:
         raise CheckpointError(f"{weights}: tensors do not match a {meta['drafter_type']} model with this config "

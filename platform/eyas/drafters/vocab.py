@@ -13,6 +13,8 @@ from typing import Sequence
 
 import torch
 
+from eyas.models.packing import frozen_head
+
 
 def build_draft_vocab(token_counts_V: torch.Tensor, size: int) -> torch.Tensor:
     """d2t: the ``size`` most frequent token ids (ties: lower id first), as a long tensor in ascending id order.
@@ -54,3 +56,39 @@ def to_target_probs(logits_X: torch.Tensor, d2t_X: torch.Tensor, vocab_size: int
     full = probs.new_zeros(*probs.shape[:-1], vocab_size)
     full[..., d2t_X] = probs
     return full
+
+
+class FrozenReadout:
+    """For drafters that read tokens through the target's frozen LM head (EAGLE-1, Medusa; mixed in before
+    ``nn.Module``): ``init_readout`` once in ``__init__``, then ``readout(hidden)`` gives logits over the draft
+    vocabulary and ``draft_probs`` maps them onto the target's.
+
+    Without a draft vocabulary the readout is the target's own head, shared, neither trained nor saved. With one
+    it is those X rows of it as ``vocab_head``: frozen, saved with the checkpoint (packed for inference like the
+    drafter's other linears), and listed in ``TARGET_DERIVED``, so a checkpoint saved without a draft vocabulary
+    can warm-start a drafter with one (``registry.load_model``)."""
+
+    TARGET_DERIVED = ("vocab_head.weight",)  # copied from the target at construction; a checkpoint may lack them
+
+    def init_readout(self, target_head: torch.nn.Linear, draft_vocab: Sequence[int] | None,
+                     size: int | None) -> None:
+        d2t_X, t2d_V = vocab_maps(draft_vocab, size, target_head.weight.shape[0])
+        self.draft_vocab = None if draft_vocab is None else d2t_X.tolist()
+        self.register_buffer("d2t", d2t_X, persistent=False)  # draft index -> target id (saved in config.json)
+        self.register_buffer("t2d", t2d_V, persistent=False)  # target id -> draft index, -1 outside
+        self.target_head = (target_head,)  # in a tuple: shared and frozen, not registered, not saved
+        if draft_vocab is not None:
+            self.vocab_head = torch.nn.Linear(target_head.in_features, d2t_X.numel(), bias=False)
+            self.vocab_head.requires_grad_(False)
+            with torch.no_grad():
+                self.vocab_head.weight.copy_(target_head.weight[d2t_X.to(target_head.weight.device)])
+
+    def readout(self, hidden_E: torch.Tensor) -> torch.Tensor:
+        """[..., E] -> [..., X]: gradients reach the input, never the weight."""
+        return frozen_head(self.vocab_head if self.draft_vocab is not None else self.target_head[0], hidden_E)
+
+    def draft_probs(self, logits_X: torch.Tensor) -> torch.Tensor:
+        """[..., X] -> probabilities over the target vocabulary [..., V] (0 outside the draft vocabulary)."""
+        if self.draft_vocab is None:
+            return logits_X.float().softmax(-1)
+        return to_target_probs(logits_X, self.d2t, self.target_head[0].weight.shape[0])

@@ -35,15 +35,16 @@ DEEPSPEED_DIR, DEEPSPEED_TAG = "deepspeed", "state"
 
 
 def build_drafter(cfg: TrainConfig, target, rows) -> nn.Module:
-    """A fresh drafter from the registry; a reduced draft vocabulary (EAGLE-3 ``draft_vocab_size``) is the most
-    frequent prediction targets of the training data ``rows``. With ``drafter.init_from``, that checkpoint's
-    drafter instead (its weights and draft vocabulary, ``drafter.config`` over its config), in training mode."""
+    """A fresh drafter from the registry; a reduced draft vocabulary (``draft_vocab_size``) is the most frequent
+    prediction targets of the training data ``rows``. With ``drafter.init_from``, that checkpoint's drafter instead
+    (its weights and draft vocabulary, ``drafter.config`` over its config; an EAGLE-1 or Medusa checkpoint without
+    a draft vocabulary takes the data's when the config asks for one), in training mode."""
     options = dict(cfg.drafter.config)
+    counts_V = token_counts(rows, target.config.vocab_size) if options.get("draft_vocab_size") else None
     if cfg.drafter.init_from:
         model = registry.load_model(drafter_path(cfg.drafter.init_from), target, config_overrides=options,
-                                    drafter_type=cfg.drafter.type)
+                                    drafter_type=cfg.drafter.type, token_counts_V=counts_V)
         return model.train()
-    counts_V = token_counts(rows, target.config.vocab_size) if options.get("draft_vocab_size") else None
     return registry.build_model(cfg.drafter.type, options, target, token_counts_V=counts_V)
 
 
