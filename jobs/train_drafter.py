@@ -71,6 +71,10 @@ def check_inputs(cfg: TrainConfig) -> tuple[Path, Path]:
     if not any((data_dir / "train").glob("shard-*.parquet")):
         raise FileNotFoundError(f"data={cfg.data!r}: {data_dir}/train holds no shards; build them with "
                                 "`python -m jobs.generate_data --config jobs/configs/data-tiny.yaml`")
+    for name in cfg.drafter.vocab_data:
+        if not any((data_path(name) / "train").glob("shard-*.parquet")):
+            raise FileNotFoundError(f"drafter.vocab_data {name!r}: {data_path(name)}/train holds no shards; build "
+                                    "them with `python -m jobs.generate_data`")
     family = registry.family(cfg.drafter.type)  # unknown types and bad fields fail here, before Ray starts
     if not cfg.drafter.init_from:  # a warm start's config is its checkpoint's, overridden: local_init checks it
         from_dict(family.config_cls, dict(cfg.drafter.config), prefix="drafter.config.")

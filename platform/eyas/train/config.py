@@ -106,6 +106,10 @@ class DrafterSection:
     # warm start: a checkpoint of this family to train on from (a name under $EYAS_HOME/drafters, a path,
     # models:/NAME@ALIAS, or an SGLang / vLLM / speculators directory); `config` then overrides its fields
     init_from: str | None = None
+    # a draft vocabulary (`config.draft_vocab_size`) is the most frequent prediction targets of the training data
+    # and of these data sets (names under $EYAS_HOME/data or paths), every set weighted equally: a drafter trained
+    # on chat can still propose the code tokens HumanEval asks for
+    vocab_data: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         require(bool(self.type), "drafter.type", self.type, "must name a drafter family (eagle1, eagle3, ...)")

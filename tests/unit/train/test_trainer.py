@@ -99,3 +99,37 @@ def test_a_warm_start_trains_on_from_a_saved_drafter(data_dir, tmp_path, monkeyp
         local_init(replace(cfg, drafter=replace(cfg.drafter, type="medusa", init_from="first")))
     with pytest.raises(ConfigError, match=r"unknown key\(s\) \['drafter.config.ttt_step'\]"):
         local_init(replace(cfg, drafter=replace(cfg.drafter, init_from="first", config={"ttt_step": 2})))
+
+
+def test_vocab_data_joins_the_training_data_in_choosing_the_draft_vocabulary(data_dir, tmp_path):
+    """``drafter.vocab_data``: a draft vocabulary from the training data's prediction targets and another set's,
+    each set weighted equally, so tokens only the other set uses make it in."""
+    from dataclasses import replace
+
+    from eyas.train.data import response_row, shard_path, write_shard
+
+    code_dir = tmp_path / "code"
+    code_tokens = [VOCAB - 1, VOCAB - 2]  # what the training data's random tokens rarely hold
+    write_shard(shard_path(code_dir, "train", 0), [response_row([5], code_tokens * 40)])
+    cfg = config("eagle3", Path("unused-target"), data_dir)
+    cfg = replace(cfg, drafter=replace(cfg.drafter, config={**cfg.drafter.config, "draft_vocab_size": 8}))
+    target, data = build_target(), SequenceDataset(data_dir, "train", cfg.train.max_len)
+    alone = Trainer(cfg, target, data).drafter.draft_vocab
+    joined = Trainer(replace(cfg, drafter=replace(cfg.drafter, vocab_data=(str(code_dir),))), target, data)
+    assert len(joined.drafter.draft_vocab) == 8 and not set(code_tokens) <= set(alone)
+    assert set(code_tokens) <= set(joined.drafter.draft_vocab)
+
+
+def test_a_missing_vocab_data_set_fails_before_ray_starts(data_dir, tmp_path, monkeypatch):
+    from dataclasses import replace
+
+    from jobs.train_drafter import check_inputs
+
+    monkeypatch.setenv("EYAS_HOME", str(tmp_path))
+    target_dir = tmp_path / "targets" / "t"
+    target_dir.mkdir(parents=True)
+    (target_dir / "config.json").write_text("{}")
+    cfg = config("eagle3", target_dir, data_dir)
+    assert check_inputs(cfg) == (target_dir, data_dir)
+    with pytest.raises(FileNotFoundError, match="drafter.vocab_data 'data-code': .*data-code/train holds no shards"):
+        check_inputs(replace(cfg, drafter=replace(cfg.drafter, vocab_data=("data-code",))))
