@@ -1,8 +1,9 @@
 """DFlash (arXiv 2602.06036): a block-diffusion drafter that drafts a whole block in ONE forward.
 
 Shape legend (docs/SHAPES.md): B batch, T tokens, K drafted block slots (G - 1), S attended keys, C committed
-context positions, E hidden size (the target's), H heads, D head dim, V vocab; this file adds A anchors (blocks) per
-sequence, G block size (the root + K slots), Q block tokens (A*G), F fused tap width (num_taps * E).
+context positions, E hidden size (the target's), H heads, D head dim, V vocab, X the draft vocabulary (V without
+one); this file adds A anchors (blocks) per sequence, G block size (the root + K slots), Q block tokens (A*G), F
+fused tap width (num_taps * E).
 
 Architecture (papers.md, DFlash):
   context_CE = RMSNorm(Linear(concat(target taps))): num_taps target layers, evenly spaced from the 2nd to the
@@ -11,7 +12,10 @@ Architecture (papers.md, DFlash):
   every layer: queries from the block only; keys/values = [k_proj(context) ; k_proj(block)] (the same projections,
                RoPE at each key's own position), the block attends to itself bidirectionally.
   logits     = the TARGET's frozen LM head on the final-normed block states; slot k predicts the token at a+k.
-The target's embedding and LM head are shared, never trained and never saved.
+The target's embedding and LM head are shared, never trained and never saved. Choice (not in the paper):
+``draft_vocab_size`` reads the block through the LM-head rows of the training data's most frequent tokens only
+(``eyas.drafters.vocab.FrozenReadout``, as EAGLE-1 and Medusa may): on a small target the head is most of the cost
+of a training step's A*(G-1) slots and of a drafted block, so a step affords more anchors for the same time.
 
 Context timing: the root (slot 0) at position L is the last emitted token, which the target has not run yet, so
 the context is exactly the committed positions 0..L-1. Training mirrors that: a block anchored at position a sees
@@ -38,9 +42,10 @@ from torch import nn
 from eyas.config import require
 from eyas.drafters.dflash_train import block_loss
 from eyas.drafters.trees import BLOCK_MODES, TreeSpec
+from eyas.drafters.vocab import FrozenReadout
 from eyas.models.cache import KVCache
 from eyas.models.config import ModelConfig
-from eyas.models.packing import InferencePacking, frozen_head, linear
+from eyas.models.packing import InferencePacking, linear
 from eyas.models.decoder import MLP, Decoder, RMSNorm, TensorParallel, apply_rope, rope_inv_freq
 from eyas.decoding.builders import build_best_first_block
 from eyas.decoding.tree import DraftTree, chain
@@ -61,6 +66,7 @@ class DFlashConfig:
     loss_decay: float = 7.0      # gamma in w_k = exp(-(k-1)/gamma); see PAPER_LOSS_DECAY
     num_anchors: int = 512       # blocks per training sequence, redrawn at every call
     mask_token_id: int | None = None  # the tokenizer's <|mask|> id; None = a learned mask embedding (module doc)
+    draft_vocab_size: int | None = None  # read the block through the most frequent tokens' LM-head rows; None = all V
 
     def __post_init__(self) -> None:
         require(self.num_layers >= 1, "dflash.num_layers", self.num_layers, "must be >= 1")
@@ -69,6 +75,8 @@ class DFlashConfig:
         require(self.num_taps >= 1, "dflash.num_taps", self.num_taps, "must be >= 1")
         require(self.loss_decay > 0, "dflash.loss_decay", self.loss_decay, "must be > 0")
         require(self.num_anchors >= 1, "dflash.num_anchors", self.num_anchors, "must be >= 1")
+        require(self.draft_vocab_size is None or self.draft_vocab_size >= 1, "dflash.draft_vocab_size",
+                self.draft_vocab_size, "must be >= 1 (or null: the full vocabulary)")
         require(self.mask_token_id is None or self.mask_token_id >= 0, "dflash.mask_token_id", self.mask_token_id,
                 "must be a token id >= 0, or null for a learned mask embedding")
 
@@ -156,18 +164,15 @@ class DFlashLayer(nn.Module):
         return x_BQE + self.mlp(self.post_attention_layernorm(x_BQE))
 
 
-class DFlashModel(InferencePacking, nn.Module):
+class DFlashModel(FrozenReadout, InferencePacking, nn.Module):
     """The trainable DFlash drafter. The target's ``embed_tokens`` / ``lm_head`` are held outside the module's
-    parameters (not trained, not in ``state_dict``, so not in checkpoints)."""
+    parameters (not trained, not in ``state_dict``, so not in checkpoints; a draft vocabulary's rows of the head are
+    saved, ``FrozenReadout``)."""
 
     drafter_type = DRAFTER_TYPE
-    draft_vocab = None  # DFlash reads tokens through the target's own LM head
 
     def __init__(self, config: DFlashConfig, target: Decoder, draft_vocab: list[int] | None = None) -> None:
         super().__init__()
-        if draft_vocab is not None:
-            raise ValueError("DFlash reads tokens through the target's LM head: it has no draft vocabulary "
-                             "(draft_vocab must be null)")
         target_config = target.config
         if config.mask_token_id is not None and config.mask_token_id >= target_config.vocab_size:
             raise ValueError(f"dflash.mask_token_id={config.mask_token_id} is outside the target vocabulary "
@@ -182,9 +187,9 @@ class DFlashModel(InferencePacking, nn.Module):
         self.norm = RMSNorm(E, target_config.rms_norm_eps)
         if config.mask_token_id is None:
             self.mask_embedding = nn.Parameter(target.embed_tokens.weight.detach().float().std() * torch.randn(E))
-        # object.__setattr__ keeps the shared target modules out of parameters(), state_dict() and .to().
+        # object.__setattr__ keeps the shared target embedding out of parameters(), state_dict() and .to().
         object.__setattr__(self, "embed_tokens", target.embed_tokens)
-        object.__setattr__(self, "lm_head", target.lm_head)
+        self.init_readout(target.lm_head, draft_vocab, config.draft_vocab_size)
         self.to(device=target.device, dtype=target.dtype)
         # float32 RoPE frequencies whatever the weights' dtype (like the target's)
         self.register_buffer("inv_freq", rope_inv_freq(target_config).to(target.device), persistent=False)
@@ -231,8 +236,9 @@ class DFlashModel(InferencePacking, nn.Module):
         return self.norm(x_BQE)
 
     def logits(self, hidden_E: torch.Tensor) -> torch.Tensor:
-        """The target's frozen LM head (gradients reach the drafter states, never the head)."""
-        return frozen_head(self.lm_head, hidden_E)
+        """[..., X]: the target's frozen LM head, or its draft-vocabulary rows (gradients reach the drafter states,
+        never the head)."""
+        return self.readout(hidden_E)
 
     def forward(self, batch, features, generator: torch.Generator | None = None):
         """Training: ``(loss, metrics)`` of one batch (dflash_train.block_loss). Anchors are redrawn on every call
@@ -304,7 +310,7 @@ class DFlashDrafter:
 
     @torch.inference_mode()
     def draft_logits(self, root_token: int) -> torch.Tensor:
-        """[K, V]: the logits of block positions 1..K (K = ``self.depth`` <= G-1) after the committed context. The
+        """[K, X]: the logits (over the draft vocabulary, X = V without one) of block positions 1..K (K = ``self.depth`` <= G-1) after the committed context. The
         whole block still runs through the drafter layers (its positions attend to each other)."""
         G, start = self.model.block_size, self.context.lengths[0]
         x_1GE = self.model.embed_block(torch.tensor([root_token], device=self.device))
@@ -318,14 +324,14 @@ class DFlashDrafter:
             raise RuntimeError(f"DFlash holds features of {self.context.lengths[0]} committed positions but the "
                                f"context has {len(context_ids) - 1} before the root: call begin() and commit() "
                                "every cycle")
-        logits_KV = self.draft_logits(root_token)
-        probs_KV = torch.softmax(logits_KV / (temperature if temperature > 0 else 1.0), dim=-1)
+        logits_KX = self.draft_logits(root_token)
+        probs_KV = self.model.draft_probs(logits_KX / (temperature if temperature > 0 else 1.0))
         if self.tree.mode == "ddtree":
             return build_best_first_block(root_token, probs_KV, self.tree.num_nodes, self.tree.top_k)
         if temperature > 0:
             tokens = torch.multinomial(probs_KV, 1, generator=generator)[:, 0].tolist()
             return chain(root_token, tokens, probs_KV, sampled=True)
-        return chain(root_token, argmax_rows(logits_KV).tolist(), probs_KV)
+        return chain(root_token, self.model.d2t[argmax_rows(logits_KX)].tolist(), probs_KV)
 
 
 def make_dflash_drafter(model: DFlashModel, target: Decoder, tree: TreeSpec, name: str) -> DFlashDrafter:

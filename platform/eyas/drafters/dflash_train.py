@@ -1,8 +1,9 @@
 """DFlash training: random anchors, the anchor/block attention mask, and the decayed block loss with its metrics.
 
 Shape legend (docs/SHAPES.md): B batch, T tokens, K drafted (predicting) block slots 1..G-1, S = T + Q attended
-keys (context positions, then block tokens), E hidden size, V vocab; this file adds A anchors (blocks) per
-sequence, G block size (the anchor + K slots), Q = A*G block tokens, R = A*K predicting slots flattened.
+keys (context positions, then block tokens), E hidden size, V vocab, X the draft vocabulary (V without one); this
+file adds A anchors (blocks) per sequence, G block size (the anchor + K slots), Q = A*G block tokens, R = A*K
+predicting slots flattened.
 
 All blocks of a batch run in ONE drafter forward. The queries are the Q block tokens; the keys are the T context
 positions (fused target features) followed by the Q block tokens. Worked example, T = 6, G = 3, anchors [1, 4]:
@@ -74,34 +75,37 @@ def block_loss(model, batch: TrainBatch, features: TargetFeatures, generator: to
     w_k and masked by the loss mask / validity, averaged over the weights. Metrics: loss, ce (unweighted),
     acc_1..acc_{G-1} (per-position top-1 on the batch), accept_len = sum_k prod_{i<=k} acc_i, num_blocks.
 
-    Cost note: logits are materialised for all A*(G-1) block slots ([B, A, G-1, V]); lower num_anchors for large
-    vocabularies.
+    Cost note: logits are materialised for all A*(G-1) block slots ([B, A, G-1, X]); lower num_anchors for large
+    vocabularies, or give the drafter a draft vocabulary.
     """
     input_ids_BT = batch.input_ids_BT
     B, T = input_ids_BT.shape
     G = model.block_size
     anchors_BA, anchor_valid_BA = draw_anchors(batch.loss_mask_BT, batch.valid_BT, model.config.num_anchors,
                                                generator)
-    logits_BAKV = block_logits(model, input_ids_BT, batch.valid_BT, features.taps, anchors_BA).float()
+    logits_BAKX = block_logits(model, input_ids_BT, batch.valid_BT, features.taps, anchors_BA).float()
 
     positions_BAG = anchors_BA[..., None] + torch.arange(G, device=input_ids_BT.device)
     label_pos_BAK = positions_BAG[..., 1:]
     in_range_BAK = label_pos_BAK < T
     flat_pos_BR = label_pos_BAK.clamp(max=T - 1).reshape(B, -1)
-    labels_BAK = input_ids_BT.gather(1, flat_pos_BR).view_as(label_pos_BAK)
+    labels_BAK = model.t2d[input_ids_BT.gather(1, flat_pos_BR).view_as(label_pos_BAK)]  # -1: outside the vocab
     learnable_BT = batch.loss_mask_BT.bool() & batch.valid_BT.bool()
     mask_BAK = in_range_BAK & anchor_valid_BA[..., None] & learnable_BT.gather(1, flat_pos_BR).view_as(in_range_BAK)
+    in_vocab_BAK = mask_BAK & (labels_BAK >= 0)  # learned; outside the draft vocabulary: a miss in the metrics
 
-    ce_BAK = F.cross_entropy(logits_BAKV.flatten(0, 2), labels_BAK.flatten(), reduction="none").view_as(mask_BAK)
-    weight_BAK = position_weights(G, model.config.loss_decay).to(ce_BAK.device) * mask_BAK
+    ce_BAK = F.cross_entropy(logits_BAKX.flatten(0, 2), labels_BAK.clamp(min=0).flatten(),
+                             reduction="none").view_as(mask_BAK)
+    weight_BAK = position_weights(G, model.config.loss_decay).to(ce_BAK.device) * in_vocab_BAK
     loss = (ce_BAK * weight_BAK).sum() / weight_BAK.sum().clamp(min=1e-6)
-    return loss, block_metrics(logits_BAKV.detach(), labels_BAK, mask_BAK, ce_BAK.detach(), loss.detach(),
-                                     anchor_valid_BA)
+    return loss, block_metrics(logits_BAKX.detach(), labels_BAK, mask_BAK, ce_BAK.detach() * in_vocab_BAK,
+                               loss.detach(), anchor_valid_BA, in_vocab_BAK)
 
 
 def block_logits(model, input_ids_BT: torch.Tensor, valid_BT: torch.Tensor, taps: dict[int, torch.Tensor],
                  anchors_BA: torch.Tensor) -> torch.Tensor:
-    """logits_BAKV of block slots k = 1..G-1 for every anchor, all blocks in one forward (anchor_block_mask)."""
+    """logits_BAKX of block slots k = 1..G-1 for every anchor (over the draft vocabulary: X = V without one), all
+    blocks in one forward (anchor_block_mask)."""
     B, T = input_ids_BT.shape
     A, G, E = anchors_BA.shape[1], model.block_size, model.target_config.hidden_size
     positions_BQ = (anchors_BA[..., None] + torch.arange(G, device=input_ids_BT.device)).reshape(B, A * G)
@@ -113,12 +117,16 @@ def block_logits(model, input_ids_BT: torch.Tensor, valid_BT: torch.Tensor, taps
 
 
 @torch.no_grad()
-def block_metrics(logits_BAKV: torch.Tensor, labels_BAK: torch.Tensor, mask_BAK: torch.Tensor, ce_BAK: torch.Tensor,
-                  loss: torch.Tensor, anchor_valid_BA: torch.Tensor) -> dict[str, float]:
-    correct_BAK = (logits_BAKV.argmax(-1) == labels_BAK) & mask_BAK
+def block_metrics(logits_BAKX: torch.Tensor, labels_BAK: torch.Tensor, mask_BAK: torch.Tensor, ce_BAK: torch.Tensor,
+                  loss: torch.Tensor, anchor_valid_BA: torch.Tensor, ce_mask_BAK: torch.Tensor | None = None
+                  ) -> dict[str, float]:
+    """acc_k over every learned slot (labels outside a draft vocabulary, -1, are misses); ce over ``ce_mask_BAK``
+    (default: the learned slots)."""
+    ce_mask_BAK = mask_BAK if ce_mask_BAK is None else ce_mask_BAK
+    correct_BAK = (logits_BAKX.argmax(-1) == labels_BAK) & mask_BAK
     count_k = mask_BAK.sum((0, 1))
     acc_k = (correct_BAK.sum((0, 1)) / count_k.clamp(min=1)).tolist()
-    metrics = {"loss": float(loss), "ce": float((ce_BAK * mask_BAK).sum() / mask_BAK.sum().clamp(min=1)),
+    metrics = {"loss": float(loss), "ce": float((ce_BAK * ce_mask_BAK).sum() / ce_mask_BAK.sum().clamp(min=1)),
                "num_blocks": int(anchor_valid_BA.sum())}
     metrics.update({f"acc_{k}": acc for k, acc in enumerate(acc_k, start=1)})
     metrics["accept_len"] = sum(math.prod(acc_k[:k]) for k in range(1, len(acc_k) + 1))

@@ -87,7 +87,7 @@ def dflash_config(model, target_ref: str) -> dict[str, Any]:
 def dflash_weights(model) -> dict[str, torch.Tensor]:
     state = dflash.export_weights(model)
     state["embed_tokens.weight"] = model.embed_tokens.weight.detach().float().contiguous().cpu()
-    state["lm_head.weight"] = model.lm_head.weight.detach().float().contiguous().cpu()
+    state["lm_head.weight"] = model.target_head[0].weight.detach().float().contiguous().cpu()
     return state
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -306,3 +307,66 @@ def test_save_load_roundtrip(tmp_path, target, mask_token_id):
     (directory / "model.safetensors").unlink()
     with pytest.raises(CheckpointError, match="model.safetensors"):
         load_model(directory, target)
+
+
+# ---- a draft vocabulary
+
+
+@pytest.fixture(scope="module")
+def vocab_trained(target) -> DFlashModel:
+    """DFlash over a 40-token draft vocabulary (of 64): the tokens the training batch predicts most."""
+    from eyas.drafters.vocab import build_draft_vocab
+
+    batch = regenerated_batch(target)
+    counts_V = torch.bincount(batch.input_ids_BT[batch.loss_mask_BT.bool()], minlength=VOCAB)
+    torch.manual_seed(1)
+    model = DFlashModel(replace(TINY, draft_vocab_size=40), target, build_draft_vocab(counts_V, 40).tolist())
+    train(model, target, batch, steps=30)
+    return model.requires_grad_(False)
+
+
+def test_a_draft_vocabulary_reads_those_rows_and_counts_outside_tokens_as_misses(target, vocab_trained):
+    model = vocab_trained
+    hidden_E = torch.randn(32)
+    torch.testing.assert_close(model.logits(hidden_E), target.lm_head(hidden_E)[model.draft_vocab])
+    batch = regenerated_batch(target)
+    features = target_features(target, batch.input_ids_BT, model.target_taps)
+    _, metrics = model.training_loss(batch, features, torch.Generator().manual_seed(0))
+    assert metrics["acc_1"] > 0 and metrics["loss"] > 0
+    outside = torch.tensor([t for t in range(VOCAB) if t not in model.draft_vocab])
+    response_BT = batch.loss_mask_BT.bool()
+    batch.input_ids_BT[response_BT] = outside[torch.arange(int(response_BT.sum())) % len(outside)]
+    loss, metrics = model.training_loss(batch, features, torch.Generator().manual_seed(0))
+    # every label lies outside: no slot learns one, and every slot misses
+    assert float(loss) == 0.0 and metrics["num_blocks"] > 0
+    assert all(metrics[f"acc_{k}"] == 0.0 for k in range(1, model.block_size))
+    with pytest.raises(ValueError, match="needs a draft vocabulary"):
+        DFlashModel(replace(TINY, draft_vocab_size=40), target)
+
+
+@pytest.mark.parametrize("tree, depth", [("block", None), ("ddtree", None)])
+def test_greedy_identity_with_a_draft_vocabulary(target, vocab_trained, vanilla_runs, tree, depth):
+    accepted = 0
+    for prompt, expected in vanilla_runs:
+        drafter = DFlashDrafter(vocab_trained, block_tree(tree, depth, num_nodes=12, top_k=3))
+        spec = generate(target, prompt, 40, drafter=drafter)
+        assert spec.token_ids == expected
+        accepted += sum(spec.stats.accepted_per_cycle)
+    assert accepted > 0
+    drafter = DFlashDrafter(vocab_trained)
+    drafter.begin([1, 2], {t: torch.zeros(2, 32) for t in vocab_trained.target_taps})
+    assert set(drafter.propose(5, [1, 2, 5], 0.0, None).tokens_N.tolist()[1:]) <= set(vocab_trained.draft_vocab)
+    sampled = drafter.propose(5, [1, 2, 5], 0.8, torch.Generator().manual_seed(0))
+    outside = [t for t in range(VOCAB) if t not in vocab_trained.draft_vocab]
+    assert float(sampled.draft_probs_NV[:, outside].abs().sum()) == 0.0  # q is 0 where it can never draft
+
+
+def test_a_draft_vocabulary_survives_a_checkpoint_and_is_not_exported(tmp_path, target, vocab_trained):
+    from eyas.interop import dflash as dflash_interop
+
+    loaded = load_model(save_drafter(vocab_trained, tmp_path / "ckpt", "tiny-target"), target)
+    assert loaded.draft_vocab == vocab_trained.draft_vocab
+    hidden_E = torch.randn(32)
+    torch.testing.assert_close(loaded.logits(hidden_E), vocab_trained.logits(hidden_E))
+    with pytest.raises(CheckpointError, match="draft vocabulary"):
+        dflash_interop.check_exportable(vocab_trained)
