@@ -310,8 +310,9 @@ class DFlashDrafter:
 
     @torch.inference_mode()
     def draft_logits(self, root_token: int) -> torch.Tensor:
-        """[K, X]: the logits (over the draft vocabulary, X = V without one) of block positions 1..K (K = ``self.depth`` <= G-1) after the committed context. The
-        whole block still runs through the drafter layers (its positions attend to each other)."""
+        """[K, X]: the logits (over the draft vocabulary, X = V without one) of block positions 1..K (K =
+        ``self.depth`` <= G-1) after the committed context. The whole block still runs through the drafter layers
+        (its positions attend to each other)."""
         G, start = self.model.block_size, self.context.lengths[0]
         x_1GE = self.model.embed_block(torch.tensor([root_token], device=self.device))
         positions_1G = torch.arange(start, start + G, device=self.device)[None]
