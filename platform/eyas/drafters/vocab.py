@@ -1,6 +1,6 @@
 """A reduced draft vocabulary: the X most frequent target tokens of the training data, read through X rows of an LM
-head instead of all V (EAGLE-3's draft vocabulary; Medusa's heads may use one too). A drafter that has one proposes
-only those tokens; verification is unchanged, so output stays lossless.
+head instead of all V (EAGLE-3's draft vocabulary; EAGLE-1, Medusa and DFlash may have one too). A drafter that has
+one proposes only those tokens; verification is unchanged, so output stays lossless.
 
 Shape legend (docs/SHAPES.md): V the target vocabulary, X the draft vocabulary.
 
@@ -59,7 +59,7 @@ def to_target_probs(logits_X: torch.Tensor, d2t_X: torch.Tensor, vocab_size: int
 
 
 class FrozenReadout:
-    """For drafters that read tokens through the target's frozen LM head (EAGLE-1, Medusa; mixed in before
+    """For drafters that read tokens through the target's frozen LM head (EAGLE-1, Medusa, DFlash; mixed in before
     ``nn.Module``): ``init_readout`` once in ``__init__``, then ``readout(hidden)`` gives logits over the draft
     vocabulary and ``draft_probs`` maps them onto the target's.
 
