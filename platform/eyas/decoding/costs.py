@@ -254,8 +254,8 @@ def _sync(device: torch.device) -> None:
 def forward_costs(target: Decoder, context_len: int, sizes: Sequence[int] = CURVE_SIZES, repeats: int = 5,
                   seed: int = 0) -> dict[int, Timing]:
     """t(N): seconds of one target forward over N new tokens after ``context_len`` cached tokens, for each N in
-    ``sizes``, ``repeats`` samples each (sizes interleaved, so a burst of load hits them alike; one warm-up
-    round first). The N tokens form a chain with its tree mask, as verification runs them (N = 1: a plain decode
+    ``sizes``, ``repeats`` samples each (sizes interleaved in a new seeded order every round, so a burst of load
+    hits them alike and no size always follows the largest one's pass over memory; one warm-up round first). The N tokens form a chain with its tree mask, as verification runs them (N = 1: a plain decode
     step); the cache is rolled back to the context after every forward."""
     if context_len < 1 or repeats < 1 or not sizes or min(sizes) < 1:
         raise ValueError(f"forward_costs: need context_len >= 1, repeats >= 1 and sizes >= 1, got {context_len}, "
@@ -271,7 +271,8 @@ def forward_costs(target: Decoder, context_len: int, sizes: Sequence[int] = CURV
     target(context_1T, torch.arange(context_len, device=device)[None], cache, logits_slice=slice(-1, None))
     samples: dict[int, list[float]] = {n: [] for n in sizes}
     for round_ in range(repeats + 1):  # round 0 warms up
-        for n in sizes:
+        for i in torch.randperm(len(sizes), generator=generator).tolist():
+            n = sizes[i]
             tokens = torch.randint(vocab, (n,), generator=generator).tolist()
             plan = [(tokens, list(range(-1, n - 1)))]
             tokens_1T, positions_1T, mask_1TT = pack_trees(plan, [context_len], device)

@@ -185,6 +185,21 @@ def test_measurements_on_a_tiny_target(target):
         costs.forward_costs(target, context_len=100, sizes=(64,))
 
 
+def test_sizes_are_timed_in_a_new_order_every_round(target, monkeypatch):
+    """No size always runs right after the largest one (whose pass over memory would colour the next sample)."""
+    order, forward = [], target.forward
+
+    def recording_forward(tokens_1T, *args, **kwargs):
+        order.append(tokens_1T.shape[1])
+        return forward(tokens_1T, *args, **kwargs)
+
+    monkeypatch.setattr(target, "forward", recording_forward)
+    sizes = (1, 2, 4, 8)
+    costs.forward_costs(target, context_len=8, sizes=sizes, repeats=5)
+    rounds = [order[1 + i:1 + i + len(sizes)] for i in range(0, 6 * len(sizes), len(sizes))]  # after the context
+    assert all(sorted(r) == list(sizes) for r in rounds) and len({tuple(r) for r in rounds}) > 1
+
+
 class FakeClock:
     def __init__(self) -> None:
         self.now = 0.0
