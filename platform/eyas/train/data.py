@@ -309,3 +309,12 @@ def token_counts(rows: Sequence[dict[str, list[int]]], vocab_size: int) -> torch
     vocabulary (EAGLE-3 ``draft_vocab_size``)."""
     ids = [t for row in rows for t, m in zip(row["prompt_ids"] + row["response_ids"], row["loss_mask"]) if m]
     return torch.bincount(torch.tensor(ids, dtype=torch.long), minlength=vocab_size)[:vocab_size]
+
+
+def vocab_counts(row_sets: Sequence[Sequence[dict[str, list[int]]]], vocab_size: int) -> torch.Tensor:
+    """What chooses a draft vocabulary: ``token_counts`` of one set of rows; of several (the training data and
+    ``drafter.vocab_data``'s), the sum of every set's frequencies, each set normalised to 1."""
+    counts = [token_counts(rows, vocab_size) for rows in row_sets]
+    if len(counts) == 1:
+        return counts[0]
+    return sum(c.double() / max(1, int(c.sum())) for c in counts)

@@ -25,7 +25,7 @@ from eyas.decoding.stats import SpecStats
 from eyas.drafters import registry
 from eyas.models.features import TargetFeatures, TrainBatch
 from eyas.train.config import OptimConfig, TrainConfig, data_path, drafter_path
-from eyas.train.data import read_rows, token_counts
+from eyas.train.data import read_rows, vocab_counts
 
 ACC_KEY = re.compile(r"^acc_(\d+)$")
 TRAINER_STATE = "trainer.pt"   # optimizer + scheduler (DDP / single process)
@@ -35,28 +35,17 @@ DEEPSPEED_DIR, DEEPSPEED_TAG = "deepspeed", "state"
 
 
 def build_drafter(cfg: TrainConfig, target, rows) -> nn.Module:
-    """A fresh drafter from the registry; a reduced draft vocabulary (``draft_vocab_size``) is the most frequent
-    prediction targets of the training data ``rows``. With ``drafter.init_from``, that checkpoint's drafter instead
-    (its weights and draft vocabulary, ``drafter.config`` over its config; an EAGLE-1 or Medusa checkpoint without
-    a draft vocabulary takes the data's when the config asks for one), in training mode."""
+    """A fresh drafter from the registry (a draft vocabulary: the most frequent prediction targets of ``rows`` and
+    of ``drafter.vocab_data``), or with ``drafter.init_from`` that checkpoint's (its weights and draft vocabulary, or
+    the data's where it has none and asks for one; ``drafter.config`` over its config), in training mode."""
     options = dict(cfg.drafter.config)
-    counts_V = vocab_counts(cfg, rows, target.config.vocab_size) if options.get("draft_vocab_size") else None
+    sets = [rows, *(read_rows(data_path(name), "train") for name in cfg.drafter.vocab_data)]
+    counts_V = vocab_counts(sets, target.config.vocab_size) if options.get("draft_vocab_size") else None
     if cfg.drafter.init_from:
         model = registry.load_model(drafter_path(cfg.drafter.init_from), target, config_overrides=options,
                                     drafter_type=cfg.drafter.type, token_counts_V=counts_V)
         return model.train()
     return registry.build_model(cfg.drafter.type, options, target, token_counts_V=counts_V)
-
-
-def vocab_counts(cfg: TrainConfig, rows, vocab_size: int) -> torch.Tensor:
-    """What chooses a draft vocabulary: how often each token is a prediction target in the training ``rows``, and
-    with ``drafter.vocab_data`` the sum of every set's frequencies (each set normalised to 1)."""
-    counts_V = token_counts(rows, vocab_size)
-    if not cfg.drafter.vocab_data:
-        return counts_V
-    sets = [counts_V, *(token_counts(read_rows(data_path(name), "train"), vocab_size)
-                        for name in cfg.drafter.vocab_data)]
-    return sum(c.double() / max(1, int(c.sum())) for c in sets)
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:
