@@ -112,6 +112,33 @@ def test_target_embedding_and_head_are_not_parameters(target):
     assert all(p is not target.embed_tokens.weight and p is not target.lm_head.weight for p in model.parameters())
 
 
+def test_init_from_target_copies_the_last_layers_and_passes_the_last_tap(target):
+    model = DFlashModel(replace(TINY, init_from_target=True), target)
+    copied = target.layers[len(target.layers) - TINY.num_layers:]
+    for layer, source in zip(model.layers, copied):
+        theirs = source.state_dict()
+        assert set(layer.state_dict()) == set(theirs)
+        assert all(torch.equal(w, theirs[name]) for name, w in layer.state_dict().items())
+        assert all(p.requires_grad for p in layer.parameters())  # copies that train, not the target's frozen ones
+    taps = {t: torch.randn(5, 32) for t in model.target_taps}
+    assert torch.allclose(model.fuse(taps), copied[0].input_layernorm(taps[model.target_taps[-1]]), atol=1e-6)
+    assert not torch.equal(DFlashModel(TINY, target).layers[0].mlp.up_proj.weight, copied[0].mlp.up_proj.weight)
+
+
+def test_init_from_target_trains_and_stays_lossless(target, vanilla_runs):
+    torch.manual_seed(1)
+    model = DFlashModel(replace(TINY, init_from_target=True), target)
+    losses = train(model, target, regenerated_batch(target), steps=10)
+    assert losses[-1] < losses[0]
+    for prompt, expected in vanilla_runs[:5]:
+        assert generate(target, prompt, 40, drafter=DFlashDrafter(model.requires_grad_(False))).token_ids == expected
+
+
+def test_init_from_target_needs_enough_target_layers(target):
+    with pytest.raises(ValueError, match="init_from_target"):
+        DFlashModel(replace(TINY, num_layers=7, init_from_target=True), target)
+
+
 # ---- anchors and the block mask
 
 
@@ -370,3 +397,58 @@ def test_a_draft_vocabulary_survives_a_checkpoint_and_is_not_exported(tmp_path, 
     torch.testing.assert_close(loaded.logits(hidden_E), vocab_trained.logits(hidden_E))
     with pytest.raises(CheckpointError, match="draft vocabulary"):
         dflash_interop.check_exportable(vocab_trained)
+
+
+# ---- last_feature_input: the newest context feature added to every block input
+
+
+@pytest.fixture(scope="module")
+def last_feature_trained(target) -> DFlashModel:
+    torch.manual_seed(1)
+    model = DFlashModel(replace(TINY, last_feature_input=True), target)
+    train(model, target, regenerated_batch(target), steps=30)
+    return model.requires_grad_(False)
+
+
+def test_last_feature_input_blocks_match_inference(target, last_feature_trained):
+    model = last_feature_trained
+    batch = regenerated_batch(target, num_rows=1, seed=3)
+    taps = target_features(target, batch.input_ids_BT, model.target_taps).taps
+    anchors = torch.tensor([[3, 7, 12, 20]])
+    with torch.no_grad():
+        logits_BAkV = block_logits(model, batch.input_ids_BT, batch.valid_BT, taps, anchors)
+        plain = replace(model.config, last_feature_input=False)
+        object.__setattr__(model, "config", plain)
+        try:
+            without_BAkV = block_logits(model, batch.input_ids_BT, batch.valid_BT, taps, anchors)
+        finally:
+            object.__setattr__(model, "config", replace(plain, last_feature_input=True))
+    assert not torch.allclose(logits_BAkV, without_BAkV)  # the input is really there
+    for i, a in enumerate(anchors[0].tolist()):
+        drafter = DFlashDrafter(model)
+        drafter.begin([], {t: h[0, :a] for t, h in taps.items()})
+        torch.testing.assert_close(logits_BAkV[0, i], drafter.draft_logits(int(batch.input_ids_BT[0, a])),
+                                   rtol=1e-4, atol=1e-4)
+    drafter = DFlashDrafter(model)
+    drafter.begin([5], {t: h[0, :0] for t, h in taps.items()})  # a one-token prompt: no committed feature yet
+    assert drafter.draft_logits(5).shape[0] == model.block_size - 1
+
+
+@pytest.mark.parametrize("tree", ["block", "ddtree"])
+def test_greedy_identity_with_the_last_feature_input(target, last_feature_trained, vanilla_runs, tree):
+    accepted = 0
+    for prompt, expected in vanilla_runs:
+        spec = generate(target, prompt, 40,
+                        drafter=DFlashDrafter(last_feature_trained, block_tree(tree, num_nodes=12, top_k=3)))
+        assert spec.token_ids == expected
+        accepted += sum(spec.stats.accepted_per_cycle)
+    assert accepted > 0
+
+
+def test_the_last_feature_input_survives_a_checkpoint_and_is_not_exported(tmp_path, target, last_feature_trained):
+    from eyas.interop import dflash as dflash_interop
+
+    loaded = load_model(save_drafter(last_feature_trained, tmp_path / "ckpt", "tiny-target"), target)
+    assert loaded.config.last_feature_input
+    with pytest.raises(CheckpointError, match="last_feature_input"):
+        dflash_interop.check_exportable(last_feature_trained)
