@@ -17,10 +17,6 @@ The target's embedding and LM head are shared, never trained and never saved. Ch
 (``eyas.drafters.vocab.FrozenReadout``, as EAGLE-1 and Medusa may): on a small target the head is most of the cost
 of a training step's A*(G-1) slots and of a drafted block, so a step affords more anchors for the same time.
 
-``last_feature_input`` (choice, not in the paper): every block token's input also gets the fused feature of the
-newest committed position (a - 1, the one EAGLE's input concatenates), a direct path besides the attention over the
-context. The engines' DFlashDraftModel has no such input, so such a drafter is not exported.
-
 Context timing: the root (slot 0) at position L is the last emitted token, which the target has not run yet, so
 the context is exactly the committed positions 0..L-1. Training mirrors that: a block anchored at position a sees
 the fused target features of positions < a (the anchor's own feature is NOT visible; the anchor enters as a clean
@@ -71,7 +67,6 @@ class DFlashConfig:
     num_anchors: int = 512       # blocks per training sequence, redrawn at every call
     mask_token_id: int | None = None  # the tokenizer's <|mask|> id; None = a learned mask embedding (module doc)
     draft_vocab_size: int | None = None  # read the block through the most frequent tokens' LM-head rows; None = all V
-    last_feature_input: bool = False  # add the newest context feature to every block input (module doc)
     init_from_target: bool = False  # start as copies of the target's last num_layers (DFlashModel.copy_target_layers)
 
     def __post_init__(self) -> None:
@@ -232,9 +227,8 @@ class DFlashModel(FrozenReadout, InferencePacking, nn.Module):
         concat_TF = torch.cat([taps[t] for t in self.target_taps], dim=-1).to(self.fc.weight.dtype)
         return self.hidden_norm(linear(self.fc, concat_TF))
 
-    def embed_block(self, anchors: torch.Tensor, last_feature_E: torch.Tensor | None = None) -> torch.Tensor:
-        """[..., G, E]: slot 0 the clean anchor (root) token, slots 1..G-1 the mask; with ``last_feature_input``
-        plus ``last_feature_E`` [..., E] (the fused feature of the position before the anchor) in every slot."""
+    def embed_block(self, anchors: torch.Tensor) -> torch.Tensor:
+        """[..., G, E]: slot 0 the clean anchor (root) token, slots 1..G-1 the mask."""
         G = self.block_size
         with torch.no_grad():  # frozen, shared target embedding
             anchor_E = self.embed_tokens(anchors).to(self.fc.weight.dtype)
@@ -243,10 +237,7 @@ class DFlashModel(FrozenReadout, InferencePacking, nn.Module):
         if self.config.mask_token_id is None:
             mask_E = self.mask_embedding
         mask_KE = mask_E.to(anchor_E.dtype).expand(*anchors.shape, G - 1, anchor_E.shape[-1])
-        block_GE = torch.cat([anchor_E.unsqueeze(-2), mask_KE], dim=-2)
-        if self.config.last_feature_input and last_feature_E is not None:
-            block_GE = block_GE + last_feature_E.to(block_GE.dtype).unsqueeze(-2)
-        return block_GE
+        return torch.cat([anchor_E.unsqueeze(-2), mask_KE], dim=-2)
 
     def context_kv(self, features_BCE: torch.Tensor, positions_BC: torch.Tensor
                    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -311,7 +302,6 @@ class DFlashDrafter:
         self.name = name or ("dflash" if tree.mode == "block" else "dflash-ddtree")
         self.target_taps = model.target_taps
         self.context = self._new_context()
-        self.last_feature_E: torch.Tensor | None = None  # the newest committed position's fused feature
 
     def _new_context(self) -> KVCache:
         """The context cache: per drafter layer, the keys/values of the committed positions' fused target features.
@@ -327,15 +317,13 @@ class DFlashDrafter:
     @torch.inference_mode()
     def _commit_features(self, taps: dict[int, torch.Tensor]) -> None:
         features_1TE = self.model.fuse({t: taps[t].to(self.device)[None] for t in self.target_taps})
-        if features_1TE.shape[1]:  # a one-token prompt commits no position: no feature to add (as zeros)
-            self.last_feature_E = features_1TE[0, -1]
         start = self.context.lengths[0]
         positions_1T = torch.arange(start, start + features_1TE.shape[1], device=self.device)[None]
         self.context.ensure_room(features_1TE.shape[1])
         self.context.extend(self.model.context_kv(features_1TE, positions_1T))
 
     def begin(self, prompt_ids: list[int], taps: dict[int, torch.Tensor]) -> None:
-        self.context, self.last_feature_E = self._new_context(), None
+        self.context = self._new_context()
         self._commit_features(taps)
 
     def commit(self, tokens: list[int], taps: dict[int, torch.Tensor]) -> None:
@@ -347,8 +335,7 @@ class DFlashDrafter:
         ``self.depth`` <= G-1) after the committed context. The whole block still runs through the drafter layers
         (its positions attend to each other)."""
         G, start = self.model.block_size, self.context.lengths[0]
-        x_1GE = self.model.embed_block(torch.tensor([root_token], device=self.device),
-                                      None if self.last_feature_E is None else self.last_feature_E[None])
+        x_1GE = self.model.embed_block(torch.tensor([root_token], device=self.device))
         positions_1G = torch.arange(start, start + G, device=self.device)[None]
         hidden_1GE = self.model.block_hidden(x_1GE, positions_1G, self.context.layer_views(start), mask_BQS=None)
         return self.model.logits(hidden_1GE[0, 1:1 + self.depth]).float()

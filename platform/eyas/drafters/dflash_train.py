@@ -111,10 +111,7 @@ def block_logits(model, input_ids_BT: torch.Tensor, valid_BT: torch.Tensor, taps
     positions_BQ = (anchors_BA[..., None] + torch.arange(G, device=input_ids_BT.device)).reshape(B, A * G)
     features_BTE = model.fuse(taps)
     context_kv = model.context_kv(features_BTE, torch.arange(T, device=input_ids_BT.device).expand(B, T))
-    # position a - 1's feature (last_feature_input); an anchor at 0 has none, as at inference
-    last_BAE = features_BTE.gather(1, (anchors_BA - 1).clamp(min=0)[..., None].expand(B, A, E))
-    last_BAE = last_BAE * (anchors_BA > 0)[..., None]
-    x_BQE = model.embed_block(input_ids_BT.gather(1, anchors_BA), last_BAE).reshape(B, A * G, E)
+    x_BQE = model.embed_block(input_ids_BT.gather(1, anchors_BA)).reshape(B, A * G, E)
     hidden_BQE = model.block_hidden(x_BQE, positions_BQ, context_kv, anchor_block_mask(anchors_BA, valid_BT, G))
     return model.logits(hidden_BQE.view(B, A, G, E)[:, :, 1:])
 

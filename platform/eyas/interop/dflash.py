@@ -36,9 +36,6 @@ def check_exportable(model: DFlashModel) -> None:
     if model.draft_vocab is not None:
         raise CheckpointError("this DFlash drafter reads a draft vocabulary (dflash.draft_vocab_size); the engines' "
                               "DFlashDraftModel reads the target's whole LM head. Train it without one to export it")
-    if model.config.last_feature_input:
-        raise CheckpointError("this DFlash drafter adds the newest context feature to its block inputs "
-                              "(dflash.last_feature_input); the engines' DFlashDraftModel has no such input")
     if not target.qk_norm:
         raise CheckpointError(f"a DFlash drafter for a {target.model_type} target without q/k norms cannot be exported: "
                               "the engines' DFlashDraftModel always applies per-head q_norm/k_norm (Qwen3 layers), "
