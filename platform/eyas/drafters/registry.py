@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -185,6 +185,10 @@ def load_model(path: str | Path, target: Decoder, target_dir: str | Path | None 
                       meta["target"])
     try:
         config = from_dict(entry.config_cls, meta["config"], prefix="config.")
+        # the weights come from the checkpoint: DFlash's init_from_target copy is skipped (a tensor-parallel serving
+        # target could not even give it: its layers are shards)
+        if getattr(config, "init_from_target", False):
+            config = replace(config, init_from_target=False)
         draft_vocab = meta.get("draft_vocab")
         size = getattr(config, "draft_vocab_size", None)
         if draft_vocab is None and size is not None and token_counts_V is not None:

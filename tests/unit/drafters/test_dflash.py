@@ -134,6 +134,16 @@ def test_init_from_target_trains_and_stays_lossless(target, vanilla_runs):
         assert generate(target, prompt, 40, drafter=DFlashDrafter(model.requires_grad_(False))).token_ids == expected
 
 
+def test_a_checkpoint_started_from_the_target_loads_its_own_weights(tmp_path, target, monkeypatch):
+    """Loading never copies the target's layers again (a tensor-parallel serving target could not give them)."""
+    model = DFlashModel(replace(TINY, init_from_target=True), target)
+    train(model, target, regenerated_batch(target), steps=2)
+    path = save_drafter(model, tmp_path / "ckpt", "tiny-target")
+    monkeypatch.setattr(DFlashModel, "copy_target_layers", lambda self, target: pytest.fail("copied on load"))
+    loaded = load_model(path, target)
+    assert all(torch.equal(w, model.state_dict()[name]) for name, w in loaded.state_dict().items())
+
+
 def test_init_from_target_needs_enough_target_layers(target):
     with pytest.raises(ValueError, match="init_from_target"):
         DFlashModel(replace(TINY, num_layers=7, init_from_target=True), target)
