@@ -255,8 +255,9 @@ def forward_costs(target: Decoder, context_len: int, sizes: Sequence[int] = CURV
                   seed: int = 0) -> dict[int, Timing]:
     """t(N): seconds of one target forward over N new tokens after ``context_len`` cached tokens, for each N in
     ``sizes``, ``repeats`` samples each (sizes interleaved in a new seeded order every round, so a burst of load
-    hits them alike and no size always follows the largest one's pass over memory; one warm-up round first). The N tokens form a chain with its tree mask, as verification runs them (N = 1: a plain decode
-    step); the cache is rolled back to the context after every forward."""
+    hits them alike and no size always follows the largest one's pass over memory; one warm-up round first). The
+    N tokens form a chain with its tree mask, as verification runs them (N = 1: a plain decode step); the cache is
+    rolled back to the context after every forward."""
     if context_len < 1 or repeats < 1 or not sizes or min(sizes) < 1:
         raise ValueError(f"forward_costs: need context_len >= 1, repeats >= 1 and sizes >= 1, got {context_len}, "
                          f"{repeats}, {list(sizes)}")

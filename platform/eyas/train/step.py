@@ -39,8 +39,8 @@ def build_drafter(cfg: TrainConfig, target, rows) -> nn.Module:
     of ``drafter.vocab_data``), or with ``drafter.init_from`` that checkpoint's (its weights and draft vocabulary, or
     the data's where it has none and asks for one; ``drafter.config`` over its config), in training mode."""
     options = dict(cfg.drafter.config)
-    sets = [rows, *(read_rows(data_path(name), "train") for name in cfg.drafter.vocab_data)]
-    counts_V = vocab_counts(sets, target.config.vocab_size) if options.get("draft_vocab_size") else None
+    counts_V = (vocab_counts([rows, *(read_rows(data_path(name), "train") for name in cfg.drafter.vocab_data)],
+                             target.config.vocab_size) if options.get("draft_vocab_size") else None)
     if cfg.drafter.init_from:
         model = registry.load_model(drafter_path(cfg.drafter.init_from), target, config_overrides=options,
                                     drafter_type=cfg.drafter.type, token_counts_V=counts_V)
