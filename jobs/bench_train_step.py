@@ -50,11 +50,10 @@ def measure(cfg: TrainConfig, steps: int) -> dict:
     strategy = make_strategy("ddp", drafter, cfg.optim, cfg.train.batch_size, steps + 1, 1, device, precision)
     cache = FeatureCache(target, drafter.target_taps, "memory")
     batch = collate(rows, cfg.train.max_len)
-    indices = list(range(len(rows)))
     samples = []
     for _ in range(steps + 1):
         start = time.perf_counter()
-        features = cache.features(indices, batch)
+        features = cache.features(batch)
         assembled = time.perf_counter()
         metrics = strategy.step(batch, features)
         done = time.perf_counter()

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from eyas import track
 from eyas.config import ConfigError, resolve_path

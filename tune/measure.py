@@ -143,12 +143,12 @@ class TrialTrainer(Trainer):
         is called with the step count before every step (the trial's fault-injection hook)."""
         sums: dict[str, float] = {}
         count = 0
-        for indices, batch in self.batches(epoch):
+        for batch in self.batches(epoch):
             if self.done:
                 break
             if before_step is not None:
                 before_step(self.step)
-            for key, value in self.train_step(indices, batch).items():
+            for key, value in self.train_step(batch).items():
                 sums[key] = sums.get(key, 0.0) + value
             count += 1
         out = {f"train_{key}": value / max(count, 1) for key, value in sums.items()}

@@ -106,10 +106,10 @@ def train_local(variant: Variant) -> Trained:
                       feature_cache="memory" if cfg.train.feature_cache != "none" else "none")
     start, curve, train = time.monotonic(), [], cfg.train
     for epoch in range(train.num_epochs):
-        for indices, batch in trainer.batches(epoch):
+        for batch in trainer.batches(epoch):
             if trainer.done:
                 break
-            metrics = trainer.train_step(indices, batch)
+            metrics = trainer.train_step(batch)
             step = trainer.step
             point: dict[str, float] = {}
             if step % train.log_every == 0 or trainer.done:

@@ -151,11 +151,11 @@ def train_loop_per_worker(loop: dict[str, Any]) -> None:
         last_metrics: dict[str, float] = {}
         for epoch in range(position.epoch, cfg.train.num_epochs):
             start = position.batch if epoch == position.epoch else 0
-            for index, (indices, batch) in enumerate(trainer.batches(epoch, start), start=start):
+            for index, batch in enumerate(trainer.batches(epoch, start), start=start):
                 if trainer.done:
                     break
                 maybe_fail(worker, trainer.step)
-                metrics = trainer.train_step(indices, batch)
+                metrics = trainer.train_step(batch)
                 step = trainer.step
                 if step % cfg.train.log_every == 0 or step == trainer.total_steps:
                     last_metrics = mean_over_ranks(metrics, worker.device)

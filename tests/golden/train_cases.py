@@ -62,8 +62,8 @@ def record(data_dir: Path, case: str) -> dict:
     trainer = Trainer(cfg, build_target(), data, heldout)
     steps = []
     for epoch in range(cfg.train.num_epochs):
-        for indices, batch in trainer.batches(epoch):
-            steps.append(trainer.train_step(indices, batch))
+        for batch in trainer.batches(epoch):
+            steps.append(trainer.train_step(batch))
     return {"steps": steps, "heldout": trainer.evaluate_heldout()}
 
 

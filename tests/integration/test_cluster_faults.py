@@ -136,8 +136,8 @@ def test_a_killed_driver_resubmitted_resumes_from_its_checkpoint_bit_for_bit(wor
     inputs = load_inputs(cfg, workspace["target_dir"], workspace["data_dir"], torch.device("cpu"), prompts=False)
     reference = Trainer(cfg, inputs.target, inputs.data, target_dir=workspace["target_dir"])
     for epoch in range(cfg.train.num_epochs):
-        for indices, batch in reference.batches(epoch):
-            reference.train_step(indices, batch)
+        for batch in reference.batches(epoch):
+            reference.train_step(batch)
     resumed = load_file(str(out / "model.safetensors"))
     expected = reference.drafter.state_dict()
     assert resumed and set(resumed) <= set(expected)

@@ -1,13 +1,14 @@
 """The frozen target's features per training sequence, computed once and reused: in later epochs (a memory
 cache), and across trainings, trials and ``ray job submit`` copies of the working dir (a disk cache under
-``$EYAS_HOME`` named by content, see ``open_feature_dir``)."""
+``$EYAS_HOME``, see ``open_feature_dir``). Everything is named by content: a cache by the target's weights and
+its taps, a row by its token ids, so a data set that grows (jobs.generate_data with more prompts) or is reordered
+computes only the sequences it has not seen."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -41,36 +42,19 @@ def target_fingerprint(target: Decoder) -> str:
     return digest.hexdigest()
 
 
-def rows_fingerprint(rows: Sequence[dict[str, list[int]]], max_len: int) -> str:
-    """The token ids the target sees for ``rows`` (prompt + response cut at ``max_len``), in order: features are
-    stored per row index, so the same index must mean the same sequence."""
-    digest = hashlib.sha256()
-    for row in rows:
-        digest.update(json.dumps((row["prompt_ids"] + row["response_ids"])[:max_len]).encode())
-    return digest.hexdigest()
+def sequence_key(ids_T: torch.Tensor) -> str:
+    """A sequence's name in a cache: its token ids by content (the target is causal, so the features of a position
+    depend on the ids up to it and nothing else: not the row's index, its data set or its batch)."""
+    return hashlib.sha256(ids_T.to(torch.int64).cpu().numpy().tobytes()).hexdigest()[:32]
 
 
 MANIFEST = "cache.json"  # in each disk cache: what it holds, so a drafter with fewer taps can read it
+LAYOUT = "by-sequence"    # rows named by sequence_key (caches of index-named rows are not read: they recompute)
 
 
-@dataclass(frozen=True)
-class CacheStamp:
-    """The target's weights, the cut length and the sequences, by content: caches with the same stamp hold the
-    same positions of the same forward, whatever taps each kept."""
-    target: str
-    max_len: int
-    rows: str
-
-    @classmethod
-    def of(cls, target: Decoder, max_len: int, rows: Sequence[dict[str, list[int]]]) -> "CacheStamp":
-        return cls(target_fingerprint(target), max_len, rows_fingerprint(rows, max_len))
-
-    def key(self, taps: Sequence[int]) -> str:
-        stamp = [self.target, sorted(taps), self.max_len, self.rows]
-        return hashlib.sha256(json.dumps(stamp).encode()).hexdigest()[:16]
-
-    def base(self) -> str:
-        return hashlib.sha256(json.dumps([self.target, self.max_len, self.rows]).encode()).hexdigest()[:16]
+def cache_base(target: Decoder) -> str:
+    """What every cache of this target shares, whatever taps it keeps: the weights by content and the layout."""
+    return hashlib.sha256(json.dumps([LAYOUT, target_fingerprint(target)]).encode()).hexdigest()[:16]
 
 
 def stored_taps(target: Decoder, taps: Sequence[int]) -> tuple[int, ...]:
@@ -78,24 +62,24 @@ def stored_taps(target: Decoder, taps: Sequence[int]) -> tuple[int, ...]:
     return tuple(sorted(set(taps) | {target.config.num_layers}))
 
 
-def open_feature_dir(root: Path, target: Decoder, taps: Sequence[int], max_len: int,
-                     rows: Sequence[dict[str, list[int]]]) -> tuple[Path, tuple[int, ...]]:
-    """(directory, the taps it stores) for a drafter reading ``taps`` on these sequences: its own cache
-    (``root/<key>``) when that exists, else a cache of the same stamp whose taps include these (EAGLE-1 and Medusa
-    read the final state that EAGLE-3's and DFlash's caches keep as well), else a new own cache. Rows a reused
-    cache lacks are computed with all of its taps, so it stays whole for the drafter that made it."""
-    stamp = CacheStamp.of(target, max_len, rows)
+def open_feature_dir(root: Path, target: Decoder, taps: Sequence[int]) -> tuple[Path, tuple[int, ...]]:
+    """(directory, the taps it stores) for a drafter reading ``taps``: its own cache (``root/<key>``, the key naming
+    the target's weights and the taps) when that exists, else a cache of the same target whose taps include these
+    (EAGLE-1 and Medusa read the final state that EAGLE-3's and DFlash's caches keep as well), else a new own cache.
+    Sequences a reused cache lacks are computed with all of its taps, so it stays whole for the drafter that made
+    it."""
+    base = cache_base(target)
     wanted = stored_taps(target, taps)
-    own = root / stamp.key(taps)
+    own = root / hashlib.sha256(json.dumps([base, list(wanted)]).encode()).hexdigest()[:16]
     if not own.is_dir() and root.is_dir():
         for manifest in sorted(root.glob(f"*/{MANIFEST}")):
             held = json.loads(manifest.read_text())
-            if held.get("base") == stamp.base() and set(wanted) <= set(held.get("taps", ())):
+            if held.get("base") == base and set(wanted) <= set(held.get("taps", ())):
                 return manifest.parent, tuple(held["taps"])
     own.mkdir(parents=True, exist_ok=True)
     if not (own / MANIFEST).is_file():
         tmp = own / f".{MANIFEST}.{os.getpid()}.tmp"
-        tmp.write_text(json.dumps({"base": stamp.base(), "taps": list(wanted), "max_len": max_len}))
+        tmp.write_text(json.dumps({"base": base, "taps": list(wanted), "layout": LAYOUT}))
         tmp.replace(own / MANIFEST)
     return own, wanted
 
@@ -104,12 +88,13 @@ class FeatureCache:
     """The frozen target's features per sequence, computed once and reused in later epochs.
 
     mode "none": computed for every batch (online). "memory": kept per sequence in this worker. "disk": also written
-    to ``directory/<index>.safetensors`` (atomic rename), so other workers, later epochs and resumed runs read them
-    instead of running the target. A row holds the requested taps, the final-normed state (tap ``num_layers``) and
-    the target's greedy next tokens (``ARGMAX``, from the forward's own logits). Logits are not stored: they are the
-    LM head on the final-normed state, re-derived only when a loss reads them (``TargetFeatures.logits_BTV``: the
-    soft-target losses), as that product over the whole vocabulary costs more than the rest of an argmax-target
-    step's inputs together. Files written before ``ARGMAX`` was stored read as before (their argmax re-derived).
+    to ``directory/<sequence_key>.safetensors`` (atomic rename), so other workers, later epochs, resumed runs and
+    trainings on a grown data set read them instead of running the target. A row holds the requested taps, the
+    final-normed state (tap ``num_layers``) and the target's greedy next tokens (``ARGMAX``, from the forward's own
+    logits). Logits are not stored: they are the LM head on the final-normed state, re-derived only when a loss
+    reads them (``TargetFeatures.logits_BTV``: the soft-target losses), as that product over the whole vocabulary
+    costs more than the rest of an argmax-target step's inputs together. Files written before ``ARGMAX`` was stored
+    read as before (their argmax re-derived).
     """
 
     def __init__(self, target: Decoder, taps: Sequence[int], mode: str = "none", directory: Path | None = None,
@@ -121,16 +106,17 @@ class FeatureCache:
         self.target, self.taps, self.mode = target, tuple(taps), mode
         self.stored_taps = stored_taps(target, (*self.taps, *keep_taps))  # keep_taps: a shared cache's others
         self.directory = Path(directory) if directory is not None else None
-        self.memory: dict[int, dict[int | str, torch.Tensor]] = {}
+        self.memory: dict[str, dict[int | str, torch.Tensor]] = {}
         self.hits = self.misses = 0
         if self.directory is not None:
             self.directory.mkdir(parents=True, exist_ok=True)
 
-    def features(self, indices: Sequence[int], batch: TrainBatch) -> TargetFeatures:
+    def features(self, batch: TrainBatch) -> TargetFeatures:
         if self.mode == "none":
             return target_features(self.target, batch.input_ids_BT, self.taps)
         lengths = batch.valid_BT.sum(-1).tolist()
-        rows = [self._lookup(i) for i in indices]
+        keys = [sequence_key(ids_T[:length]) for ids_T, length in zip(batch.input_ids_BT, lengths)]
+        rows = [self._lookup(key) for key in keys]
         missing = [b for b, row in enumerate(rows) if row is None]
         self.hits += len(rows) - len(missing)
         self.misses += len(missing)
@@ -140,7 +126,7 @@ class FeatureCache:
             for j, b in enumerate(missing):
                 rows[b] = {t: computed.taps[t][j, :lengths[b]].clone() for t in self.stored_taps}
                 rows[b][ARGMAX] = computed.argmax_BT[j, :lengths[b]].clone()
-                self._store(indices[b], rows[b])
+                self._store(keys[b], rows[b])
         return self._assemble(rows, batch.input_ids_BT.shape[1])
 
     def _assemble(self, rows: list[dict[int | str, torch.Tensor] | None], T: int) -> TargetFeatures:
@@ -156,26 +142,26 @@ class FeatureCache:
         with torch.no_grad():  # an older disk cache without ARGMAX
             return TargetFeatures({t: taps[t] for t in self.taps}, logits_from(None))
 
-    def _lookup(self, index: int) -> dict[int | str, torch.Tensor] | None:
-        if index in self.memory:
-            return self.memory[index]
+    def _lookup(self, key: str) -> dict[int | str, torch.Tensor] | None:
+        if key in self.memory:
+            return self.memory[key]
         if self.directory is not None:
-            file = self.directory / f"{index:08d}.safetensors"
+            file = self.directory / f"{key}.safetensors"
             if file.is_file():
                 from safetensors.torch import load_file
 
                 row = {(k if k == ARGMAX else int(k)): v.to(self.target.device)
                        for k, v in load_file(str(file)).items()}
-                self.memory[index] = row
+                self.memory[key] = row
                 return row
         return None
 
-    def _store(self, index: int, row: dict[int | str, torch.Tensor]) -> None:
-        self.memory[index] = row
+    def _store(self, key: str, row: dict[int | str, torch.Tensor]) -> None:
+        self.memory[key] = row
         if self.directory is not None:
             from safetensors.torch import save_file
 
-            file = self.directory / f"{index:08d}.safetensors"
+            file = self.directory / f"{key}.safetensors"
             tmp = file.with_name(f".{file.name}.{os.getpid()}.tmp")
             save_file({str(t): v.contiguous().cpu() for t, v in row.items()}, str(tmp))
             tmp.replace(file)

@@ -106,51 +106,51 @@ class Trainer:
                                       self.total_steps, world_size, self.device, self.precision)
         mode = feature_cache or train.feature_cache
         self.feature_dir = Path(feature_dir) if mode == "disk" and feature_dir is not None else None
-        self.features = self._feature_cache(data, mode)
+        self.features = self._feature_cache(mode)
         self.heldout = self._heldout_batches(heldout) if heldout is not None else []
         self.step = 0
         self.vanilla: list[list[int]] | None = None  # plain greedy continuations of the prompts, made once
 
-    def _feature_cache(self, data: SequenceDataset, mode: str) -> FeatureCache:
-        """Disk: ``feature_dir/<key>/``, the key naming the target's weights, the taps, the cut length and the
-        split's sequences by content, so every run, worker, drafter with these taps (or fewer: open_feature_dir)
-        and sweep trial on the same target and data reads what the first one computed (and a copied working dir
-        changes nothing)."""
+    def _feature_cache(self, mode: str) -> FeatureCache:
+        """Disk: ``feature_dir/<key>/``, the key naming the target's weights and the taps by content, each sequence
+        named by its token ids, so every run, worker, drafter with these taps (or fewer: open_feature_dir) and
+        sweep trial on the same target reads what the first one computed for a sequence (a grown data set computes
+        only its new sequences, and a copied working dir changes nothing)."""
         if mode != "disk" or self.feature_dir is None:
             return FeatureCache(self.target, self.taps, mode)
-        directory, held = open_feature_dir(self.feature_dir, self.target, self.taps, self.cfg.train.max_len,
-                                           data.rows)
+        directory, held = open_feature_dir(self.feature_dir, self.target, self.taps)
         return FeatureCache(self.target, self.taps, "disk", directory, keep_taps=held)
 
     def _heldout_batches(self, heldout: SequenceDataset) -> list:
         """(batch, features) pairs of the held-out split, features computed once (read from disk when cached)."""
-        cache = self._feature_cache(heldout, "disk" if self.feature_dir is not None else "memory")
+        cache = self._feature_cache("disk" if self.feature_dir is not None else "memory")
         size = self.cfg.train.batch_size
         out = []
         for start in range(0, len(heldout), size):
             indices = list(range(start, min(start + size, len(heldout))))
             batch = to_device(heldout.batch(indices), self.device)
-            out.append((batch, cache.features(indices, batch)))
+            out.append((batch, cache.features(batch)))
         return out
 
     @property
     def done(self) -> bool:
         return self.step >= self.total_steps
 
-    def batches(self, epoch: int, start: int = 0) -> Iterator[tuple[list[int], TrainBatch]]:
-        """This rank's (indices, batch) of ``epoch`` from batch ``start`` on; a memory feature cache keeps each
-        rank's sequences fixed across epochs (SequenceDataset.epoch_indices)."""
+    def batches(self, epoch: int, start: int = 0) -> Iterator[TrainBatch]:
+        """This rank's batches of ``epoch`` from batch ``start`` on; a memory feature cache keeps each rank's
+        sequences fixed across epochs (SequenceDataset.epoch_indices)."""
         train = self.cfg.train
-        yield from self.data.batches(epoch, train.seed, self.rank, self.world_size, train.batch_size, start,
-                                     fixed_ranks=self.features.mode == "memory")
+        for _, batch in self.data.batches(epoch, train.seed, self.rank, self.world_size, train.batch_size, start,
+                                          fixed_ranks=self.features.mode == "memory"):
+            yield batch
 
-    def train_step(self, indices: Sequence[int], batch: TrainBatch) -> dict[str, float]:
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One optimizer step on ``batch``; this rank's metrics (loss, acc_j, ...)."""
         # randomness (feature noise, DFlash anchors) as a function of (seed, step, rank): a resumed run draws
         # exactly what the uninterrupted run would have
         torch.manual_seed(self.cfg.train.seed * 1_000_003 + self.step * 1_009 + self.rank)
         batch = to_device(batch, self.device)
-        metrics = self.strategy.step(batch, self.features.features(indices, batch))
+        metrics = self.strategy.step(batch, self.features.features(batch))
         self.step += 1
         return metrics
 

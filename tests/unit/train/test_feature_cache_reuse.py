@@ -1,7 +1,8 @@
 """The disk feature cache is shared by content: a second drafter training on the same target, data and taps runs
 no target forward at all (train and held-out features both come from disk), also when it runs from a copy of the
 job's working dir (as under ``ray job submit``: the target copied, with new file times); other data or other taps
-compute their own features, unless another drafter's cache of the same sequences kept every tap they read."""
+compute their own features, unless another drafter's cache of the same sequences kept every tap they read; a data
+set that grows or is reordered computes only the sequences it has not seen."""
 from __future__ import annotations
 
 import random
@@ -14,7 +15,7 @@ import torch
 from eyas.config import from_dict
 from eyas.models import load_target
 from eyas.train.config import TrainConfig
-from eyas.train.data import SequenceDataset, response_row, shard_path, write_shard
+from eyas.train.data import SequenceDataset, read_shard, response_row, shard_path, write_shard
 from eyas.train.trainer import Trainer
 
 
@@ -36,16 +37,18 @@ def config(drafter: dict) -> TrainConfig:
         "measure": {"num_prompts": 0}, "tracking": {"enabled": False}})
 
 
-def train_once(cfg: TrainConfig, target_dir: str, data_dir: Path) -> tuple[list[float], int]:
-    """(per-step losses, target forwards) of one training epoch run the way a jobs.train_drafter worker does."""
+def train_once(cfg: TrainConfig, target_dir: str, data_dir: Path, rows: list[int] | None = None
+               ) -> tuple[list[float], int]:
+    """(per-step losses, target forwards) of one training epoch run the way a jobs.train_drafter worker does;
+    ``rows`` collects the number of sequences of each target forward."""
     torch.manual_seed(0)
     target = load_target(target_dir)
-    forwards = []
-    target.register_forward_hook(lambda *_: forwards.append(1))
+    forwards = [] if rows is None else rows
+    target.register_forward_hook(lambda module, args, output: forwards.append(args[0].shape[0]))
     trainer = Trainer(cfg, target, SequenceDataset(data_dir, "train", cfg.train.max_len),
                       SequenceDataset(data_dir, "heldout", cfg.train.max_len, limit=cfg.train.eval_sequences),
                       target_dir=target_dir, feature_dir=data_dir / "features")
-    losses = [trainer.train_step(indices, batch)["loss"] for indices, batch in trainer.batches(0)]
+    losses = [trainer.train_step(batch)["loss"] for batch in trainer.batches(0)]
     losses.append(trainer.evaluate_heldout()["heldout_loss"])
     return losses, len(forwards)
 
@@ -91,9 +94,34 @@ def test_a_drafter_reading_fewer_taps_reads_another_drafters_cache(random_checkp
         losses, forwards = train_once(cfg, "target", shared)
         assert forwards == 0
         assert losses == pytest.approx(alone[name][0], abs=1e-5)
-    assert len(list((shared / "features").iterdir())) == 2  # eagle3's train and held-out caches, nothing new
+    assert len(list((shared / "features").iterdir())) == 1  # eagle3's cache (train and held-out), nothing new
 
     first = write_data(tmp_path / "first", 320, seed=0)  # EAGLE-1 first: its cache lacks EAGLE-3's taps
     assert train_once(eagle1, "target", first)[1] == 3
     assert train_once(eagle3, "target", first)[1] == 3
     assert train_once(medusa, "target", first)[1] == 0  # either cache serves it
+
+
+def test_a_grown_or_reordered_data_set_computes_only_its_new_sequences(random_checkpoint, tmp_path, monkeypatch):
+    """Rows are named by their token ids, not their index: jobs.generate_data with more prompts appends shards,
+    and the next training runs the target on the appended sequences only."""
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(random_checkpoint, tmp_path / "target")
+    eagle3 = config({"type": "eagle3", "config": {"ttt_steps": 2, "draft_vocab_size": 64}})
+    data_dir = write_data(tmp_path / "chat", 320, seed=0)
+    first = []
+    train_once(eagle3, "target", data_dir, first)
+    assert sum(first) == 8 + 2
+
+    grown = read_shard(shard_path(write_data(tmp_path / "more", 320, seed=2), "train", 0))[:4]
+    write_shard(shard_path(data_dir, "train", 1), grown)
+    computed = []
+    assert len(train_once(eagle3, "target", data_dir, computed)[0]) == 3 + 1  # 12 sequences: 3 steps, then eval
+    assert sum(computed) == 4  # the appended sequences, in whichever batches they fell
+
+    old = read_shard(shard_path(data_dir, "train", 0))
+    write_shard(shard_path(data_dir, "train", 0), grown + old[::-1])  # another order, every sequence seen
+    shard_path(data_dir, "train", 1).unlink()
+    again = []
+    train_once(eagle3, "target", data_dir, again)
+    assert again == []

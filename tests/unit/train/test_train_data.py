@@ -132,7 +132,7 @@ def test_feature_cache_matches_online(target, dataset_dir, tmp_path, mode):
         for indices in ([0, 5, 7], [5, 21]):
             batch = data.batch(indices)
             online = target_features(target, batch.input_ids_BT, taps)
-            cached = cache.features(indices, batch)
+            cached = cache.features(batch)
             valid = batch.valid_BT.bool()
             for t in taps:
                 torch.testing.assert_close(cached.taps[t][valid], online.taps[t][valid], atol=1e-5, rtol=1e-5)
@@ -142,7 +142,7 @@ def test_feature_cache_matches_online(target, dataset_dir, tmp_path, mode):
     assert cache.misses == 4 and cache.hits == 6
     if mode == "disk":  # a fresh cache (another worker, a resumed run) reads the files
         fresh = FeatureCache(target, taps, "disk", tmp_path / "features")
-        fresh.features([0, 21], data.batch([0, 21]))
+        fresh.features(data.batch([0, 21]))
         assert fresh.hits == 2 and fresh.misses == 0
 
 
@@ -153,7 +153,7 @@ def test_feature_cache_reads_files_written_without_the_argmax(target, dataset_di
     data = SequenceDataset(dataset_dir, "train")
     taps = (1,)
     directory = tmp_path / "features"
-    FeatureCache(target, taps, "disk", directory).features([0, 5], data.batch([0, 5]))
+    FeatureCache(target, taps, "disk", directory).features(data.batch([0, 5]))
     for file in directory.glob("*.safetensors"):
         row = load_file(str(file))
         assert "argmax" in row
@@ -161,7 +161,7 @@ def test_feature_cache_reads_files_written_without_the_argmax(target, dataset_di
         save_file(row, str(file))
     old = FeatureCache(target, taps, "disk", directory)
     batch = data.batch([0, 5])
-    cached = old.features([0, 5], batch)
+    cached = old.features(batch)
     assert old.hits == 2 and old.misses == 0
     online = target_features(target, batch.input_ids_BT, taps)
     valid = batch.valid_BT.bool()

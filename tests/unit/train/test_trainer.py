@@ -30,8 +30,8 @@ def test_live_drafter_measures_like_its_checkpoint(case, data_dir, tmp_path):
     cfg = config(case, Path("unused-target"), data_dir)
     target = build_target()
     trainer = Trainer(cfg, target, SequenceDataset(data_dir, "train", cfg.train.max_len), prompts=PROMPTS)
-    for indices, batch in trainer.batches(0):
-        trainer.train_step(indices, batch)
+    for batch in trainer.batches(0):
+        trainer.train_step(batch)
     metrics, stats = trainer.measure()
     trainer.save(tmp_path / "drafter")
     saved = load_drafter(tmp_path / "drafter", target)
@@ -42,8 +42,8 @@ def test_live_drafter_measures_like_its_checkpoint(case, data_dir, tmp_path):
     assert saved_outputs == vanilla and metrics["greedy_identical"] == 1.0
     assert trainer.drafter.training
     step = trainer.step
-    for indices, batch in trainer.batches(1):  # training after drafting with the live model
-        trainer.train_step(indices, batch)
+    for batch in trainer.batches(1):  # training after drafting with the live model
+        trainer.train_step(batch)
     assert trainer.step > step
 
 
@@ -64,8 +64,8 @@ def test_a_warm_start_trains_on_from_a_saved_drafter(data_dir, tmp_path, monkeyp
     data = SequenceDataset(data_dir, "train", cfg.train.max_len)
     heldout = SequenceDataset(data_dir, "heldout", cfg.train.max_len)
     first = Trainer(cfg, target, data, heldout)
-    for indices, batch in first.batches(0):
-        first.train_step(indices, batch)
+    for batch in first.batches(0):
+        first.train_step(batch)
     monkeypatch.setenv("EYAS_HOME", str(tmp_path))
     first.save(tmp_path / "drafters" / "first")
 
@@ -83,8 +83,8 @@ def test_a_warm_start_trains_on_from_a_saved_drafter(data_dir, tmp_path, monkeyp
     warm_eval, first_eval = trainer.evaluate_heldout(), first.evaluate_heldout()
     assert warm_eval["heldout_acc_1"] == first_eval["heldout_acc_1"]
     assert warm_eval["heldout_ce_1"] < fresh.evaluate_heldout()["heldout_ce_1"]  # trained, not fresh
-    indices, batch = next(trainer.batches(0))
-    trainer.train_step(indices, batch)
+    batch = next(trainer.batches(0))
+    trainer.train_step(batch)
     assert trainer.step == 1 and trainer.evaluate_heldout() != warm_eval
     with pytest.raises(CheckpointError, match="holds a eagle3 drafter, not dflash"):
         warm(type="dflash", init_from="first", config={})
