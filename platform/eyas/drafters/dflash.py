@@ -191,11 +191,15 @@ class DFlashModel(FrozenReadout, InferencePacking, nn.Module):
         # object.__setattr__ keeps the shared target embedding out of parameters(), state_dict() and .to().
         object.__setattr__(self, "embed_tokens", target.embed_tokens)
         self.init_readout(target.lm_head, draft_vocab, config.draft_vocab_size)
-        if config.init_from_target:
-            self.copy_target_layers(target)
         self.to(device=target.device, dtype=target.dtype)
         # float32 RoPE frequencies whatever the weights' dtype (like the target's)
         self.register_buffer("inv_freq", rope_inv_freq(target_config).to(target.device), persistent=False)
+
+    def init_fresh(self, target: Decoder) -> None:
+        """A new drafter's start (registry.build_model; never a checkpoint's, whose weights are its own):
+        ``init_from_target`` copies the target's last layers."""
+        if self.config.init_from_target:
+            self.copy_target_layers(target)
 
     @torch.no_grad()
     def copy_target_layers(self, target: Decoder) -> None:

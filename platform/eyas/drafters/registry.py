@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -72,7 +72,8 @@ def family(drafter_type: str) -> Family:
 
 def build_model(drafter_type: str, config: Any, target: Decoder, draft_vocab: list[int] | None = None,
                 token_counts_V: torch.Tensor | None = None) -> torch.nn.Module:
-    """A fresh (untrained) drafter model for ``target``; config is the family config or a dict of its fields.
+    """A fresh (untrained) drafter model for ``target``; config is the family config or a dict of its fields. A
+    model's ``init_fresh(target)``, where it has one, runs here only, never for a checkpoint (``load_model``).
 
     A config asking for a reduced draft vocabulary (EAGLE-3's ``draft_vocab_size``) needs ``draft_vocab`` (target
     ids) or ``token_counts_V`` (token counts of the training data, e.g. ``torch.bincount(ids, minlength=V)``),
@@ -85,7 +86,10 @@ def build_model(drafter_type: str, config: Any, target: Decoder, draft_vocab: li
     size = getattr(config, "draft_vocab_size", None)
     if draft_vocab is None and size is not None and token_counts_V is not None:
         draft_vocab = build_draft_vocab(token_counts_V, size).tolist()
-    return entry.build_model(config, target, draft_vocab)
+    model = entry.build_model(config, target, draft_vocab)
+    if hasattr(model, "init_fresh"):  # a start only a new drafter takes (DFlash's init_from_target)
+        model.init_fresh(target)
+    return model
 
 
 def save_drafter(model: torch.nn.Module, directory: str | Path, target_ref: str | Path) -> Path:
@@ -185,10 +189,6 @@ def load_model(path: str | Path, target: Decoder, target_dir: str | Path | None 
                       meta["target"])
     try:
         config = from_dict(entry.config_cls, meta["config"], prefix="config.")
-        # the weights come from the checkpoint: DFlash's init_from_target copy is skipped (a tensor-parallel serving
-        # target could not even give it: its layers are shards)
-        if getattr(config, "init_from_target", False):
-            config = replace(config, init_from_target=False)
         draft_vocab = meta.get("draft_vocab")
         size = getattr(config, "draft_vocab_size", None)
         if draft_vocab is None and size is not None and token_counts_V is not None:

@@ -113,7 +113,7 @@ def test_target_embedding_and_head_are_not_parameters(target):
 
 
 def test_init_from_target_copies_the_last_layers_and_passes_the_last_tap(target):
-    model = DFlashModel(replace(TINY, init_from_target=True), target)
+    model = build_model("dflash", replace(TINY, init_from_target=True), target)
     copied = target.layers[len(target.layers) - TINY.num_layers:]
     for layer, source in zip(model.layers, copied):
         theirs = source.state_dict()
@@ -127,7 +127,7 @@ def test_init_from_target_copies_the_last_layers_and_passes_the_last_tap(target)
 
 def test_init_from_target_trains_and_stays_lossless(target, vanilla_runs):
     torch.manual_seed(1)
-    model = DFlashModel(replace(TINY, init_from_target=True), target)
+    model = build_model("dflash", replace(TINY, init_from_target=True), target)
     losses = train(model, target, regenerated_batch(target), steps=10)
     assert losses[-1] < losses[0]
     for prompt, expected in vanilla_runs[:5]:
@@ -136,7 +136,7 @@ def test_init_from_target_trains_and_stays_lossless(target, vanilla_runs):
 
 def test_a_checkpoint_started_from_the_target_loads_its_own_weights(tmp_path, target, monkeypatch):
     """Loading never copies the target's layers again (a tensor-parallel serving target could not give them)."""
-    model = DFlashModel(replace(TINY, init_from_target=True), target)
+    model = build_model("dflash", replace(TINY, init_from_target=True), target)
     train(model, target, regenerated_batch(target), steps=2)
     path = save_drafter(model, tmp_path / "ckpt", "tiny-target")
     monkeypatch.setattr(DFlashModel, "copy_target_layers", lambda self, target: pytest.fail("copied on load"))
@@ -146,7 +146,7 @@ def test_a_checkpoint_started_from_the_target_loads_its_own_weights(tmp_path, ta
 
 def test_init_from_target_needs_enough_target_layers(target):
     with pytest.raises(ValueError, match="init_from_target"):
-        DFlashModel(replace(TINY, num_layers=7, init_from_target=True), target)
+        build_model("dflash", replace(TINY, num_layers=7, init_from_target=True), target)
 
 
 # ---- anchors and the block mask
