@@ -16,6 +16,10 @@ the loss mask covers the target's answer only (the template's system, user and a
 prompt). The target answers in ``dtype`` (``auto``: bfloat16 on a GPU or a CPU with AVX512_BF16, where its batched
 decode runs 4-6x float32's with AMX tiles; float32 elsewhere). source=corpus: fixed chunks of the packed train /
 held-out documents (EAGLE-1's fixed-data setting), cut on the driver; no target forward is needed.
+source=mix: the rows of ``parts``, built data sets of the same target, joined part after part (train into train,
+held-out into held-out); no target forward. A mix is rebuilt whole on every run, into a temp directory renamed
+into place at the end (its feature cache kept: the features are named by sequence), so it always holds its parts'
+current rows.
 
 Shards are the unit of work and of restart: shard i of a split holds sequences [i * shard_size, (i+1) * shard_size)
 and is written atomically, so a rerun skips the shards already on disk and builds missing or unreadable ones.
@@ -39,8 +43,8 @@ from eyas.models.config import ModelConfig
 from eyas.progress import Progress
 from eyas.threads import configure_threads
 from eyas.train.config import DataConfig, data_path, target_path
-from eyas.train.data import (corpus_chunks, num_shards, regenerate, response_row, shard_is_complete, shard_path,
-                             write_shard)
+from eyas.train.data import (ShardError, check_complete, corpus_chunks, num_shards, read_rows, regenerate,
+                             response_row, shard_is_complete, shard_path, write_shard)
 from eyas_ray.cluster import init_ray
 from jobs.common import job_argparser, load_job_config
 
@@ -226,11 +230,68 @@ def corpus_shards(cfg: DataConfig, out: Path, target_dir: Path, todo: list[tuple
     return totals
 
 
+# ---------------------------------------------------------------- mix: built data sets joined
+
+
+def mix(cfg: DataConfig, out: Path) -> dict[str, Any]:
+    """Join the parts' rows into ``out`` (see the module docstring); what each part was and the row count, for
+    data.json's last_run."""
+    parts = []
+    for name in cfg.parts:
+        directory = data_path(name)
+        meta_file = directory / DATA_FILE
+        if not meta_file.is_file():
+            raise FileNotFoundError(f"parts: {name!r}: {directory} is not a built data set (no {DATA_FILE}); build "
+                                    "it first with python -m jobs.generate_data --config <its config>")
+        meta = json.loads(meta_file.read_text())
+        if meta.get("complete") is not True:
+            raise ShardError(f"parts: {name!r}: {meta_file} says its build has not finished; rerun it first")
+        if meta["content_key"]["target"] != cfg.content_key()["target"]:
+            raise ConfigError(f"parts: {name!r} holds answers of {meta['content_key']['target']}, not of this "
+                              f"mix's target {cfg.content_key()['target']}")
+        parts.append((name, directory, meta))
+    building, old = out.with_name(f".{out.name}.building"), out.with_name(f".{out.name}.old")
+    for stale in (building, old):  # left by a killed run
+        shutil.rmtree(stale, ignore_errors=True)
+    building.mkdir(parents=True)
+    counts = {}
+    for split in ("train", "heldout"):
+        rows = []
+        for name, directory, meta in parts:
+            if (directory / split).is_dir():
+                part_rows = read_rows(directory, split)
+                check_complete(directory, split, len(part_rows))
+                rows += part_rows
+        for index in range(num_shards(len(rows), cfg.shard_size)):
+            write_shard(shard_path(building, split, index), rows[index * cfg.shard_size:(index + 1) * cfg.shard_size])
+        counts[split] = len(rows)
+    write_meta(building, json.loads((out / DATA_FILE).read_text()))  # "complete": false, as build() pinned it
+    if (out / "features").is_dir():
+        (out / "features").rename(building / "features")
+    out.rename(old)
+    building.rename(out)
+    shutil.rmtree(old, ignore_errors=True)
+    print(f"[data] {out}: " + " + ".join(f"{name} ({meta['rows']['train']})" for name, _, meta in parts), flush=True)
+    return {"parts": {name: {"content_key": meta["content_key"], "rows": meta["rows"]} for name, _, meta in parts},
+            "rows": counts["train"] + counts["heldout"]}
+
+
 def count_rows(out: Path) -> dict[str, int]:
     import pyarrow.parquet as pq
 
     return {split: sum(pq.ParquetFile(f).metadata.num_rows for f in (out / split).glob("shard-*.parquet"))
             for split in ("train", "heldout")}
+
+
+def build_missing_shards(cfg: DataConfig, out: Path, target_dir: Path) -> dict[str, Any]:
+    todo = pending_shards(cfg, out)
+    if not todo:
+        print(f"[data] {out}: every shard is already there", flush=True)
+        return {}
+    done = sum(num_shards(n, cfg.shard_size) for n in split_plan(cfg).values()) - len(todo)
+    print(f"[data] {out}: {len(todo)} shards to build ({done} already done)", flush=True)
+    build_shards = corpus_shards if cfg.source == "corpus" else regenerate_shards
+    return build_shards(cfg, out, target_dir, todo)
 
 
 def build(cfg: DataConfig, force: bool = False) -> Path:
@@ -240,16 +301,8 @@ def build(cfg: DataConfig, force: bool = False) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     # pinned before any shard is written: a rerun after a kill checks its settings, and readers refuse the data set
     write_meta(out, {"name": cfg.name, "config": to_dict(cfg), "content_key": cfg.content_key(), "complete": False})
-    todo = pending_shards(cfg, out)
     start = time.monotonic()
-    if not todo:
-        print(f"[data] {out}: every shard is already there", flush=True)
-        totals: dict[str, Any] = {}
-    else:
-        done = sum(num_shards(n, cfg.shard_size) for n in split_plan(cfg).values()) - len(todo)
-        print(f"[data] {out}: {len(todo)} shards to build ({done} already done)", flush=True)
-        build_shards = corpus_shards if cfg.source == "corpus" else regenerate_shards
-        totals = build_shards(cfg, out, target_dir, todo)
+    totals = mix(cfg, out) if cfg.source == "mix" else build_missing_shards(cfg, out, target_dir)
     seconds = time.monotonic() - start
     for stale in out.glob("*/.shard-*.tmp"):  # a shard's temp file, left by a process killed while writing it
         stale.unlink()

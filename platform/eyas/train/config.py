@@ -52,11 +52,14 @@ class DataConfig:
     regenerate their chat data; the loss covers the answer only. ``suite`` does not apply to it, and prompts over
     ``max_prompt_tokens`` are skipped rather than cut (a cut chat prompt would lose the assistant header).
     source=corpus: fixed raw-text chunks of the train documents, as EAGLE-1 trained on a fixed data set.
+    source=mix: every train and held-out row of ``parts`` (data sets built for this target), part after part, e.g.
+    chat and code answers for one drafter; the prompt and sampling fields do not apply.
     """
 
     name: str
     target: str = "tiny"
-    source: Literal["regenerate", "corpus", "sharegpt"] = "regenerate"
+    source: Literal["regenerate", "corpus", "sharegpt", "mix"] = "regenerate"
+    parts: tuple[str, ...] = ()      # source=mix: the data sets to join (names under $EYAS_HOME/data or paths)
     suite: str = "all"               # prompts / documents: code, prose or all
     num_prompts: int = 512           # train sequences (prompts regenerated, or corpus chunks)
     num_heldout_prompts: int = 32    # held-out sequences (from held-out files / topics) for evaluation
@@ -84,6 +87,9 @@ class DataConfig:
         require(self.temperature >= 0, "temperature", self.temperature, "must be >= 0 (0 = greedy)")
         require(0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]")
         require(self.num_workers >= 0, "num_workers", self.num_workers, "must be >= 0 (0 = one per CPU/GPU)")
+        require((self.source == "mix") == bool(self.parts), "parts", list(self.parts),
+                "source: mix needs the data sets to join (parts: [a, b]), and only source: mix takes them")
+        require(self.name not in self.parts, "parts", list(self.parts), f"must not include the mix itself ({self.name})")
 
     def content_key(self) -> dict[str, Any]:
         """The fields that decide what a shard holds: a rerun may only reuse shards written under the same key."""
@@ -93,6 +99,9 @@ class DataConfig:
                "seed": self.seed, "shard_size": self.shard_size}
         if self.source == "sharegpt":  # only here, so the stamps of existing corpus data sets stay valid
             key["dataset"] = SHAREGPT.requirement
+        if self.source == "mix":  # the parts' own stamps are checked as it is built (jobs.generate_data.mix)
+            key = {"target": key["target"], "source": "mix", "parts": [str(data_path(p)) for p in self.parts],
+                   "shard_size": self.shard_size}
         return key
 
 

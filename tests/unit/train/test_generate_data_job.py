@@ -1,4 +1,5 @@
-"""jobs.generate_data without Ray: corpus chunks as shards, reruns skip finished shards, changed settings refuse."""
+"""jobs.generate_data without Ray: corpus chunks as shards, reruns skip finished shards, changed settings refuse;
+mixes of built data sets."""
 from __future__ import annotations
 
 import json
@@ -80,3 +81,52 @@ def test_a_truncated_shard_or_an_unfinished_build_is_refused_and_a_rerun_redoes_
     (out / "data.json").write_text(json.dumps({**meta, "rows": {"train": 11, "heldout": 3}}))
     with pytest.raises(ShardError, match="its shards hold 10 rows but .*data.json records 11"):
         SequenceDataset(out, "train")
+
+
+def mix_config(**changes) -> DataConfig:
+    fields = {"name": "rand-mix", "target": "target-rand", "source": "mix", "parts": "[rand-corpus, rand-short]",
+              "shard_size": 5, **changes}
+    return load_config(DataConfig, overrides=[f"{k}={v}" for k, v in fields.items()])
+
+
+def test_a_mix_joins_its_parts_and_follows_them_when_they_grow(home, capsys):
+    from jobs.generate_data import build
+
+    first = SequenceDataset(build(corpus_config()), "train").rows
+    short = build(corpus_config(name="rand-short", num_prompts=4, chunk_tokens=16))
+    out = build(mix_config())
+    assert SequenceDataset(out, "train").rows == first + SequenceDataset(short, "train").rows
+    assert len(SequenceDataset(out, "heldout")) == 3 + 3
+    meta = json.loads((out / "data.json").read_text())
+    assert meta["complete"] is True and meta["rows"] == {"train": 14, "heldout": 6}
+    assert sorted(meta["last_run"]["parts"]) == ["rand-corpus", "rand-short"]
+    assert sorted(p.name for p in (out / "train").iterdir()) == [f"shard-0000{i}.parquet" for i in range(3)]
+
+    (out / "features" / "kept").mkdir(parents=True)  # a feature cache (named by sequence) survives a rebuild
+    build(corpus_config(name="rand-short", num_prompts=9, chunk_tokens=16))
+    assert len(SequenceDataset(build(mix_config()), "train")) == 10 + 9
+    assert (out / "features" / "kept").is_dir()
+    assert not list(home.joinpath("data").glob(".rand-mix.*"))  # no temp directory left behind
+
+
+def test_a_mix_refuses_parts_it_cannot_join(home, eyas_home):
+    from jobs.generate_data import build
+
+    with pytest.raises(FileNotFoundError, match="rand-corpus.*not a built data set"):
+        build(mix_config())
+    build(corpus_config())
+    build(corpus_config(name="rand-short"))
+    meta_file = eyas_home / "data" / "rand-short" / "data.json"
+    meta = json.loads(meta_file.read_text())
+    meta_file.write_text(json.dumps({**meta, "content_key": {**meta["content_key"], "target": "/elsewhere"}}))
+    with pytest.raises(ConfigError, match="rand-short.*answers of /elsewhere"):
+        build(mix_config())
+    meta_file.write_text(json.dumps({**meta, "complete": False}))
+    with pytest.raises(ShardError, match="has not finished"):
+        build(mix_config())
+    with pytest.raises(ConfigError, match="source: mix needs"):
+        mix_config(parts="[]")
+    with pytest.raises(ConfigError, match="only source: mix takes them"):
+        corpus_config(parts="[rand-short]")
+    with pytest.raises(ConfigError, match="must not include the mix itself"):
+        mix_config(parts="[rand-mix, rand-short]")
