@@ -89,7 +89,8 @@ class DataConfig:
         require(self.num_workers >= 0, "num_workers", self.num_workers, "must be >= 0 (0 = one per CPU/GPU)")
         require((self.source == "mix") == bool(self.parts), "parts", list(self.parts),
                 "source: mix needs the data sets to join (parts: [a, b]), and only source: mix takes them")
-        require(self.name not in self.parts, "parts", list(self.parts), f"must not include the mix itself ({self.name})")
+        require(self.name not in self.parts, "parts", list(self.parts),
+                f"must not include the mix itself ({self.name})")
 
     def content_key(self) -> dict[str, Any]:
         """The fields that decide what a shard holds: a rerun may only reuse shards written under the same key."""
