@@ -161,7 +161,8 @@ class LoopConfig:
     log_every: int = 5               # steps between logged training losses
     checkpoint_every: int | None = None  # checkpoint every N steps too (always at each epoch end)
     # reuse target features across epochs: "memory" per worker (each worker then keeps its share of the data and
-    # reshuffles only within it), "disk" under <data>/features/ (shared by the workers, global reshuffling)
+    # reshuffles only within it), "disk" under <data>/features/ (shared by the workers, global reshuffling; read
+    # from the files each step, so a worker's memory stays flat however large the data set)
     feature_cache: Literal["none", "memory", "disk"] = "none"
     # the drafter's forward and loss: bfloat16 autocast over float32 weights and optimizer state (2-4x faster steps
     # on a CPU with AMX / AVX512-BF16, and on GPUs; README "Training in bfloat16")

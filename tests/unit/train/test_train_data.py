@@ -140,6 +140,7 @@ def test_feature_cache_matches_online(target, dataset_dir, tmp_path, mode):
             assert cached._logits_BTV is None  # the LM head over every position runs only when a loss reads it
             torch.testing.assert_close(cached.logits_BTV[valid], online.logits_BTV[valid], atol=1e-4, rtol=1e-4)
     assert cache.misses == 4 and cache.hits == 6
+    assert len(cache.memory) == (4 if mode == "memory" else 0)  # a disk cache holds no row in the worker
     if mode == "disk":  # a fresh cache (another worker, a resumed run) reads the files
         fresh = FeatureCache(target, taps, "disk", tmp_path / "features")
         fresh.features(data.batch([0, 21]))
