@@ -122,8 +122,9 @@ class Trainer:
         return FeatureCache(self.target, self.taps, "disk", directory, keep_taps=held)
 
     def _heldout_batches(self, heldout: SequenceDataset) -> list:
-        """(batch, features) pairs of the held-out split, features computed once (read from disk when cached)."""
-        cache = self._feature_cache("disk" if self.feature_dir is not None else "memory")
+        """(batch, features) pairs of the held-out split, features computed once (read from disk when cached: the
+        training split's cache, which names sequences by content and so holds both)."""
+        cache = self.features if self.features.mode == "disk" else FeatureCache(self.target, self.taps, "memory")
         size = self.cfg.train.batch_size
         out = []
         for start in range(0, len(heldout), size):
