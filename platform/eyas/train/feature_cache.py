@@ -2,7 +2,9 @@
 cache), and across trainings, trials and ``ray job submit`` copies of the working dir (a disk cache under
 ``$EYAS_HOME``, see ``open_feature_dir``). Everything is named by content: a cache by the target's weights and
 its taps, a row by its token ids, so a data set that grows (jobs.generate_data with more prompts) or is reordered
-computes only the sequences it has not seen."""
+computes only the sequences it has not seen. Features come from a float32 or a bfloat16 forward of the target
+(``train.feature_dtype``): bfloat16 halves the feature pass on a CPU with AVX512-BF16 / AMX, and its caches are
+kept apart from float32 ones (a bfloat16 run reads a float32 cache where one exists, not the other way round)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -50,6 +52,7 @@ def sequence_key(ids_T: torch.Tensor) -> str:
 
 MANIFEST = "cache.json"  # in each disk cache: what it holds, so a drafter with fewer taps can read it
 LAYOUT = "by-sequence"    # rows named by sequence_key (caches of index-named rows are not read: they recompute)
+FEATURE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def cache_base(target: Decoder) -> str:
@@ -62,26 +65,38 @@ def stored_taps(target: Decoder, taps: Sequence[int]) -> tuple[int, ...]:
     return tuple(sorted(set(taps) | {target.config.num_layers}))
 
 
-def open_feature_dir(root: Path, target: Decoder, taps: Sequence[int]) -> tuple[Path, tuple[int, ...]]:
-    """(directory, the taps it stores) for a drafter reading ``taps``: its own cache (``root/<key>``, the key naming
-    the target's weights and the taps) when that exists, else a cache of the same target whose taps include these
-    (EAGLE-1 and Medusa read the final state that EAGLE-3's and DFlash's caches keep as well), else a new own cache.
-    Sequences a reused cache lacks are computed with all of its taps, so it stays whole for the drafter that made
-    it."""
+def open_feature_dir(root: Path, target: Decoder, taps: Sequence[int],
+                     dtype: str = "float32") -> tuple[Path, tuple[int, ...], str]:
+    """(directory, the taps it stores, the dtype of its forward) for a drafter reading ``taps`` computed by a
+    ``dtype`` forward: its own cache (``root/<key>``, the key naming the target's weights, the taps and a bfloat16
+    forward) when that exists, else a cache of the same target whose taps include these, in the same dtype or in
+    float32 (EAGLE-1 and Medusa read the final state that EAGLE-3's and DFlash's caches keep as well; a bfloat16 run
+    reads float32 features, never the reverse), else a new own cache. Sequences a reused cache lacks are computed
+    with all of its taps and its dtype, so it stays whole for the drafter that made it."""
+    if dtype not in FEATURE_DTYPES:
+        raise ValueError(f"feature dtype {dtype!r}: must be one of {sorted(FEATURE_DTYPES)}")
     base = cache_base(target)
     wanted = stored_taps(target, taps)
-    own = root / hashlib.sha256(json.dumps([base, list(wanted)]).encode()).hexdigest()[:16]
+    key = [base, list(wanted)] + ([dtype] if dtype != "float32" else [])  # float32 caches keep their older key
+    own = root / hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
     if not own.is_dir() and root.is_dir():
         for manifest in sorted(root.glob(f"*/{MANIFEST}")):
             held = json.loads(manifest.read_text())
-            if held.get("base") == base and set(wanted) <= set(held.get("taps", ())):
-                return manifest.parent, tuple(held["taps"])
+            held_dtype = held.get("dtype", "float32")  # manifests before bfloat16 features: float32
+            if (held.get("base") == base and set(wanted) <= set(held.get("taps", ()))
+                    and held_dtype in (dtype, "float32")):
+                return manifest.parent, tuple(held["taps"]), held_dtype
     own.mkdir(parents=True, exist_ok=True)
     if not (own / MANIFEST).is_file():
         tmp = own / f".{MANIFEST}.{os.getpid()}.tmp"
-        tmp.write_text(json.dumps({"base": base, "taps": list(wanted), "layout": LAYOUT}))
+        tmp.write_text(json.dumps({"base": base, "taps": list(wanted), "layout": LAYOUT, "dtype": dtype}))
         tmp.replace(own / MANIFEST)
-    return own, wanted
+    return own, wanted, dtype
+
+
+def as_float32(features: TargetFeatures) -> TargetFeatures:
+    """Features of a bfloat16 forward as the float32 a drafter's inputs are (unchanged when they are)."""
+    return TargetFeatures({t: h.float() for t, h in features.taps.items()}, features.logits_BTV.float())
 
 
 class FeatureCache:
@@ -93,6 +108,10 @@ class FeatureCache:
     time it is asked for (the OS's page cache keeps the hot ones) and holds none in the worker, whose memory would
     otherwise grow to every row's features (9 GB per worker on 2,688 smollm2 sequences with EAGLE-3's taps).
 
+    ``source`` gives the model the features come from (called on the first sequence to compute, so a run that finds
+    every row cached loads nothing): the target itself by default, or a bfloat16 copy of it (Trainer). Rows are
+    stored in its dtype and handed to the drafter in float32.
+
     A row holds the requested taps, the final-normed state (tap ``num_layers``) and the target's greedy next tokens
     (``ARGMAX``, from the forward's own logits). Logits are not stored: they are the LM head on the final-normed
     state, re-derived only when a loss reads them (``TargetFeatures.logits_BTV``: the soft-target losses), as that
@@ -101,7 +120,7 @@ class FeatureCache:
     """
 
     def __init__(self, target: Decoder, taps: Sequence[int], mode: str = "none", directory: Path | None = None,
-                 keep_taps: Sequence[int] = ()) -> None:
+                 keep_taps: Sequence[int] = (), source: Callable[[], Decoder] | None = None) -> None:
         if mode not in ("none", "memory", "disk"):
             raise ValueError(f"feature cache mode {mode!r}: must be none, memory or disk")
         if mode == "disk" and directory is None:
@@ -109,6 +128,7 @@ class FeatureCache:
         self.target, self.taps, self.mode = target, tuple(taps), mode
         self.stored_taps = stored_taps(target, (*self.taps, *keep_taps))  # keep_taps: a shared cache's others
         self.directory = Path(directory) if directory is not None else None
+        self.source = source or (lambda: target)
         self.memory: dict[str, dict[int | str, torch.Tensor]] = {}
         self.hits = self.misses = 0
         if self.directory is not None:
@@ -116,7 +136,7 @@ class FeatureCache:
 
     def features(self, batch: TrainBatch) -> TargetFeatures:
         if self.mode == "none":
-            return target_features(self.target, batch.input_ids_BT, self.taps)
+            return as_float32(target_features(self.source(), batch.input_ids_BT, self.taps))
         lengths = batch.valid_BT.sum(-1).tolist()
         keys = [sequence_key(ids_T[:length]) for ids_T, length in zip(batch.input_ids_BT, lengths)]
         rows = [self._lookup(key) for key in keys]
@@ -125,7 +145,7 @@ class FeatureCache:
         self.misses += len(missing)
         if missing:
             T = max(lengths[b] for b in missing)
-            computed = target_features(self.target, batch.input_ids_BT[missing, :T], self.stored_taps)
+            computed = target_features(self.source(), batch.input_ids_BT[missing, :T], self.stored_taps)
             for j, b in enumerate(missing):
                 rows[b] = {t: computed.taps[t][j, :lengths[b]].clone() for t in self.stored_taps}
                 rows[b][ARGMAX] = computed.argmax_BT[j, :lengths[b]].clone()
@@ -133,7 +153,7 @@ class FeatureCache:
         return self._assemble(rows, batch.input_ids_BT.shape[1])
 
     def _assemble(self, rows: list[dict[int | str, torch.Tensor] | None], T: int) -> TargetFeatures:
-        taps = {t: right_padded([row[t] for row in rows], T) for t in self.stored_taps}
+        taps = {t: right_padded([row[t] for row in rows], T).float() for t in self.stored_taps}
         final_BTE = taps[self.target.config.num_layers]
 
         def logits_from(index: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:

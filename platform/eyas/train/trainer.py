@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -27,7 +27,7 @@ from eyas.models.decoder import Decoder
 from eyas.models.features import TrainBatch
 from eyas.train.config import TrainConfig
 from eyas.train.data import SequenceDataset, to_device
-from eyas.train.feature_cache import FeatureCache, open_feature_dir
+from eyas.train.feature_cache import FEATURE_DTYPES, FeatureCache, open_feature_dir
 from eyas.train.step import build_drafter, evaluate, make_strategy, measure_tau, resolve_precision
 
 
@@ -102,29 +102,49 @@ class Trainer:
         if train.max_steps is not None:
             self.total_steps = min(self.total_steps, train.max_steps)
         self.precision = resolve_precision(train.precision, self.device)
+        self.feature_dtype = self.precision if train.feature_dtype == "auto" else train.feature_dtype
         self.strategy = make_strategy(strategy or cfg.scaling.strategy, self.drafter, cfg.optim, train.batch_size,
                                       self.total_steps, world_size, self.device, self.precision)
         mode = feature_cache or train.feature_cache
         self.feature_dir = Path(feature_dir) if mode == "disk" and feature_dir is not None else None
+        self.target_copies: dict[str, Decoder] = {}  # the target in a feature_dtype of its own, loaded on first use
         self.features = self._feature_cache(mode)
         self.heldout = self._heldout_batches(heldout) if heldout is not None else []
         self.step = 0
         self.vanilla: list[list[int]] | None = None  # plain greedy continuations of the prompts, made once
 
     def _feature_cache(self, mode: str) -> FeatureCache:
-        """Disk: ``feature_dir/<key>/``, the key naming the target's weights and the taps by content, each sequence
-        named by its token ids, so every run, worker, drafter with these taps (or fewer: open_feature_dir) and
-        sweep trial on the same target reads what the first one computed for a sequence (a grown data set computes
-        only its new sequences, and a copied working dir changes nothing)."""
+        """Disk: ``feature_dir/<key>/``, the key naming the target's weights, the taps and the forward's dtype by
+        content, each sequence named by its token ids, so every run, worker, drafter with these taps (or fewer:
+        open_feature_dir) and sweep trial on the same target reads what the first one computed for a sequence (a
+        grown data set computes only its new sequences, and a copied working dir changes nothing)."""
         if mode != "disk" or self.feature_dir is None:
-            return FeatureCache(self.target, self.taps, mode)
-        directory, held = open_feature_dir(self.feature_dir, self.target, self.taps)
-        return FeatureCache(self.target, self.taps, "disk", directory, keep_taps=held)
+            return FeatureCache(self.target, self.taps, mode, source=self._feature_source(self.feature_dtype))
+        directory, held, dtype = open_feature_dir(self.feature_dir, self.target, self.taps, self.feature_dtype)
+        return FeatureCache(self.target, self.taps, "disk", directory, keep_taps=held,
+                            source=self._feature_source(dtype))
+
+    def _feature_source(self, dtype: str) -> Callable[[], Decoder]:
+        """The model the features come from: the target, or a bfloat16 copy of it loaded on first use (a run whose
+        rows are all cached loads none)."""
+        if dtype == "float32":
+            return lambda: self.target
+        if self.target_dir is None:
+            raise ConfigError(f"train.feature_dtype: a {dtype} feature forward loads the target again and needs "
+                              "its directory (Trainer target_dir=...); set train.feature_dtype=float32")
+
+        def copy() -> Decoder:
+            if dtype not in self.target_copies:  # one per dtype: training and held-out features share it
+                self.target_copies[dtype] = load_target(self.target_dir, dtype=FEATURE_DTYPES[dtype],
+                                                        device=self.device).eval()
+            return self.target_copies[dtype]
+        return copy
 
     def _heldout_batches(self, heldout: SequenceDataset) -> list:
         """(batch, features) pairs of the held-out split, features computed once (read from disk when cached: the
         training split's cache, which names sequences by content and so holds both)."""
-        cache = self.features if self.features.mode == "disk" else FeatureCache(self.target, self.taps, "memory")
+        cache = self.features if self.features.mode == "disk" else FeatureCache(
+            self.target, self.taps, "memory", source=self._feature_source(self.feature_dtype))
         size = self.cfg.train.batch_size
         out = []
         for start in range(0, len(heldout), size):

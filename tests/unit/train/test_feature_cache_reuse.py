@@ -125,3 +125,61 @@ def test_a_grown_or_reordered_data_set_computes_only_its_new_sequences(random_ch
     again = []
     train_once(eagle3, "target", data_dir, again)
     assert again == []
+
+
+def test_bfloat16_features_come_from_a_bfloat16_copy_and_read_float32_caches(random_checkpoint, tmp_path,
+                                                                              monkeypatch):
+    """train.feature_dtype bfloat16: the features come from a bfloat16 copy of the target (the float32 target runs
+    no forward), are stored in bfloat16 in a cache of their own and train the drafter as float32's do, to bfloat16's
+    rounding; a bfloat16 run reads a float32 cache of its taps, a float32 run never reads a bfloat16 one."""
+    import dataclasses
+    import json
+
+    from safetensors.torch import load_file
+
+    from eyas.models.decoder import Decoder
+
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(random_checkpoint, tmp_path / "target")
+    fp32 = config({"type": "eagle3", "config": {"ttt_steps": 2, "draft_vocab_size": 64}})
+    bf16 = dataclasses.replace(fp32, train=dataclasses.replace(fp32.train, feature_dtype="bfloat16"))
+    forwards: list[torch.dtype] = []
+    handle = torch.nn.modules.module.register_module_forward_hook(
+        lambda module, args, output: forwards.append(module.embed_tokens.weight.dtype)
+        if isinstance(module, Decoder) else None)
+    try:
+        in_bf16 = write_data(tmp_path / "bf16", 320, seed=0)
+        bf16_losses, _ = train_once(bf16, "target", in_bf16)
+        assert forwards == [torch.bfloat16] * 3  # two train batches, one held-out batch: all by the copy
+        (cache,) = (in_bf16 / "features").iterdir()
+        assert json.loads((cache / "cache.json").read_text())["dtype"] == "bfloat16"
+        assert all(t.dtype in (torch.bfloat16, torch.int64) for file in cache.glob("*.safetensors")
+                   for t in load_file(str(file)).values())
+
+        in_fp32 = write_data(tmp_path / "fp32", 320, seed=0)
+        forwards.clear()
+        fp32_losses, _ = train_once(fp32, "target", in_fp32)
+        assert forwards == [torch.float32] * 3
+        assert bf16_losses == pytest.approx(fp32_losses, rel=2e-2)
+
+        forwards.clear()
+        reread, _ = train_once(bf16, "target", in_fp32)
+        assert forwards == [] and reread == pytest.approx(fp32_losses, abs=1e-5)  # float32 features serve it
+        forwards.clear()
+        train_once(fp32, "target", in_bf16)
+        assert forwards == [torch.float32] * 3 and len(list((in_bf16 / "features").iterdir())) == 2
+    finally:
+        handle.remove()
+
+
+def test_a_bfloat16_feature_forward_needs_the_targets_directory(random_checkpoint, tmp_path):
+    import dataclasses
+
+    from eyas.config import ConfigError
+
+    cfg = config({"type": "eagle1", "config": {}})
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, feature_dtype="bfloat16"))
+    data_dir = write_data(tmp_path / "chat", 320, seed=0)
+    with pytest.raises(ConfigError, match="set train.feature_dtype=float32"):
+        Trainer(cfg, load_target(random_checkpoint), SequenceDataset(data_dir, "train", cfg.train.max_len),
+                feature_dir=data_dir / "features")
