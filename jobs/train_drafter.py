@@ -101,6 +101,11 @@ def local_init(cfg: TrainConfig) -> TrainConfig:
                           f"drafter.type is {cfg.drafter.type}; train the family it holds or start from another")
     from_dict(registry.family(cfg.drafter.type).config_cls, {**meta["config"], **cfg.drafter.config},
               prefix="drafter.config.")
+    changed = [f"{key} {meta['config'].get(key)!r} -> {value!r}" for key, value in sorted(cfg.drafter.config.items())
+               if meta["config"].get(key) != value]
+    if changed:  # a family YAML's drafter.config overrides the checkpoint's: say so (block_size 4 -> 16 is a new task)
+        print(f"[train_drafter] drafter.init_from={ref}: drafter.config changes the checkpoint's "
+              f"{', '.join(changed)}", flush=True)
     return replace(cfg, drafter=replace(cfg.drafter, init_from=str(directory.resolve())))
 
 

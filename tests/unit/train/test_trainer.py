@@ -47,7 +47,7 @@ def test_live_drafter_measures_like_its_checkpoint(case, data_dir, tmp_path):
     assert trainer.step > step
 
 
-def test_a_warm_start_trains_on_from_a_saved_drafter(data_dir, tmp_path, monkeypatch):
+def test_a_warm_start_trains_on_from_a_saved_drafter(data_dir, tmp_path, monkeypatch, capsys):
     """``drafter.init_from``: the trainer starts from the checkpoint's weights and draft vocabulary (``config``
     overriding a training-only field), trains on, and a checkpoint of another family or shape is refused by name;
     jobs.train_drafter resolves a bare name under $EYAS_HOME/drafters before Ray starts."""
@@ -93,6 +93,11 @@ def test_a_warm_start_trains_on_from_a_saved_drafter(data_dir, tmp_path, monkeyp
 
     assert local_init(replace(cfg, drafter=replace(cfg.drafter, init_from="first"))).drafter.init_from == str(
         (tmp_path / "drafters" / "first").resolve())
+    assert "changes the checkpoint's" not in capsys.readouterr().out  # the YAML's config is the checkpoint's
+    local_init(replace(cfg, drafter=replace(cfg.drafter, init_from="first",
+                                            config={**cfg.drafter.config, "ttt_steps": 2})))
+    said = capsys.readouterr().out
+    assert "changes the checkpoint's ttt_steps 3 -> 2" in said
     with pytest.raises(ConfigError, match="no drafter checkpoint at .*drafters/missing"):
         local_init(replace(cfg, drafter=replace(cfg.drafter, init_from="missing")))
     with pytest.raises(ConfigError, match="holds a eagle3 drafter but drafter.type is medusa"):
