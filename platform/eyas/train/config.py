@@ -168,7 +168,7 @@ class LoopConfig:
     # on a CPU with AMX / AVX512-BF16, and on GPUs; README "Training in bfloat16")
     precision: Literal["float32", "bfloat16", "auto"] = "float32"  # float32, bfloat16 (autocast) or auto (bfloat16 where native)
     # the target forward that makes the features: float32, bfloat16 (a bfloat16 copy of the target, loaded on the first
-    # sequence to compute: ~1.7x faster on an AVX512-BF16 CPU, features within ~1% of float32's) or auto (as the
+    # sequence to compute: ~1.6x faster on an AVX512-BF16 CPU, features within ~1% of float32's) or auto (as the
     # drafter's resolved precision). A bfloat16 run reads a float32 disk cache of its taps where one exists
     feature_dtype: Literal["float32", "bfloat16", "auto"] = "auto"  # float32, bfloat16 or auto (as precision)
     fail_at_step: int | None = None  # testing: rank `fail_rank` dies once at this step (a marker file guards)
