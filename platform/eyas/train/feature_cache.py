@@ -17,6 +17,7 @@ from typing import Callable, Sequence
 import torch
 
 from eyas.models.decoder import Decoder
+from eyas.models.dtypes import torch_dtype
 from eyas.models.features import TargetFeatures, TrainBatch, target_features
 
 ARGMAX = "argmax"  # a row's key for the target's greedy next tokens (its taps are keyed by layer number)
@@ -52,7 +53,6 @@ def sequence_key(ids_T: torch.Tensor) -> str:
 
 MANIFEST = "cache.json"  # in each disk cache: what it holds, so a drafter with fewer taps can read it
 LAYOUT = "by-sequence"    # rows named by sequence_key (caches of index-named rows are not read: they recompute)
-FEATURE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def cache_base(target: Decoder) -> str:
@@ -73,8 +73,7 @@ def open_feature_dir(root: Path, target: Decoder, taps: Sequence[int],
     float32 (EAGLE-1 and Medusa read the final state that EAGLE-3's and DFlash's caches keep as well; a bfloat16 run
     reads float32 features, never the reverse), else a new own cache. Sequences a reused cache lacks are computed
     with all of its taps and its dtype, so it stays whole for the drafter that made it."""
-    if dtype not in FEATURE_DTYPES:
-        raise ValueError(f"feature dtype {dtype!r}: must be one of {sorted(FEATURE_DTYPES)}")
+    torch_dtype(dtype, "train.feature_dtype")  # a name the target loads in, or ValueError
     base = cache_base(target)
     wanted = stored_taps(target, taps)
     key = [base, list(wanted)] + ([dtype] if dtype != "float32" else [])  # float32 caches keep their older key

@@ -24,10 +24,11 @@ from eyas.drafters import registry
 from eyas.methods import wrap_model
 from eyas.models import load_target, load_tokenizer
 from eyas.models.decoder import Decoder
+from eyas.models.dtypes import torch_dtype
 from eyas.models.features import TrainBatch
 from eyas.train.config import TrainConfig
 from eyas.train.data import SequenceDataset, to_device
-from eyas.train.feature_cache import FEATURE_DTYPES, FeatureCache, open_feature_dir
+from eyas.train.feature_cache import FeatureCache, open_feature_dir
 from eyas.train.step import build_drafter, evaluate, make_strategy, measure_tau, resolve_precision
 
 
@@ -135,7 +136,7 @@ class Trainer:
 
         def copy() -> Decoder:
             if dtype not in self.target_copies:  # one per dtype: training and held-out features share it
-                self.target_copies[dtype] = load_target(self.target_dir, dtype=FEATURE_DTYPES[dtype],
+                self.target_copies[dtype] = load_target(self.target_dir, dtype=torch_dtype(dtype),
                                                         device=self.device).eval()
             return self.target_copies[dtype]
         return copy
