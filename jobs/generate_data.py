@@ -22,7 +22,9 @@ into place at the end (its feature cache kept: the features are named by sequenc
 current rows.
 
 Shards are the unit of work and of restart: shard i of a split holds sequences [i * shard_size, (i+1) * shard_size)
-and is written atomically, so a rerun skips the shards already on disk and builds missing or unreadable ones.
+and is written atomically, so a rerun skips the shards already on disk and builds missing or unreadable ones. A
+rerun with a larger ``num_prompts`` grows the data set: it builds the new shards and again the one the earlier plan
+cut short (``covered`` in data.json); a smaller one keeps the rows there and says so.
 ``data.json`` pins what decides a shard's content (target, source, sampling, lengths, seed, shard size); a rerun with
 a different one stops with an error unless ``--force`` (which starts over).
 """
@@ -86,15 +88,36 @@ def split_plan(cfg: DataConfig) -> dict[str, int]:
     return {"train": cfg.num_prompts, "heldout": cfg.num_heldout_prompts}
 
 
-def pending_shards(cfg: DataConfig, out: Path) -> list[tuple[str, int]]:
-    """The shards a run must build: missing ones, and ones a crash or a bad copy left unreadable (truncated)."""
+def covered_plan(out: Path) -> dict[str, int]:
+    """How many prompts of each split the shards on disk were planned for: the largest plan of the earlier builds,
+    kept through unfinished ones; {} when new. A data set stamped before eyas kept this: its config's counts, or
+    the rows on disk where a smaller rerun stamped it."""
+    stamp = out / DATA_FILE
+    if not stamp.is_file():
+        return {}
+    meta = json.loads(stamp.read_text())
+    if "covered" in meta:
+        return meta["covered"]
+    config, rows = meta.get("config") or {}, count_rows(out)
+    return {"train": max(config.get("num_prompts", 0), rows["train"]),
+            "heldout": max(config.get("num_heldout_prompts", 0), rows["heldout"])}
+
+
+def pending_shards(cfg: DataConfig, out: Path, covered: dict[str, int]) -> list[tuple[str, int]]:
+    """The shards a run must build: missing ones, ones a crash or a bad copy left unreadable (truncated), and the
+    one an earlier, smaller plan cut short, when this plan grows past it (``covered``: see ``covered_plan``)."""
     todo = []
     for split, count in split_plan(cfg).items():
+        before = covered.get(split, count)
+        cut_short = before // cfg.shard_size if before < count and before % cfg.shard_size else None
         for index in range(num_shards(count, cfg.shard_size)):
             path = shard_path(out, split, index)
-            if path.is_file() and shard_is_complete(path):
+            if index == cut_short and path.is_file():
+                print(f"[data] {path}: the end of the earlier {before} {split} prompts; building it again, whole",
+                      flush=True)
+            elif path.is_file() and shard_is_complete(path):
                 continue
-            if path.is_file():
+            elif path.is_file():
                 print(f"[data] {path}: unreadable (truncated or corrupt); building it again", flush=True)
             todo.append((split, index))
     return todo
@@ -283,8 +306,8 @@ def count_rows(out: Path) -> dict[str, int]:
             for split in ("train", "heldout")}
 
 
-def build_missing_shards(cfg: DataConfig, out: Path, target_dir: Path) -> dict[str, Any]:
-    todo = pending_shards(cfg, out)
+def build_missing_shards(cfg: DataConfig, out: Path, target_dir: Path, covered: dict[str, int]) -> dict[str, Any]:
+    todo = pending_shards(cfg, out, covered)
     if not todo:
         print(f"[data] {out}: every shard is already there", flush=True)
         return {}
@@ -298,11 +321,13 @@ def build(cfg: DataConfig, force: bool = False) -> Path:
     out = data_path(cfg.name)
     target_dir = check_target(cfg)
     check_stamp(cfg, out, force)
+    covered = {} if cfg.source == "mix" else covered_plan(out)
     out.mkdir(parents=True, exist_ok=True)
     # pinned before any shard is written: a rerun after a kill checks its settings, and readers refuse the data set
-    write_meta(out, {"name": cfg.name, "config": to_dict(cfg), "content_key": cfg.content_key(), "complete": False})
+    write_meta(out, {"name": cfg.name, "config": to_dict(cfg), "content_key": cfg.content_key(), "complete": False,
+                     **({"covered": covered} if covered else {})})
     start = time.monotonic()
-    totals = mix(cfg, out) if cfg.source == "mix" else build_missing_shards(cfg, out, target_dir)
+    totals = mix(cfg, out) if cfg.source == "mix" else build_missing_shards(cfg, out, target_dir, covered)
     seconds = time.monotonic() - start
     for stale in out.glob("*/.shard-*.tmp"):  # a shard's temp file, left by a process killed while writing it
         stale.unlink()
@@ -310,6 +335,12 @@ def build(cfg: DataConfig, force: bool = False) -> Path:
     meta = {"name": cfg.name, "config": to_dict(cfg), "content_key": cfg.content_key(), "rows": counts,
             "complete": True, "last_run": {**totals, "seconds": seconds},
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    if cfg.source != "mix":
+        meta["covered"] = {split: max(covered.get(split, 0), count) for split, count in split_plan(cfg).items()}
+        for split, count in split_plan(cfg).items():
+            if counts[split] > count:
+                print(f"[data] {out}: {counts[split]} {split} sequences, more than the {count} asked for: an earlier, "
+                      f"larger build's, kept (--force builds exactly {count})", flush=True)
     write_meta(out, meta)
     print(f"[data] {out}: {counts['train']} train + {counts['heldout']} held-out sequences "
           f"({seconds:.1f}s this run)", flush=True)

@@ -61,7 +61,7 @@ class DataConfig:
     source: Literal["regenerate", "corpus", "sharegpt", "mix"] = "regenerate"
     parts: tuple[str, ...] = ()      # source=mix: the data sets to join (names under $EYAS_HOME/data or paths)
     suite: str = "all"               # prompts / documents: code, prose or all
-    num_prompts: int = 512           # train sequences (prompts regenerated, or corpus chunks)
+    num_prompts: int = 512           # train sequences (regenerated prompts or corpus chunks); more on a rerun grows it
     num_heldout_prompts: int = 32    # held-out sequences (from held-out files / topics) for evaluation
     max_prompt_tokens: int = 128     # longer prompts are cut to their first max_prompt_tokens tokens
     max_new_tokens: int = 128        # response budget per prompt (regenerate)

@@ -42,6 +42,29 @@ def test_corpus_source_writes_chunks_and_reruns_skip_done_shards(home, capsys):
     assert SequenceDataset(out, "train").rows == train.rows
 
 
+def test_a_data_set_grows_whole_past_a_shard_its_last_plan_cut_short_and_keeps_rows_when_asked_for_fewer(home, capsys):
+    from jobs.generate_data import build, covered_plan
+
+    build(corpus_config(num_prompts=10))  # shards of 4, 4 and 2 rows
+    capsys.readouterr()
+    out = build(corpus_config(num_prompts=14))
+    assert "shard-00002.parquet: the end of the earlier 10 train prompts" in capsys.readouterr().out
+    fresh = build(corpus_config(name="rand-fresh", num_prompts=14))
+    assert SequenceDataset(out, "train").rows == SequenceDataset(fresh, "train").rows
+    assert len(SequenceDataset(out, "train")) == 14
+
+    build(corpus_config(num_prompts=6))
+    assert "14 train sequences, more than the 6 asked for" in capsys.readouterr().out
+    stamp = json.loads((out / "data.json").read_text())
+    assert stamp["rows"]["train"] == 14 and stamp["covered"] == {"train": 14, "heldout": 3}
+    del stamp["covered"]  # as stamped before data.json kept it: the rows on disk say what the shards cover
+    (out / "data.json").write_text(json.dumps(stamp))
+    assert covered_plan(out) == {"train": 14, "heldout": 3}
+    build(corpus_config(num_prompts=16))  # 14 -> 16: shard 3 (rows 12-13) is rebuilt with rows 14-15
+    assert SequenceDataset(out, "train").rows == SequenceDataset(build(corpus_config(name="rand-16", num_prompts=16)),
+                                                                 "train").rows
+
+
 def test_changed_settings_need_force(home):
     from jobs.generate_data import build
 
