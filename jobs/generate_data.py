@@ -66,36 +66,36 @@ def check_target(cfg: DataConfig) -> Path:
     return directory
 
 
-def check_stamp(cfg: DataConfig, out: Path, force: bool) -> None:
-    """Reuse shards only when they were produced under the same content key."""
+def check_stamp(cfg: DataConfig, out: Path, force: bool) -> dict[str, Any]:
+    """Reuse shards only when they were produced under the same content key; the earlier stamp ({} when none)."""
     stamp = out / DATA_FILE
     if force and out.exists():
         print(f"[data] --force: removing {out}", flush=True)
         shutil.rmtree(out)
     if not stamp.is_file():
-        return
+        return {}
     try:
-        old = json.loads(stamp.read_text()).get("content_key")
+        meta = json.loads(stamp.read_text())
     except json.JSONDecodeError as err:
         raise ConfigError(f"{stamp}: not valid JSON ({err}); rerun with --force to build the data set again") from None
+    old = meta.get("content_key")
     if old != cfg.content_key():
         changed = sorted(k for k in cfg.content_key() if (old or {}).get(k) != cfg.content_key()[k])
         raise ConfigError(f"{out} was generated with different settings ({changed}); rerun with --force to "
                           f"regenerate it, or choose another name=...")
+    return meta
 
 
 def split_plan(cfg: DataConfig) -> dict[str, int]:
     return {"train": cfg.num_prompts, "heldout": cfg.num_heldout_prompts}
 
 
-def covered_plan(out: Path) -> dict[str, int]:
-    """How many prompts of each split the shards on disk were planned for: the largest plan of the earlier builds,
-    kept through unfinished ones; {} when new. A data set stamped before eyas kept this: its config's counts, or
-    the rows on disk where a smaller rerun stamped it."""
-    stamp = out / DATA_FILE
-    if not stamp.is_file():
+def covered_plan(out: Path, meta: dict[str, Any]) -> dict[str, int]:
+    """How many prompts of each split the shards on disk were planned for: the largest plan of the earlier builds
+    (``meta``: the earlier stamp), kept through unfinished ones; {} when new. A data set stamped before eyas kept
+    this: its config's counts, or the rows on disk where a smaller rerun stamped it."""
+    if not meta:
         return {}
-    meta = json.loads(stamp.read_text())
     if "covered" in meta:
         return meta["covered"]
     config, rows = meta.get("config") or {}, count_rows(out)
@@ -320,8 +320,8 @@ def build_missing_shards(cfg: DataConfig, out: Path, target_dir: Path, covered: 
 def build(cfg: DataConfig, force: bool = False) -> Path:
     out = data_path(cfg.name)
     target_dir = check_target(cfg)
-    check_stamp(cfg, out, force)
-    covered = {} if cfg.source == "mix" else covered_plan(out)
+    earlier = check_stamp(cfg, out, force)
+    covered = {} if cfg.source == "mix" else covered_plan(out, earlier)
     out.mkdir(parents=True, exist_ok=True)
     # pinned before any shard is written: a rerun after a kill checks its settings, and readers refuse the data set
     write_meta(out, {"name": cfg.name, "config": to_dict(cfg), "content_key": cfg.content_key(), "complete": False,
@@ -336,8 +336,9 @@ def build(cfg: DataConfig, force: bool = False) -> Path:
             "complete": True, "last_run": {**totals, "seconds": seconds},
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     if cfg.source != "mix":
-        meta["covered"] = {split: max(covered.get(split, 0), count) for split, count in split_plan(cfg).items()}
+        meta["covered"] = {}
         for split, count in split_plan(cfg).items():
+            meta["covered"][split] = max(covered.get(split, 0), count)
             if counts[split] > count:
                 print(f"[data] {out}: {counts[split]} {split} sequences, more than the {count} asked for: an earlier, "
                       f"larger build's, kept (--force builds exactly {count})", flush=True)

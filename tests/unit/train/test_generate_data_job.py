@@ -59,7 +59,7 @@ def test_a_data_set_grows_whole_past_a_shard_its_last_plan_cut_short_and_keeps_r
     assert stamp["rows"]["train"] == 14 and stamp["covered"] == {"train": 14, "heldout": 3}
     del stamp["covered"]  # as stamped before data.json kept it: the rows on disk say what the shards cover
     (out / "data.json").write_text(json.dumps(stamp))
-    assert covered_plan(out) == {"train": 14, "heldout": 3}
+    assert covered_plan(out, stamp) == {"train": 14, "heldout": 3}
     build(corpus_config(num_prompts=16))  # 14 -> 16: shard 3 (rows 12-13) is rebuilt with rows 14-15
     assert SequenceDataset(out, "train").rows == SequenceDataset(build(corpus_config(name="rand-16", num_prompts=16)),
                                                                  "train").rows
