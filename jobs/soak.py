@@ -2,19 +2,28 @@
 
 Closed-loop clients draw request kinds from ``KINDS`` until the time is up: greedy completions (plain and
 streamed), greedy chat, sampled and seeded-sampled streams, an over-long prompt (400), malformed bodies (400) and
-streams the client drops after two events. The run fails (the report lists every failure) when:
+hang-ups: a client that leaves at a random point (``HANGUP_POINTS``: before the answer's headers, while queued or
+in prefill; mid-stream; a whole-answer request whose client times out). Hang-ups start in the first second, on a
+replica that has answered nothing yet (``COLD_HANGUPS`` of them, while the reference answers are taken): a cold
+replica is where one client's hang-up once took the replica down (serving.scheduler's docstring).
+The run fails (the report lists every failure) when:
 
 - any answer is a 5xx, or any status other than the kind's expected one (a 429 with Retry-After is back-pressure,
   counted, and the client waits as told);
 - a greedy answer differs from that prompt's single-request output, taken from the same replica before the load;
 - the replica's and its TP workers' resident memory grew past ``max_rss_growth_mb`` from start to end;
-- rows are still running or waiting once the load stops (a dropped stream that kept its row).
+- rows are still running or waiting once the load stops (a dropped stream that kept its row), or a TP worker
+  still holds a row, KV slots or a drafter (``TPWorker.occupancy``);
+- the replica restarted (a replica or TP worker process that was not there at the start), or /health answered
+  anything but 200 at any of its once-a-second polls.
 
-Reports p50/p99 latency per kind, requests per kind and status, disconnects, RSS per process at start and end.
+Reports p50/p99 latency per kind, requests per kind and status, hang-ups per point, replica restarts, unhealthy
+polls, RSS per process at start and end.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import time
@@ -26,8 +35,41 @@ KINDS = {"greedy": 3, "greedy_stream": 3, "chat": 2, "sampled_stream": 2, "seede
 EXPECTED = {"over_long": 400, "malformed": 400}
 CHAT_PROMPTS = ["hello", "write a python function that adds two numbers", "what is a list?"]
 WARMUP_S = 5.0
+HANGUP_POINTS = ("before_headers", "mid_stream", "timeout")
+COLD_HANGUPS = 8  # the cold start's hang-ups, within its first second
+HEALTH_POLL_S = 1.0
 MALFORMED = [b"{not json", b'{"prompt": "x", "max_tokens": -3}', b'{"prompt": 7}', b"[]",
              b'{"prompt": "x", "temperature": "hot"}']
+
+
+async def leave_at(client, route: str, body: dict[str, Any], point: str, rng: random.Random) -> int | None:
+    """Send ``body`` to ``route`` and leave at ``point`` (one of HANGUP_POINTS):
+
+    - ``before_headers``: a stream dropped before its first chunk arrives (the answer's headers wait for the first
+      token), so while it waits for a row, prefills, or is in its first round; after 20-600 ms;
+    - ``mid_stream``: a stream closed after 1-3 chunks;
+    - ``timeout``: a whole-answer request whose client gives up after 20-600 ms.
+
+    Returns None when the client left, else the status of an answer that came first (a 4xx, or a finished one)."""
+    if point == "mid_stream":
+        async with client.stream("POST", route, json={**body, "stream": True}) as response:
+            if response.status_code != 200:
+                await response.aread()
+                return response.status_code
+            events, limit = 0, rng.randint(1, 3)
+            async for line in response.aiter_lines():
+                events += line.startswith("data: ")
+                if events >= limit:
+                    return None  # leaving the block closes the connection mid-stream
+        return 200
+    if point not in HANGUP_POINTS:
+        raise ValueError(f"point={point!r}: must be one of {HANGUP_POINTS}")
+    try:
+        response = await asyncio.wait_for(client.post(route, json={**body, "stream": point == "before_headers"}),
+                                          rng.uniform(0.02, 0.6))
+    except asyncio.TimeoutError:  # the cancelled request closed its connection
+        return None
+    return response.status_code
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -93,6 +135,28 @@ class Soak:
             body["max_tokens"] = max(self.max_tokens, 64)
         return body
 
+    async def hang_up(self, client, prompt: str, point: str | None = None) -> dict[str, Any]:
+        """A streamed completion whose client leaves at ``point`` (drawn from HANGUP_POINTS when None)."""
+        point = point or self.rng.choice(HANGUP_POINTS)
+        body = self.body("disconnect", prompt)
+        start = time.perf_counter()
+        status = await leave_at(client, "/v1/completions", body, point, self.rng)
+        record = self._done("disconnect", prompt, start, status or 200, None, None)
+        record["point"] = point if status is None else "answered"
+        return record
+
+    async def cold_hangups(self, count: int) -> None:
+        """``count`` hang-ups at random points within the first second, each on a connection of its own."""
+        import httpx
+
+        async def one(delay_s: float) -> None:
+            await asyncio.sleep(delay_s)
+            async with httpx.AsyncClient(base_url=self.url, timeout=300) as client:
+                record = await self.hang_up(client, self.rng.choice(self.prompts))
+                self.records.append({**record, "cold": True})
+
+        await asyncio.gather(*[one(self.rng.uniform(0, 1)) for _ in range(count)])
+
     async def send(self, client, kind: str, prompt: str) -> dict[str, Any]:
         """One request of ``kind``: status, latency, token ids (None when not read to the end)."""
         route = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
@@ -101,6 +165,8 @@ class Soak:
             response = await client.post(route, content=self.rng.choice(MALFORMED),
                                          headers={"content-type": "application/json"})
             return self._done(kind, prompt, start, response.status_code, None, response)
+        if kind == "disconnect":
+            return await self.hang_up(client, prompt)
         body = self.body(kind, prompt)
         if not body.get("stream"):
             response = await client.post(route, json=body)
@@ -121,9 +187,7 @@ class Soak:
                 for part in chunk.get("choices") or []:
                     ids.extend(part.get("token_ids") or [])
                 events += 1
-                if kind == "disconnect" and events >= 2:
-                    break  # leaving the block closes the connection mid-stream
-        return self._done(kind, prompt, start, 200, None if kind == "disconnect" else ids, None)
+        return self._done(kind, prompt, start, 200, ids, None)
 
     def _done(self, kind: str, prompt: str, start: float, status: int, ids: list[int] | None, response,
               detail: str = "") -> dict[str, Any]:
@@ -141,7 +205,8 @@ class Soak:
     # ------------------------------------------------------------ phases
 
     async def take_reference(self, client) -> None:
-        """Greedy output of every prompt as a single request (one at a time) before the load starts."""
+        """Greedy output of every prompt as a single request (one at a time) before the load starts; the cold
+        hang-ups run alongside, so these are a cold replica's first answers."""
         self.max_len = (await client.get("/v1/models")).json()["data"][0]["max_model_len"]
         for kind, prompts in (("greedy", self.prompts), ("chat", CHAT_PROMPTS)):
             for prompt in prompts:
@@ -150,7 +215,7 @@ class Soak:
                     raise RuntimeError(f"the reference request ({kind}, {prompt!r}) got HTTP {record['status']}; "
                                        f"{self.failures[-1:]}")
                 self.reference[(kind, prompt)] = record["ids"]
-        self.failures.clear()
+        self.failures = [f for f in self.failures if f.startswith("disconnect")]  # the cold hang-ups' count
 
     def check_greedy(self, record: dict[str, Any]) -> None:
         if record["status"] != 200 or record["ids"] is None or record["kind"] not in ("greedy", "greedy_stream",
@@ -172,7 +237,7 @@ class Soak:
                 prompt = self.rng.choice(CHAT_PROMPTS if kind == "chat" else self.prompts)
                 record = await self.send(client, kind, prompt)
                 self.check_greedy(record)
-                record.pop("ids")
+                record.pop("ids", None)
                 self.records.append(record)
                 if record["status"] == 429 and record["retry_after"]:
                     await asyncio.sleep(float(record["retry_after"]))
@@ -192,9 +257,14 @@ class Soak:
                              "latency_p99_s": percentile(done, 99) if done else None}
         full = [r["latency"] for r in self.records if r["status"] == 200 and r["kind"] in (
             "greedy", "greedy_stream", "chat", "sampled_stream", "seeded")]
+        points: dict[str, int] = {}
+        for r in self.records:
+            if "point" in r:
+                points[r["point"]] = points.get(r["point"], 0) + 1
         return {"num_requests": len(self.records), "num_5xx": sum(r["status"] >= 500 for r in self.records),
                 "num_429": sum(r["status"] == 429 for r in self.records),
-                "num_disconnects": by_kind["disconnect"]["statuses"].get("200", 0),
+                "num_disconnects": sum(n for point, n in points.items() if point != "answered"),
+                "hangups_by_point": points,
                 "num_greedy_checked": sum(r["status"] == 200 and r["kind"] in ("greedy", "greedy_stream", "chat")
                                           for r in self.records),
                 "latency_p50_s": percentile(full, 50) if full else None,
@@ -215,31 +285,90 @@ def rss_total(rss: dict[str, int | None]) -> int:
     return sum(v for v in rss.values() if v is not None)
 
 
+def worker_occupancy(app: str) -> dict[str, dict[str, int]]:
+    """``TPWorker.occupancy`` of each live TP worker of ``app``, by actor name."""
+    import ray
+
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["name"].startswith(f"eyas-worker-{app}-")]
+    handles = [ray.get_actor(name, namespace="eyas-serving") for name in names]
+    return dict(zip(names, ray.get([h.occupancy.remote() for h in handles], timeout=60)))
+
+
+class Watch:
+    """Polls /health and the replica's processes once a second while the soak runs: every non-200 answer, and
+    every replica or TP worker process that was not there at the start (a restart)."""
+
+    def __init__(self, base_url: str, app: str) -> None:
+        self.url, self.app = base_url, app
+        self.start = set(process_rss(app))
+        self.seen = set(self.start)
+        self.unhealthy: list[str] = []
+        self.num_polls = 0
+
+    async def run(self, stop: asyncio.Event) -> None:
+        import httpx
+
+        async with httpx.AsyncClient(base_url=self.url, timeout=30) as client:
+            while not stop.is_set():
+                try:
+                    response = await client.get("/health")
+                    if response.status_code != 200:
+                        self.unhealthy.append(f"HTTP {response.status_code}: {response.text[:120]}")
+                except httpx.HTTPError as err:
+                    self.unhealthy.append(repr(err))
+                self.seen |= set(await asyncio.to_thread(process_rss, self.app))
+                self.num_polls += 1
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(stop.wait(), HEALTH_POLL_S)
+
+    @property
+    def restarts(self) -> int:
+        return len({name for name in self.seen - self.start if name.startswith("SERVE_REPLICA::")})
+
+
 async def soak(base_url: str, app: str, model: str, prompts: list[str], minutes: float, concurrency: int,
                max_tokens: int, max_rss_growth_mb: float, seed: int = 0) -> dict[str, Any]:
-    """Run the soak against the deployed application ``app`` at ``base_url``; returns the report (``ok``,
-    ``failures``, counts, latencies, RSS)."""
+    """Run the soak against the deployed application ``app`` at ``base_url``, freshly started (nothing answered
+    yet: the cold hang-ups need that); returns the report (``ok``, ``failures``, counts, latencies, restarts, RSS)."""
     import httpx
 
     run = Soak(base_url, model, prompts, max_tokens, seed)
+    watch = Watch(base_url, app)
+    stop = asyncio.Event()
+    watcher = asyncio.create_task(watch.run(stop))
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(base_url=base_url, timeout=300, limits=limits) as client:
-        await run.take_reference(client)
+        await asyncio.gather(run.take_reference(client), run.cold_hangups(COLD_HANGUPS))
         await run.load(client, WARMUP_S, concurrency)  # first requests pay for lazy init and allocator growth
-        run.records.clear()
+        run.records = [r for r in run.records if r.get("cold")]
         rss_start = process_rss(app)
         start = time.monotonic()
         await run.load(client, minutes * 60, concurrency)
         seconds = time.monotonic() - start
         health = await wait_idle(client, 30)
         rss_end = process_rss(app)
+    stop.set()
+    await watcher
+    occupancy = worker_occupancy(app)
     report = {"seconds": seconds, "concurrency": concurrency, "max_tokens": max_tokens, **run.summary(),
-              "health_after": health, "rss_start": rss_start, "rss_end": rss_end,
+              "num_cold_hangups": COLD_HANGUPS, "replica_restarts": watch.restarts,
+              "num_health_polls": watch.num_polls, "num_unhealthy_polls": len(watch.unhealthy),
+              "health_after": health, "occupancy_after": occupancy, "rss_start": rss_start, "rss_end": rss_end,
               "rss_start_mb": rss_total(rss_start) / 2 ** 20, "rss_end_mb": rss_total(rss_end) / 2 ** 20,
               "max_rss_growth_mb": max_rss_growth_mb}
     failures = list(run.failures)
     if (health.get("running"), health.get("waiting")) != (0, 0):
         failures.append(f"after the load, /health still shows rows held: {health} (a dropped stream kept its row?)")
+    held = {name: held for name, held in occupancy.items() if any(held.values())}
+    if held or not occupancy:
+        failures.append(f"after the load, TP workers still hold rows, KV slots or drafters: {occupancy}")
+    if watch.restarts or watch.seen != watch.start:
+        failures.append(f"the replica restarted {watch.restarts} time(s) during the soak: processes at the start "
+                        f"{sorted(watch.start)}, new ones {sorted(watch.seen - watch.start)}")
+    if watch.unhealthy:
+        failures.append(f"/health failed {len(watch.unhealthy)} of {watch.num_polls} polls, first: "
+                        f"{watch.unhealthy[0]}")
     if not rss_start or set(rss_start) != set(rss_end):
         failures.append(f"the replica's processes changed during the soak (a replica was replaced?): start "
                         f"{sorted(rss_start)}, end {sorted(rss_end)}")
@@ -264,7 +393,9 @@ def print_report(report: dict[str, Any]) -> None:
     p50, p99 = report["latency_p50_s"], report["latency_p99_s"]
     print(f"[soak] {report['num_requests']} requests in {report['seconds']:.0f}s at concurrency "
           f"{report['concurrency']}: 5xx={report['num_5xx']} 429={report['num_429']} "
-          f"disconnects={report['num_disconnects']} greedy checked={report['num_greedy_checked']}; "
+          f"hang-ups={report['num_disconnects']} {report['hangups_by_point']} "
+          f"greedy checked={report['num_greedy_checked']}; replica restarts={report['replica_restarts']}, "
+          f"unhealthy polls={report['num_unhealthy_polls']}/{report['num_health_polls']}; "
           f"p50={p50 if p50 is None else round(p50, 3)}s p99={p99 if p99 is None else round(p99, 3)}s; "
           f"RSS {report['rss_start_mb']:.1f} -> {report['rss_end_mb']:.1f} MB ({report['rss_growth_mb']:+.1f} MB, "
           f"bound {report['max_rss_growth_mb']:g})")

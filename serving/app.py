@@ -26,7 +26,7 @@ from eyas_ray.threads import with_openmp_env
 from serving.api import Frontend, build_api
 from serving.metrics import ServingMetrics
 from serving.protocol import Limits
-from serving.scheduler import Scheduler
+from serving.scheduler import Scheduler, shielded
 from serving.worker import TPWorker
 
 WORKER_NAMESPACE = "eyas-serving"  # TP workers are named eyas-worker-<app>-<replica>-rank<r> there
@@ -94,8 +94,12 @@ class EyasServer:
         ``reconfigure`` calls it, and so does jobs.load through a deployment handle (drafting off, ``{1: 0}``, is
         its baseline on the very same replica). /v1/models reports the live schedule."""
         args = replace(self.args, speculation_by_batch=speculation_by_batch)  # ServeArgs checks and normalises it
-        await asyncio.gather(*[worker.set_schedule.remote(args.speculation_by_batch) for worker in self.workers])
-        self.args = self.frontend.args = args
+
+        async def every_rank() -> None:  # all ranks or none: a caller cancelled half-way must not split them
+            await asyncio.gather(*[worker.set_schedule.remote(args.speculation_by_batch) for worker in self.workers])
+            self.args = self.frontend.args = args
+
+        await shielded(every_rank())
         return args.speculation_by_batch
 
     def _kill_workers(self) -> None:

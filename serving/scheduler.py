@@ -7,16 +7,38 @@ nothing is queued or running the loop sleeps until a request arrives.
 
 A failed round (a dead worker, a timeout) breaks the replica: every waiting request gets a 503, and
 ``broken`` makes the health check fail so Serve replaces the replica; the TP group cannot be repaired in place.
+
+The loop belongs to no request (``detached``). Ray makes every actor call an async actor method submits a child
+of the request it serves (``ray._raylet.async_task_id``, a context variable an asyncio task copies when it is
+created), and Serve cancels a disconnected request's children recursively. A loop started inside the first
+request's context made every later ``step`` that request's child: 8 hang-ups on a fresh replica cancelled a round
+(``TaskCancelledError``) and broke the replica for every other client. A client's cancellation reaches only its
+own ``generate``, whose ``finally`` frees its queue, its waiting place or its row at the next round.
 """
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Coroutine, TypeVar
 
 from eyas.decoding.requests import SequenceRequest, StepOutput
 
 logger = logging.getLogger("ray.serve")
+Result = TypeVar("Result")
+
+
+def detached(work: Coroutine[Any, Any, Result]) -> asyncio.Task[Result]:
+    """``work`` as a task of no request's: it runs in an empty ``contextvars.Context``, so the Ray calls it makes
+    are children of no request (Ray reads the parent from ``ray._raylet.async_task_id``, which tasks copy at
+    creation), and neither Serve's cancellation of a request nor its request context (logs) reaches them."""
+    return asyncio.get_running_loop().create_task(work, context=contextvars.Context())
+
+
+async def shielded(work: Coroutine[Any, Any, Result]) -> Result:
+    """Await ``work`` as a detached task that the caller's cancellation cannot interrupt: a cancelled caller stops
+    waiting, and ``work`` still runs to its end (used where stopping half-way would leave the ranks disagreeing)."""
+    return await asyncio.shield(detached(work))
 
 
 class ReplicaBroken(RuntimeError):
@@ -41,16 +63,18 @@ class Scheduler:
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
 
-    def _ensure_loop(self) -> None:
+    def start(self) -> None:
+        """Start the batching loop, detached from whichever request calls this, on the running event loop (the
+        one the requests' queues live on: ``generate`` starts it)."""
         if self._task is None or self._task.done():
             self._wake = asyncio.Event()
-            self._task = asyncio.get_running_loop().create_task(self._loop())
+            self._task = detached(self._loop())
 
     async def generate(self, request: SequenceRequest) -> AsyncIterator[StepOutput]:
         """The request's StepOutputs as its tokens arrive; leaving early (or being cancelled) frees its row."""
         if self.broken is not None:
             raise ReplicaBroken(f"this replica's workers failed ({self.broken}); retry shortly")
-        self._ensure_loop()
+        self.start()
         queue: asyncio.Queue = asyncio.Queue()
         self.queues[request.request_id] = queue
         self.pending.append(request)

@@ -89,6 +89,13 @@ class TPWorker:
     def ping(self) -> int:
         return self.rank
 
+    def occupancy(self) -> dict[str, int]:
+        """What live requests hold on this rank: batch rows, KV cache slots, and (leader) drafters lent to rows.
+        All three are 0 once every request has finished or left (the chaos and soak checks read them)."""
+        engine = self.engine
+        lent = engine.capacity - len(engine.free_drafters) if engine.speculative and engine.leader else 0
+        return {"rows": len(engine.rows), "kv_slots": sum(row.length for row in engine.rows), "drafters": lent}
+
 
 def _never_called() -> Any:
     raise AssertionError("only the leader (rank 0) builds drafters")
