@@ -12,7 +12,7 @@ run this engine. Each row keeps its own accepted length and its own KV length: r
   tree_b = prune(drafter_b.propose(root_b), limit)                                          (leader only)
   tokens_BT, positions_BT, mask_BTT = pack_trees(...)   padding: token 0 that attends only to itself
   logits_BTV, taps = target(tokens_BT, positions_BT, cache rows [0, B), mask_BTT)        one forward, all rows
-  accepted_b = verify(tree_b, logits_BTV[b, :N_b])                                         (leader only)
+  accepted_b = verify(tree_b, adjusted(logits_BTV[b, :N_b]))      (leader only; logit_bias, penalties per node)
   cache.keep(accepted nodes per row)          per-row rollback: rejected branches leave nothing behind
   row_b.behind += (root + accepted, taps on the path); emit accepted + bonus; finished rows leave
 
@@ -51,6 +51,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
+from eyas.decoding.logits import TokenLogprob, adjusted_logits, prompt_logprobs, token_logprobs
 from eyas.decoding.requests import Channel, LocalChannel, SequenceRequest, SpeculationSchedule, StepOutput
 from eyas.decoding.sampling import make_generator, pick_token, truncate_at_stop
 from eyas.decoding.stats import SpecStats, judged_nodes
@@ -67,6 +68,8 @@ class _Row:
     length: int = 0  # cache slots of this row holding committed tokens
     out: list[int] = field(default_factory=list)  # emitted tokens
     new: list[int] = field(default_factory=list)  # emitted this step, not yet reported
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)  # theirs, when the request asked (leader only)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # not yet reported (leader only)
     drafter: Any = None
     begun: bool = False  # the drafter's begin ran; until then the prompt waits in ``behind`` like any commit
     # committed tokens the drafter has not seen, per cycle: (tokens, taps {layer: hidden_BTE}, row b, node indices)
@@ -133,6 +136,8 @@ class SpecEngine:
             raise ValueError(f"request {request.request_id}: the prompt is empty; give at least one token")
         if any(not 0 <= t < vocab for t in request.prompt_ids):
             raise ValueError(f"request {request.request_id}: prompt token ids must lie in [0, {vocab})")
+        if any(not 0 <= t < vocab for t, _ in request.sampling.logit_bias):
+            raise ValueError(f"request {request.request_id}: logit_bias token ids must lie in [0, {vocab})")
         if request.max_new_tokens <= 0:
             raise ValueError(f"request {request.request_id}: max_new_tokens={request.max_new_tokens} must be > 0")
         room = self.context_room(len(request.prompt_ids))
@@ -189,14 +194,21 @@ class SpecEngine:
             view = self.cache.rows(b, b + 1, [0])
             prompt_1T = torch.tensor([request.prompt_ids], device=device)
             positions_1T = torch.arange(len(request.prompt_ids), device=device)[None]
+            scored = request.prompt_logprobs is not None  # logits over the whole prompt, not only its last token
             logits_1TV, hidden = self.target(prompt_1T, positions_1T, view, taps=self.taps,
-                                             logits_slice=slice(-1, None))
+                                             logits_slice=None if scored else slice(-1, None))
             row.length = view.lengths[0]
             if self.leader:
                 token = None  # None: the leader failed this request, and every rank drops its row
                 with self._isolated(row, "the first token"):
                     row.generator = make_generator(request.sampling, device)
-                    token = pick_token(logits_1TV[0, -1], request.sampling, row.generator)
+                    logits_1V = adjusted_logits(logits_1TV[0, -1:], request.sampling, ())
+                    token = pick_token(logits_1V[0], request.sampling, row.generator)
+                    if request.logprobs is not None:
+                        row.new_logprobs = token_logprobs(logits_1V, [0], [token], request.logprobs)
+                    if scored:
+                        row.prompt_logprobs = prompt_logprobs(logits_1TV[0], request.prompt_ids, request.sampling,
+                                                              request.prompt_logprobs)
                     if self.speculative:  # its begin waits for the first cycle that drafts (_catch_up)
                         row.drafter = self.free_drafters.pop()
                         prompt = list(request.prompt_ids)
@@ -206,7 +218,7 @@ class SpecEngine:
         for row, token in zip(new_rows, firsts):
             if token is None:
                 self._fail(row)
-            else:
+            else:  # the first token's logprob (leader, when asked) is already in row.new_logprobs
                 self._emit(row, [token])
 
     def _cycle(self) -> None:
@@ -241,24 +253,25 @@ class SpecEngine:
             torch.cuda.synchronize(logits_BTV.device)
         verify_s = time.perf_counter() - forward_start
         verdicts = None
+        logprobs: list[list[TokenLogprob] | None] = [None] * len(rows)  # the leader's, for rows that asked
         if self.leader:
             verdicts = []
             for b, (row, tree) in enumerate(zip(rows, trees)):
                 verdict = ([0], None)  # a failed row keeps nothing in the cache and leaves
                 if row.error is None:
                     with self._isolated(row, "verification"):
-                        accepted = self._verify(row, tree, logits_BTV[b, :tree.num_nodes])
+                        accepted, logprobs[b] = self._verify(row, tree, logits_BTV[b, :tree.num_nodes])
                         self._commit(row, b, tree, accepted, hidden)
                         verdict = (accepted.nodes, accepted.committed)
                 verdicts.append(verdict)
         verdicts = self.channel.share(verdicts)
         view.keep([nodes for nodes, _ in verdicts])
-        for row, (_, committed), length in zip(rows, verdicts, view.lengths):
+        for row, (_, committed), length, row_logprobs in zip(rows, verdicts, view.lengths, logprobs):
             row.length = length
             if committed is None:
                 self._fail(row)
             else:
-                self._emit(row, committed)
+                self._emit(row, committed, row_logprobs)
         if self.leader:
             other_s = time.perf_counter() - start - draft_s - verify_s
             for row in rows:
@@ -280,12 +293,23 @@ class SpecEngine:
         assert tree.num_nodes <= self.max_tree_nodes, f"{tree.num_nodes} nodes: over the cap the drafter declared"
         return (tree if limit is None else prune(tree, limit)), seconds
 
-    def _verify(self, row: _Row, tree: DraftTree, logits_NV: torch.Tensor) -> Accepted:
-        sampling = row.request.sampling
+    def _verify(self, row: _Row, tree: DraftTree, logits_NV: torch.Tensor
+                ) -> tuple[Accepted, list[TokenLogprob] | None]:
+        """The accepted path over the request's adjusted logits (its logit_bias and penalties, per node), and the
+        logprobs of the tokens it commits when the request asked: node ``nodes[k]``'s row chose committed token k
+        (the root's row the first, the last accepted node's row the bonus)."""
+        request = row.request
+        sampling = request.sampling
+        if sampling.adjusts_logits:
+            logits_NV = adjusted_logits(logits_NV, sampling, row.out, tree)
         if sampling.greedy:
-            return verify_greedy(tree, logits_NV)
-        probs_NV = process_logits(logits_NV.float(), sampling.temperature, sampling.top_p, sampling.top_k)
-        return verify_sampling(tree, probs_NV, row.generator)
+            accepted = verify_greedy(tree, logits_NV)
+        else:
+            probs_NV = process_logits(logits_NV.float(), sampling.temperature, sampling.top_p, sampling.top_k)
+            accepted = verify_sampling(tree, probs_NV, row.generator)
+        if request.logprobs is None:
+            return accepted, None
+        return accepted, token_logprobs(logits_NV, accepted.nodes, accepted.committed, request.logprobs)
 
     def _commit(self, row: _Row, b: int, tree: DraftTree, accepted: Accepted, hidden: dict[int, torch.Tensor]
                 ) -> None:
@@ -331,13 +355,15 @@ class SpecEngine:
         row.finish_reason = "error"
         row.error = row.error or "failed on the leader rank"  # only the leader knows why; its output is reported
 
-    def _emit(self, row: _Row, tokens: list[int]) -> None:
-        """Append a cycle's tokens, cut at a stop or the budget. Only the new tokens are scanned: a row whose output
-        held a stop would have finished."""
+    def _emit(self, row: _Row, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> None:
+        """Append a cycle's tokens (and their logprobs), cut at a stop or the budget. Only the new tokens are
+        scanned: a row whose output held a stop would have finished."""
         budget = row.request.max_new_tokens
         kept, stopped = truncate_at_stop(tokens, self.eos, budget - len(row.out))
         row.new += kept
         row.out += kept
+        if logprobs is not None:
+            row.new_logprobs += logprobs[:len(kept)]
         if stopped:
             row.finish_reason = "stop"
         elif len(row.out) >= budget:
@@ -345,6 +371,9 @@ class SpecEngine:
 
     def _output(self, row: _Row) -> StepOutput:
         new, row.new = row.new, []
+        logprobs, row.new_logprobs = row.new_logprobs, []
+        prompt, row.prompt_logprobs = row.prompt_logprobs, None
+        asked = self.leader and row.request.logprobs is not None and row.error is None
         cycles, row.cycles = row.cycles, []
         stats = None
         if row.finish_reason and self.leader:
@@ -352,7 +381,7 @@ class SpecEngine:
             stats.new_tokens = len(row.out)
             stats.emitted(len(row.out) - 1)  # the first token came from the prefill; tau counts what was emitted
         return StepOutput(row.request.request_id, new, row.finish_reason is not None, row.finish_reason, stats,
-                          cycles, row.error)
+                          cycles, row.error, logprobs if asked else None, prompt)
 
     def _collect_finished(self) -> list[StepOutput]:
         outputs = [self._output(row) for row in self.rows if row.finish_reason]

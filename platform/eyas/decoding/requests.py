@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from eyas.decoding.logits import TokenLogprob
 from eyas.decoding.sampling import SamplingParams
 from eyas.decoding.stats import SpecStats
 
@@ -50,10 +51,15 @@ class SpeculationSchedule:
 
 @dataclass(frozen=True)
 class SequenceRequest:
+    """One sequence to generate. ``logprobs``: report each emitted token's logprob and this many top alternatives
+    (None: no logprobs, nothing computed); ``prompt_logprobs``: the same for the prompt's tokens (its prefill then
+    computes logits over the whole prompt). Both come from the adjusted logits (eyas.decoding.logits)."""
     request_id: str
     prompt_ids: list[int]
     max_new_tokens: int
     sampling: SamplingParams = SamplingParams()
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
 
 @dataclass
@@ -68,6 +74,10 @@ class StepOutput:
     # early (a stop string, a disconnect) still knows what the sequence's cycles did; leader only
     cycles: list[tuple[int, int, int]] = field(default_factory=list)
     error: str | None = None  # why this request failed (finish_reason "error"); the rest of the batch went on
+    # one per new token, when the request asked for logprobs (leader only)
+    logprobs: list[TokenLogprob] | None = None
+    # one per prompt token (None for the first), in the request's first output, when it asked (leader only)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class Channel(Protocol):

@@ -15,63 +15,17 @@ import torch
 import torch.multiprocessing as mp
 
 from eyas.methods import SpecConfig, build_drafter, load_drafter
-from eyas.models import attention, load_target, load_tokenizer, panels
+from eyas.models import load_target
 from eyas.decoding.engine import SpecEngine
 from eyas.decoding.requests import SequenceRequest, SpeculationSchedule
 from eyas.decoding.tree import pack_trees, prune
 from eyas.decoding.generate import SamplingParams, generate
 from eyas.decoding.tp import BroadcastChannel, free_port, init_tensor_parallel, shutdown_tensor_parallel
 from eyas.decoding.tree import DraftTree, chain
-from eyas.train.data import response_row, shard_path, write_shard
 
-PROMPTS = ["def add(a, b):\n    return", "import os\nimport sys\n", "The quick brown fox", "class A:\n    def",
-           "for i in range(10):\n"]
-NUM_NEW = 32
+from decoding_testing import NUM_NEW, spec_for
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: threads only fight over the shared cores
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def setup(random_checkpoint):
-    target = load_target(random_checkpoint)
-    tokenizer = load_tokenizer(random_checkpoint)
-    return target, [tokenizer.encode(p) for p in PROMPTS], set(target.config.eos_token_ids)
-
-
-@pytest.fixture(scope="module")
-def setup_bfloat16(random_checkpoint):
-    """The same in bfloat16, where the verify is exact (eyas.models.attention, panels): batched rows too."""
-    if not (panels.available(torch.bfloat16) and attention.available()):
-        pytest.skip("no AVX512_BF16 or C compiler here: bfloat16 runs torch's kernels, not held to equality")
-    target = load_target(random_checkpoint, dtype=torch.bfloat16)
-    tokenizer = load_tokenizer(random_checkpoint)
-    return target, [tokenizer.encode(p) for p in PROMPTS], set(target.config.eos_token_ids)
-
-
-def spec_for(method: str, draft_dir, datastore_dir=None) -> SpecConfig:
-    if method == "ngram-datastore":  # prompt lookup + retrieval under a node budget
-        return SpecConfig(method="ngram", num_nodes=4, num_draft=6, datastore=(str(datastore_dir),))
-    return SpecConfig(method=method, draft_model=str(draft_dir) if method == "draft-lm" else None)
-
-
-@pytest.fixture(scope="module")
-def datastore_dir(setup, tmp_path_factory):
-    """A data set as jobs.generate_data writes it: the target's own greedy answers to two of the prompts (long
-    accepted drafts) and random token rows (drafts the target rejects)."""
-    target, prompts, eos = setup
-    rng = torch.Generator().manual_seed(0)
-    rows = [response_row(ids, generate(target, ids, NUM_NEW, eos_token_ids=eos).token_ids) for ids in prompts[:2]]
-    rows += [response_row([], torch.randint(target.config.vocab_size, (40,), generator=rng).tolist())
-             for _ in range(4)]
-    directory = tmp_path_factory.mktemp("datastore")
-    write_shard(shard_path(directory, "train", 0), rows)
-    return directory
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---------------------------------------------------------------- pieces
@@ -147,20 +101,6 @@ def test_batched_greedy_equals_single_generate(request, random_draft_checkpoint,
             emitted = sum(a + 1 for a in final.stats.accepted_per_cycle)
             assert emitted - (final.stats.accepted_per_cycle[-1] + 1) < len(tokens) - 1 <= emitted
     assert engine.rows == [] and len(engine.free_drafters) == (3 if factory else 0)
-
-
-@pytest.fixture(scope="module")
-def random_drafters(random_checkpoint, setup, tmp_path_factory):
-    """An untrained checkpoint of every trainable family, saved and loaded through the registry."""
-    from eyas.drafters.registry import build_model, save_drafter
-
-    target = setup[0]
-    out = {}
-    for family, config in (("eagle1", None), ("eagle3", None), ("medusa", None), ("dflash", {"num_taps": 1})):
-        torch.manual_seed(0)
-        model = build_model(family, config, target, token_counts_V=torch.ones(target.config.vocab_size))
-        out[family] = save_drafter(model, tmp_path_factory.mktemp(family), random_checkpoint)
-    return out
 
 
 @pytest.mark.parametrize("method, family", [("eagle2", "eagle1"), ("eagle3", "eagle3"), ("medusa", "medusa"),

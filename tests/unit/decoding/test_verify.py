@@ -13,6 +13,8 @@ from scipy.stats import chisquare
 
 from eyas.decoding import verify
 from eyas.decoding.builders import KARY, build_static
+from eyas.decoding.logits import adjusted_logits
+from eyas.decoding.sampling import SamplingParams
 from eyas.decoding.tree import DraftTree, chain, from_paths
 from eyas.decoding.verify import Accepted, process_logits, sample, verify_greedy, verify_sampling
 
@@ -162,7 +164,9 @@ def test_chain_tree_matches_reference_chain(seed):
 # of the whole context (q correlated with p but clearly different). Each trial runs draft -> verify -> commit cycles
 # from the same start until 3 tokens are committed; the empirical distributions of the first token, the first two
 # and the first three must match the target's exact ones (chi-square). The same harness must reject verifiers
-# with a planted bias, which shows the test has the power to fail.
+# with a planted bias, which shows the test has the power to fail. A second target is the first with a request's
+# logit_bias and presence / frequency penalties (eyas.decoding.logits): the tree's rows are adjusted per node, the
+# exact distribution one context at a time, as plain decoding would.
 
 VOCAB, START, NUM_COMMITTED = 5, (0,), 3
 
@@ -222,35 +226,60 @@ TREES = {
 }
 
 
-def target_rows(tree: DraftTree, context: tuple[int, ...]) -> torch.Tensor:
+def tree_paths(tree: DraftTree) -> list[tuple[int, ...]]:
     paths = [()]
     for i in range(1, tree.num_nodes):
         paths.append(paths[tree.parents_list[i]] + (tree.tokens_list[i],))
-    return torch.stack([target_p(context + path) for path in paths]).float()  # a caller's float32 probs
+    return paths
 
 
-def committed_prefixes(kind: str, num_trials: int, seed: int) -> Counter:
+def target_rows(tree: DraftTree, context: tuple[int, ...]) -> torch.Tensor:
+    return torch.stack([target_p(context + path) for path in tree_paths(tree)]).float()  # a caller's float32 probs
+
+
+# strong settings, so that a node's own path (a repeated token) moves its row a lot
+PENALISED = SamplingParams(temperature=1.0, presence_penalty=1.5, frequency_penalty=1.0, logit_bias=((3, 1.0),))
+
+
+def penalised_rows(tree: DraftTree, context: tuple[int, ...]) -> torch.Tensor:
+    """The engine's way: the tree's raw rows, adjusted per node with the tokens generated before it."""
+    logits_NV = torch.stack([1.5 * _logits(context + path, 1) for path in tree_paths(tree)]).float()
+    return process_logits(adjusted_logits(logits_NV, PENALISED, context[len(START):], tree), PENALISED.temperature)
+
+
+@functools.lru_cache(maxsize=None)
+def penalised_p(context: tuple[int, ...]) -> torch.Tensor:
+    """Plain decoding's way: one context at a time."""
+    logits_1V = (1.5 * _logits(context, 1))[None].float()
+    return process_logits(adjusted_logits(logits_1V, PENALISED, context[len(START):]), PENALISED.temperature)[0]
+
+
+TARGETS = {"plain": (target_rows, target_p), "penalised": (penalised_rows, penalised_p)}
+
+
+def committed_prefixes(kind: str, num_trials: int, seed: int, target: str = "plain") -> Counter:
     """First NUM_COMMITTED committed tokens of each trial, over as many verify cycles as that takes."""
     rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
+    rows = TARGETS[target][0]
     counts: Counter = Counter()
     for _ in range(num_trials):
         context = START
         while len(context) - len(START) < NUM_COMMITTED:
             tree = TREES[kind](context, rng)
-            context += tuple(verify_sampling(tree, target_rows(tree, context), g).committed)
+            context += tuple(verify_sampling(tree, rows(tree, context), g).committed)
         counts[context[len(START):len(START) + NUM_COMMITTED]] += 1
     return counts
 
 
-def exact_prob(prefix: tuple[int, ...]) -> float:
+def exact_prob(prefix: tuple[int, ...], target: str = "plain") -> float:
     prob, context = 1.0, START
     for x in prefix:
-        prob *= target_p(context)[x].item()
+        prob *= TARGETS[target][1](context)[x].item()
         context += (x,)
     return prob
 
 
-def chi2_pvalues(counts: Counter) -> list[float]:
+def chi2_pvalues(counts: Counter, target: str = "plain") -> list[float]:
     """p-values for the first token, the first two and the first three, cells with < 5 expected merged."""
     num_trials, pvalues = sum(counts.values()), []
     for length in range(1, NUM_COMMITTED + 1):
@@ -258,7 +287,7 @@ def chi2_pvalues(counts: Counter) -> list[float]:
         for prefix, c in counts.items():
             marginal[prefix[:length]] += c
         cells = sorted(set(marginal) | {p for p in _all_prefixes(length)})
-        expected = [num_trials * exact_prob(c) for c in cells]
+        expected = [num_trials * exact_prob(c, target) for c in cells]
         observed = [marginal[c] for c in cells]
         big = [i for i, e in enumerate(expected) if e >= 5]
         small = [i for i, e in enumerate(expected) if e < 5]
@@ -283,6 +312,28 @@ NUM_TRIALS = 4000
 def test_sampling_is_lossless(kind):
     pvalues = chi2_pvalues(committed_prefixes(kind, NUM_TRIALS, seed=1234))
     assert min(pvalues) > 1e-3, f"{kind}: committed tokens do not follow the target (p-values {pvalues})"
+
+
+@pytest.mark.parametrize("kind", ["topk_2x2", "sampled_iid_2x2"])
+def test_sampling_with_penalties_is_lossless(kind):
+    pvalues = chi2_pvalues(committed_prefixes(kind, NUM_TRIALS, 1234, "penalised"), "penalised")
+    assert min(pvalues) > 1e-3, f"{kind}: committed tokens do not follow the penalised target (p-values {pvalues})"
+
+
+def test_the_same_test_rejects_penalties_that_ignore_the_nodes_path(monkeypatch):
+    from eyas.decoding import logits
+
+    counts = logits._counts
+    monkeypatch.setattr(logits, "_counts", lambda generated, tree, device: counts(generated, None, device)
+                        if tree is None else _root_counts(counts(generated, None, device), tree.num_nodes))
+    pvalues = chi2_pvalues(committed_prefixes("topk_2x2", NUM_TRIALS, 1234, "penalised"), "penalised")
+    assert min(pvalues) < 1e-6, f"a root-only penalty went undetected (p-values {pvalues})"
+
+
+def _root_counts(ids_and_counts, num_nodes: int):
+    """A bug: every node gets the root's counts (the tokens generated before the cycle), not its own path's."""
+    ids_U, counts_1U = ids_and_counts
+    return ids_U, counts_1U.expand(num_nodes, -1)
 
 
 def _no_residual(target_p_V, draft_q_V):
