@@ -1,7 +1,8 @@
 """Side-by-side benchmark: every method on the same prompts, interleaved, in one run.
 
     python -m jobs.bench [--methods a,b,...] [--suite code|prose|chat|humaneval[,...]|all] [--prompts-file FILE.jsonl]
-        [--num-prompts N] [--max-new-tokens N] [--target PATH] [--out bench.json]
+        [--num-prompts N] [--max-new-tokens N] [--target PATH] [--out bench.json] [--report results.md]
+    python -m jobs.bench --from a.json[,b.json ...] [--report docs/results.md] [--update-tables README.md]
 
 Suites (eyas.datasets.suite_prompts): code, prose (held-out stdlib/pydoc corpus), chat (held-out ShareGPT first
 turns in the target's chat template; over-long ones skipped, not cut) and humaneval (code completion). ``all`` is
@@ -12,7 +13,9 @@ Speedup is tokens/s over eyas ``vanilla`` on the same suite in the same run; met
 prompt so slow drifts of this machine hit all of them alike. Each speculative method's row says how many prompts it
 decoded to vanilla's very tokens (``same_as_vanilla``, the "same" column; 1.00 is lossless) and whether the target's
 verify was exact for its trees (``exact_verify``: ``Decoder.verify_is_exact``). Writes bench.json (DESIGN.md
-schema), a figure next to it (speedup and tau per method and suite), and prints the table.
+schema), a figure next to it (speedup and tau per method and suite), and prints the table. ``--report`` writes a
+Markdown results page too, and ``--from`` renders pages and the README's generated tables from bench.json files
+already written, without measuring anything (jobs.bench_report).
 
 The cost model (eyas.decoding.costs; off with ``--cost-repeats 0``): before the methods run, the bench measures the
 target's t(N) over N new tokens (N = 1 ... 64) after a context as long as the mean prompt plus half the new tokens,
@@ -46,9 +49,10 @@ from eyas.methods import METHODS, SpecConfig, build_drafter
 from eyas.models import CheckpointError, load_target, load_tokenizer, torch_dtype
 from eyas.decoding.generate import generate
 from eyas.decoding.stats import SpecStats
-from eyas.files import atomic_write, writable_path, write_text_atomic
+from eyas.files import writable_path, write_text_atomic
 from eyas.threads import configure_threads, current_settings
 from jobs.bench_costs import CostMeasurement, finish_costs, measure_costs
+from jobs.bench_report import plot, print_table, write_page, write_tables
 
 # transformers' own generate() as a baseline: method -> the extra generate() arguments it runs with
 HF_METHODS = {
@@ -80,8 +84,18 @@ def git_commit() -> str:
         return "unknown"
 
 
+def cpu_model() -> str | None:
+    """The CPU's marketing name (/proc/cpuinfo's ``model name``), None where there is none to read."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return None
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), None)
+
+
 def machine() -> dict:
-    return {"host": host.node(), "cpu": host.processor() or host.machine(), "torch_threads": torch.get_num_threads(),
+    return {"host": host.node(), "cpu": host.processor() or host.machine(), "cpu_model": cpu_model(),
+            "torch_threads": torch.get_num_threads(),
             "threads": current_settings().to_dict(),  # eyas.threads: policy, count and its source, OpenMP env
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 
@@ -178,17 +192,39 @@ def main(argv: list[str] | None = None) -> int:
                         help="samples per t(N) size and of the read bandwidth (0: no cost model)")
     parser.add_argument("--threads", type=int, help="torch threads (default: eyas.threads' policy)")
     parser.add_argument("--dtype", default="float32", help="the target's (and its drafters') dtype: float32, the "
-                        "exact reference, or bfloat16 / float16 (README 'Threads and dtype'); hf runs the same")
+                        "exact reference, or bfloat16 / float16 (docs/threads-and-dtypes.md); hf runs the same")
     parser.add_argument("--strict", action="store_true", help="fail instead of skipping unavailable methods")
+    parser.add_argument("--from", dest="sources", metavar="JSON[,JSON...]",
+                        help="render these bench.json files (--report, --update-tables) instead of measuring")
+    parser.add_argument("--report", metavar="PATH", help="write a Markdown results page (e.g. docs/results.md) from "
+                        "--from's files, or from this run's --out")
+    parser.add_argument("--update-tables", action="append", default=[], metavar="FILE",
+                        help="rewrite FILE's <!-- bench-table JSON --> blocks from the JSON each one names")
     args = parser.parse_args(argv)
-    configure_threads(args.threads)
     try:
+        if args.sources is not None:
+            return render(args, [s.strip() for s in args.sources.split(",") if s.strip()])
+        configure_threads(args.threads)
         writable_path(args.out)  # before the measurements, not after them
+        if args.report:
+            writable_path(args.report, "--report")
         report = run_bench(args)
+        print_table(report)
+        return render(args, [args.out]) if args.report or args.update_tables else 0
     except (ConfigError, CheckpointError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print_table(report)
+
+
+def render(args: argparse.Namespace, sources: list[str]) -> int:
+    """Write the results page and the generated tables (jobs.bench_report); measures nothing."""
+    if not (args.report or args.update_tables):
+        raise ConfigError("--from renders bench.json files: give --report PATH and/or --update-tables FILE")
+    if not sources:
+        raise ConfigError("--from: no bench.json named")
+    written = [write_page(sources, args.report)] if args.report else []
+    written += [write_tables(file) for file in args.update_tables]
+    print(f"[bench] wrote {', '.join(map(str, written))}", file=sys.stderr)
     return 0
 
 
@@ -279,7 +315,8 @@ def run_bench(args: argparse.Namespace) -> dict:
             row["exact_verify"] = target.verify_is_exact(drafter.max_draft_nodes + 1)
     cost_model = finish_costs(cost, results, tallies, cpu_start, args) if cost is not None else None
     report = {"commit": git_commit(), "machine": machine(),
-              "config": {"target": target_path, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
+              "config": {"target": target_path, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
+                         "repeats": args.repeats,
                          "num_prompts": args.num_prompts, "suites": list(suites), "skipped": skipped,
                          "specs": {m: (vars(s) if s else None) for m, (s, _) in drafters.items()},
                          "command": " ".join(sys.argv)},
@@ -319,79 +356,6 @@ def result_row(method: str, suite: str, tallies: dict, cost: CostMeasurement | N
     row["of_limit"] = round(row["speedup"] / predicted, 3) if predicted else None
     return row
 
-
-def plot(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    suites = report["config"]["suites"]
-    methods = list(dict.fromkeys(r["method"] for r in report["results"]))
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    width = 0.8 / len(suites)
-    for j, suite in enumerate(suites):
-        rows = {r["method"]: r for r in report["results"] if r["suite"] == suite}
-        xs = [i + j * width for i in range(len(methods))]
-        axes[0].bar(xs, [rows[m]["speedup"] if m in rows else 0 for m in methods], width, label=suite)
-        axes[1].bar(xs, [(rows[m]["tau"] or 0) if m in rows else 0 for m in methods], width, label=suite)
-    for ax, title in zip(axes, ("speedup over eyas vanilla", "tau (accepted + 1 per cycle)")):
-        ax.set_xticks([i + width * (len(suites) - 1) / 2 for i in range(len(methods))], methods, rotation=45,
-                      ha="right")
-        ax.set_title(title)
-        ax.legend()
-    axes[0].axhline(1.0, color="gray", lw=0.8, ls="--")
-    fig.suptitle(f"eyas bench @ {report['commit']}, {report['config']['max_new_tokens']} new tokens")
-    fig.tight_layout()
-    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
-    plt.close(fig)
-
-
-def print_table(report: dict) -> None:
-    print(f"{'method':<18}{'suite':<10}{'tok/s':>9}{'speedup':>9}{'tau':>7}{'same':>6}{'limit':>8}{'of-lim':>8}"
-          f"{'draft':>7}{'verify':>7}{'other':>7}  per-depth accept")
-    for r in report["results"]:
-        tau = f"{r['tau']:.2f}" if r["tau"] else "-"
-        same = f"{r['same_as_vanilla']:.2f}" if r.get("same_as_vanilla") is not None else "-"
-        limit = f"{r['predicted_speedup']:.2f}x" if r.get("predicted_speedup") else "-"
-        of_limit = f"{r['of_limit']:.2f}" if r.get("of_limit") else "-"
-        split = r.get("time_split")
-        shares = "".join(f"{100 * split[k]:>6.0f}%" for k in ("draft", "verify", "other")) if split else \
-            f"{'-':>7}" * 3
-        depth = " ".join(f"{a:.2f}" for a in (r["per_depth_accept"] or [])[:6])
-        print(f"{r['method']:<18}{r['suite']:<10}{r['tokens_per_s']:>9.1f}{r['speedup']:>8.2f}x{tau:>7}{same:>6}"
-              f"{limit:>8}{of_limit:>8}{shares}  {depth}")
-    cost = report.get("cost_model")
-    if cost:
-        curve = "  ".join(f"t({n}) {t['median']:.2f}" for n, t in cost["t_forward_ms"].items())
-        ratio = "  ".join(f"{n}:{r:.2f}" for n, r in cost["t_ratio"].items())
-        band = cost["bandwidth"]
-        print(f"target forward after {cost['context_tokens']} tokens, ms (median of {cost['repeats']}): {curve}")
-        print(f"t(N)/t(1): {ratio}")
-        print(f"memory: {band['weight_bytes_per_token'] / 1e6:.0f} MB of {band['dtype']} weights per decode token, "
-              f"read at {band['read_GBps']['best']:.1f} GB/s -> limit {band['limit_tokens_per_s']:.1f} tok/s")
-        for suite, v in cost["vanilla"].items():
-            hf = f", {v['vs_hf']:.2f}x transformers generate()" if v["vs_hf"] else ""
-            decode = (f"; its decode steps alone {v['decode_tokens_per_s']:.1f} tok/s, "
-                      f"{v['decode_of_bandwidth_limit']:.0%}" if v.get("decode_tokens_per_s") else "")
-            print(f"vanilla on {suite}: {v['tokens_per_s']:.1f} tok/s end to end, {v['of_bandwidth_limit']:.0%} of the "
-                  f"bandwidth limit{decode}{hf}")
-        cpu = cost["cpu"]
-        load = cpu["load_average"]
-        print(f"load average {load['start']:.2f} -> {load['end']:.2f} on {cost['cpu_count']} cores, "
-              f"{cost['torch_threads']} torch threads")
-        others = (f"other processes {cpu['others_cores']:.2f}" if cpu["others_cores"] is not None else
-                  "other processes not measured (no /proc/stat: the load average stands in)")
-        print(f"CPU while measuring ({cpu['wall_s']:.0f} s, {cpu['num_cores']} cores): ours {cpu['own_cores']:.2f} "
-              f"cores, {others}")
-        for warning in cost["warnings"]:
-            print(f"WARNING: {warning}")
-    differ = sorted({r["method"] for r in report["results"] if r.get("same_as_vanilla") not in (None, 1.0)})
-    if differ:
-        print(f"NOTE: {differ} decoded another text than vanilla on some prompts (column 'same'): their speedup "
-              "is not a lossless one here (reduced precision where the verify is not exact: README 'Threads and "
-              "dtype')")
-    print(f"commit {report['commit']}; {report['config']['command']}")
 
 if __name__ == "__main__":
     sys.exit(main())
