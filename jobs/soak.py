@@ -42,12 +42,13 @@ MALFORMED = [b"{not json", b'{"prompt": "x", "max_tokens": -3}', b'{"prompt": 7}
              b'{"prompt": "x", "temperature": "hot"}']
 
 
-async def leave_at(client, route: str, body: dict[str, Any], point: str, rng: random.Random) -> int | None:
+async def leave_at(client, route: str, body: dict[str, Any], point: str, rng: random.Random,
+                   num_events: int | None = None) -> int | None:
     """Send ``body`` to ``route`` and leave at ``point`` (one of HANGUP_POINTS):
 
     - ``before_headers``: a stream dropped before its first chunk arrives (the answer's headers wait for the first
       token), so while it waits for a row, prefills, or is in its first round; after 20-600 ms;
-    - ``mid_stream``: a stream closed after 1-3 chunks;
+    - ``mid_stream``: a stream closed after ``num_events`` chunks (1-3 when None);
     - ``timeout``: a whole-answer request whose client gives up after 20-600 ms.
 
     Returns None when the client left, else the status of an answer that came first (a 4xx, or a finished one)."""
@@ -56,7 +57,7 @@ async def leave_at(client, route: str, body: dict[str, Any], point: str, rng: ra
             if response.status_code != 200:
                 await response.aread()
                 return response.status_code
-            events, limit = 0, rng.randint(1, 3)
+            events, limit = 0, num_events or rng.randint(1, 3)
             async for line in response.aiter_lines():
                 events += line.startswith("data: ")
                 if events >= limit:

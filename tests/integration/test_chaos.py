@@ -2,11 +2,11 @@
 another client (serving.scheduler's docstring has the bug this guards: a batching loop started inside the first
 request's context made the TP workers' steps that request's children, and its hang-up cancelled a round).
 
-Each run deploys a fresh micro application and, before anything else reaches it, starts seeded random hang-ups
+Each run deploys a fresh micro application and, before anything else reaches it, sends the issue's burst (8 streams
+closed after their first chunk, at once: the replica's very first requests) and seeded random hang-ups
 (jobs.soak.leave_at: before the answer's headers, so while queued, in prefill or in the replica's first round;
-mid-stream; a whole-answer client that times out; a burst of them at t=0, some on a prompt long enough to be left in
-prefill) and cancelled deployment-handle calls (``set_speculation``, as jobs.load makes them), while normal clients
-send greedy requests. Checked: every normal request gets its exact greedy answer and no 5xx; /health answers 200 at
+mid-stream; a whole-answer client that times out; some on a prompt long enough to be left in prefill) and cancelled
+deployment-handle calls (``set_speculation``, as jobs.load makes them), while normal clients send greedy requests. Checked: every normal request gets its exact greedy answer and no 5xx; /health answers 200 at
 every poll; the replica and its TP workers are the same processes at the end; every batch row, KV slot and drafter
 is free on every rank; the replica still answers. Three runs from cold: two at tp=1 (other seeds) and one at tp=2
 (hang-ups while a TP group is mid-step).
@@ -29,8 +29,8 @@ from serve_testing import (MODEL, NUM_NEW, PROMPTS, deploy, micro_config, ray_se
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-NUM_HANGUPS = 12  # bounded: 4 of them at t=0 (the first requests the replica sees), the rest within CHAOS_S
-NUM_BURST = 4
+NUM_BURST = 8  # the issue's: 8 streams closed after their first chunk, the first requests the replica sees
+NUM_HANGUPS = NUM_BURST + 8  # the rest at random points and times within CHAOS_S
 NUM_NORMAL = 6
 NUM_HANDLE_CANCELS = 2
 CHAOS_S = 4.0
@@ -64,12 +64,12 @@ async def chaos(base_url: str, app: str, reference: dict[str, list[int]], seed: 
                     result["unhealthy"].append((response.status_code, response.text[:200]))
                 await asyncio.sleep(0.2)
 
-    async def hang_up(delay_s: float, point: str, long: bool) -> None:
+    async def hang_up(delay_s: float, point: str, long: bool, num_events: int | None = None) -> None:
         await asyncio.sleep(delay_s)
         prompt = LONG_PROMPT if long else rng.choice(PROMPTS)
         body = {"model": MODEL, "prompt": prompt, "max_tokens": 150 if long else 400, "temperature": 0}
         async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:  # a connection of its own
-            status = await leave_at(client, "/v1/completions", body, point, rng)
+            status = await leave_at(client, "/v1/completions", body, point, rng, num_events)
         if status is None:
             result["left"] += 1
         else:
@@ -119,7 +119,7 @@ async def chaos(base_url: str, app: str, reference: dict[str, list[int]], seed: 
             result["handle"].append(type(err).__name__)
 
     watcher = asyncio.create_task(watch_health())
-    jobs = [hang_up(0.0, rng.choice(HANGUP_POINTS), long=i == 0) for i in range(NUM_BURST)]
+    jobs = [hang_up(0.0, "mid_stream", long=False, num_events=1) for _ in range(NUM_BURST)]
     jobs += [hang_up(rng.uniform(0, CHAOS_S), rng.choice(HANGUP_POINTS), long=rng.random() < 0.3)
              for _ in range(NUM_HANGUPS - NUM_BURST)]
     jobs += [normal(rng.uniform(0.05, CHAOS_S), PROMPTS[i % len(PROMPTS)], stream=i % 2 == 1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 
 import pytest
 
@@ -114,3 +115,70 @@ def test_a_failed_round_fails_every_waiter_and_breaks_the_replica(setup):
 
     with pytest.raises(ReplicaBroken):
         asyncio.run(again())
+
+
+# Ray reads the parent of an actor call an async actor makes from a context variable of the calling asyncio task
+# (ray._raylet.async_task_id), and Serve cancels a disconnected request's children. This one stands in for it.
+REQUEST_CONTEXT = contextvars.ContextVar("request_context", default=None)
+
+
+class ContextRecordingWorker(FakeWorker):
+    """Records the request context each ``step`` call is made in: the parent Ray would give it."""
+
+    def __init__(self, engine: SpecEngine) -> None:
+        super().__init__(engine)
+        self.parents: list[str | None] = []
+
+    def remote(self, joins, leaves):
+        self.parents.append(REQUEST_CONTEXT.get())
+        return super().remote(joins, leaves)
+
+
+def test_the_loop_and_its_steps_belong_to_no_request_so_the_first_ones_hang_up_cancels_nothing(setup):
+    _, prompts, _ = setup
+    target, _, eos = setup
+    engine = SpecEngine(target, 2, 512, lambda: build_drafter(target, SpecConfig(method="ngram")), eos_token_ids=eos)
+    worker = ContextRecordingWorker(engine)
+    scheduler = Scheduler([worker], 2, step_timeout_s=30)
+
+    async def request(name: str, ids: list[int], num_new: int) -> list[int]:
+        REQUEST_CONTEXT.set(name)  # what Serve and Ray set in each request's task
+        return await collect(scheduler, SequenceRequest(name, ids, num_new))
+
+    async def main():
+        first = asyncio.create_task(request("first", prompts[0], 200))  # it starts the loop
+        while not worker.parents:
+            await asyncio.sleep(0.001)
+        first.cancel()  # the first request's client hangs up
+        with contextlib.suppress(asyncio.CancelledError):
+            await first
+        return await request("second", prompts[1], 8)
+
+    assert len(asyncio.run(main())) == 8
+    assert worker.parents and set(worker.parents) == {None}, set(worker.parents)  # no request is their parent
+    assert scheduler.broken is None and engine.rows == []
+
+
+def test_shielded_work_runs_to_its_end_when_its_caller_is_cancelled():
+    from serving.scheduler import shielded
+
+    done: list[str | None] = []
+
+    async def every_rank() -> None:
+        await asyncio.sleep(0.05)
+        done.append(REQUEST_CONTEXT.get())
+
+    async def main():
+        async def caller():
+            REQUEST_CONTEXT.set("caller")
+            await shielded(every_rank())
+
+        task = asyncio.create_task(caller())
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.1)
+
+    asyncio.run(main())
+    assert done == [None]  # it finished, outside the caller's context
