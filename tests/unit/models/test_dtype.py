@@ -76,7 +76,8 @@ def test_dtype_names_from_configs_and_flags():
 
 def test_bfloat16_target_and_its_drafter_decode(random_checkpoint, random_draft_checkpoint):
     """A target loaded in bfloat16 gives its drafter the same dtype (the draft LM loads in the target's), and
-    vanilla and speculative greedy decoding run through (whether they agree is measured, not promised: README)."""
+    vanilla and speculative greedy decoding run through (whether they agree is measured, not promised here:
+    docs/threads-and-dtypes.md)."""
     target = load_target(random_checkpoint, dtype=torch.bfloat16)
     drafter = build_drafter(target, SpecConfig(method="draft-lm", draft_model=str(random_draft_checkpoint)))
     assert target.dtype == drafter.model.dtype == torch.bfloat16
