@@ -30,16 +30,7 @@ cycle goes on untouched. The leader decides it and shares it like any verdict (a
 Tensor parallelism (SPMD): every rank runs this same engine on its shard of the target, with the same commands in
 the same order, so their collectives line up. Only the leader (rank 0) holds drafters and sampling generators: it
 drafts, verifies and samples, and ``channel.share`` broadcasts its decisions (first tokens, tree shapes, accepted
-paths) to the other ranks, which apply them as given. Why rank 0 alone and not a drafter replica per rank:
-  - every rank must feed the target the very same tree, or the ranks' forwards (and their all-reduces) diverge;
-    replicas would have to draft bit-identically (same floats, same sampling RNG state) on every rank, forever, and
-    one mismatch hangs or corrupts the replica. A broadcast makes agreement true by construction.
-  - the broadcast is two small messages per cycle (B trees of <= MAX_TREE_NODES ints, then B accepted paths), next
-    to the 2 * num_layers all-reduces of hidden states the target forward already does;
-  - the drafter's weights and its per-sequence state live once, not tp times; the target's final hidden states
-    (its taps) are all-reduced, so rank 0 already sees exactly what a single-GPU drafter would.
-The cost is that ranks > 0 idle while rank 0 drafts, which replicas would not save either: they would draft the
-same tree at the same time.
+paths) to the other ranks, which apply them as given (why rank 0 alone: eyas.decoding.tp).
 """
 from __future__ import annotations
 
@@ -51,12 +42,12 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
-from eyas.decoding.logits import TokenLogprob, adjusted_logits, prompt_logprobs, token_logprobs
+from eyas.decoding.logits import TokenLogprob, first_token, verify_tree
 from eyas.decoding.requests import Channel, LocalChannel, SequenceRequest, SpeculationSchedule, StepOutput
-from eyas.decoding.sampling import make_generator, pick_token, truncate_at_stop
+from eyas.decoding.sampling import make_generator, truncate_at_stop
 from eyas.decoding.stats import SpecStats, judged_nodes
 from eyas.decoding.tree import MAX_TREE_NODES, DraftTree, chain, check_tree_size, pack_trees, prune
-from eyas.decoding.verify import Accepted, process_logits, verify_greedy, verify_sampling
+from eyas.decoding.verify import Accepted
 from eyas.models.decoder import Decoder
 
 logger = logging.getLogger(__name__)
@@ -202,13 +193,9 @@ class SpecEngine:
                 token = None  # None: the leader failed this request, and every rank drops its row
                 with self._isolated(row, "the first token"):
                     row.generator = make_generator(request.sampling, device)
-                    logits_1V = adjusted_logits(logits_1TV[0, -1:], request.sampling, ())
-                    token = pick_token(logits_1V[0], request.sampling, row.generator)
-                    if request.logprobs is not None:
-                        row.new_logprobs = token_logprobs(logits_1V, [0], [token], request.logprobs)
-                    if scored:
-                        row.prompt_logprobs = prompt_logprobs(logits_1TV[0], request.prompt_ids, request.sampling,
-                                                              request.prompt_logprobs)
+                    token, row.new_logprobs, row.prompt_logprobs = first_token(
+                        logits_1TV[0], request.prompt_ids, request.sampling, request.logprobs,
+                        request.prompt_logprobs, row.generator)
                     if self.speculative:  # its begin waits for the first cycle that drafts (_catch_up)
                         row.drafter = self.free_drafters.pop()
                         prompt = list(request.prompt_ids)
@@ -260,7 +247,8 @@ class SpecEngine:
                 verdict = ([0], None)  # a failed row keeps nothing in the cache and leaves
                 if row.error is None:
                     with self._isolated(row, "verification"):
-                        accepted, logprobs[b] = self._verify(row, tree, logits_BTV[b, :tree.num_nodes])
+                        accepted, logprobs[b] = verify_tree(tree, logits_BTV[b, :tree.num_nodes], row.request.sampling,
+                                                            row.request.logprobs, row.out, row.generator)
                         self._commit(row, b, tree, accepted, hidden)
                         verdict = (accepted.nodes, accepted.committed)
                 verdicts.append(verdict)
@@ -292,24 +280,6 @@ class SpecEngine:
         seconds = time.perf_counter() - start
         assert tree.num_nodes <= self.max_tree_nodes, f"{tree.num_nodes} nodes: over the cap the drafter declared"
         return (tree if limit is None else prune(tree, limit)), seconds
-
-    def _verify(self, row: _Row, tree: DraftTree, logits_NV: torch.Tensor
-                ) -> tuple[Accepted, list[TokenLogprob] | None]:
-        """The accepted path over the request's adjusted logits (its logit_bias and penalties, per node), and the
-        logprobs of the tokens it commits when the request asked: node ``nodes[k]``'s row chose committed token k
-        (the root's row the first, the last accepted node's row the bonus)."""
-        request = row.request
-        sampling = request.sampling
-        if sampling.adjusts_logits:
-            logits_NV = adjusted_logits(logits_NV, sampling, row.out, tree)
-        if sampling.greedy:
-            accepted = verify_greedy(tree, logits_NV)
-        else:
-            probs_NV = process_logits(logits_NV.float(), sampling.temperature, sampling.top_p, sampling.top_k)
-            accepted = verify_sampling(tree, probs_NV, row.generator)
-        if request.logprobs is None:
-            return accepted, None
-        return accepted, token_logprobs(logits_NV, accepted.nodes, accepted.committed, request.logprobs)
 
     def _commit(self, row: _Row, b: int, tree: DraftTree, accepted: Accepted, hidden: dict[int, torch.Tensor]
                 ) -> None:
@@ -371,9 +341,9 @@ class SpecEngine:
 
     def _output(self, row: _Row) -> StepOutput:
         new, row.new = row.new, []
-        logprobs, row.new_logprobs = row.new_logprobs, []
+        asked = self.leader and row.request.logprobs is not None
+        logprobs, row.new_logprobs = (row.new_logprobs if asked else None), []
         prompt, row.prompt_logprobs = row.prompt_logprobs, None
-        asked = self.leader and row.request.logprobs is not None and row.error is None
         cycles, row.cycles = row.cycles, []
         stats = None
         if row.finish_reason and self.leader:
@@ -381,7 +351,7 @@ class SpecEngine:
             stats.new_tokens = len(row.out)
             stats.emitted(len(row.out) - 1)  # the first token came from the prefill; tau counts what was emitted
         return StepOutput(row.request.request_id, new, row.finish_reason is not None, row.finish_reason, stats,
-                          cycles, row.error, logprobs if asked else None, prompt)
+                          cycles, row.error, logprobs, prompt)
 
     def _collect_finished(self) -> list[StepOutput]:
         outputs = [self._output(row) for row in self.rows if row.finish_reason]

@@ -1,5 +1,6 @@
 """The target's logits as one request sees them: its ``logit_bias`` and presence / frequency penalties applied at
-every tree node, and the logprobs a request reports for the tokens it emits (and, when asked, its prompt's).
+every tree node, the choices made over them (a prefill's first token, a cycle's verification), and the logprobs a
+request reports for the tokens it emits (and, when asked, its prompt's).
 
 Shape legend (docs/SHAPES.md): N tree nodes (root included), V vocab, T prompt tokens, W candidates kept per node
 (here: the top logprobs reported per token). This file adds U (the distinct token ids a request's penalties touch).
@@ -27,8 +28,9 @@ from typing import Sequence
 
 import torch
 
-from eyas.decoding.sampling import SamplingParams
+from eyas.decoding.sampling import SamplingParams, pick_token
 from eyas.decoding.tree import DraftTree
+from eyas.decoding.verify import Accepted, process_logits, verify_greedy, verify_sampling
 
 # prompt logprobs are computed this many rows at a time: a long prompt's full [T, V] float32 log-softmax would hold
 # T * V * 4 bytes at once (2,000 tokens of smollm2's 49,152-word vocabulary: 393 MB)
@@ -44,14 +46,14 @@ class TokenLogprob:
 
 def adjusted_logits(logits_NV: torch.Tensor, sampling: SamplingParams, generated: Sequence[int],
                     tree: DraftTree | None = None) -> torch.Tensor:
-    """float32 [N, V]: ``logits_NV`` with the request's logit_bias and penalties (module docstring); a copy, and
-    ``logits_NV`` itself (as float32) when the request asks for neither. ``tree``: the cycle's tree, row i = node i;
+    """float32 [N, V]: ``logits_NV`` with the request's logit_bias and penalties (module docstring), a copy; or
+    ``logits_NV`` itself, unchanged, when the request asks for neither. ``tree``: the cycle's tree, row i = node i;
     None: one row after ``generated`` (a prefill's last position)."""
-    num_rows = logits_NV.shape[0]
-    assert logits_NV.dim() == 2 and (tree is None and num_rows == 1 or tree is not None and num_rows == tree.num_nodes), \
-        f"logits_NV {tuple(logits_NV.shape)}: one row per tree node"
+    num_rows = logits_NV.shape[0] if logits_NV.dim() == 2 else -1
+    assert num_rows == (tree.num_nodes if tree is not None else 1), \
+        f"logits_NV {tuple(logits_NV.shape)}: one row per tree node (one without a tree)"
     if not sampling.adjusts_logits:
-        return logits_NV.float()
+        return logits_NV
     out_NV = _with_bias(logits_NV, sampling)
     if sampling.presence_penalty or sampling.frequency_penalty:
         ids_U, counts_NU = _counts(generated, tree, out_NV.device)
@@ -59,6 +61,37 @@ def adjusted_logits(logits_NV: torch.Tensor, sampling: SamplingParams, generated
             penalty_NU = sampling.frequency_penalty * counts_NU + sampling.presence_penalty * (counts_NU > 0)
             out_NV[:, ids_U] -= penalty_NU
     return out_NV
+
+
+def first_token(logits_TV: torch.Tensor, prompt_ids: Sequence[int], sampling: SamplingParams, num_top: int | None,
+                num_prompt_top: int | None, generator: torch.Generator | None
+                ) -> tuple[int, list[TokenLogprob], list[TokenLogprob | None] | None]:
+    """A prefill's choice: (the first token, its logprob when asked (num_top not None), the prompt's logprobs when
+    asked). ``logits_TV``: the prefill's logits, its last position's alone ([1, V]) unless the prompt's logprobs are
+    asked ([T, V]). Nothing is generated yet, so only logit_bias changes the logits."""
+    logits_1V = adjusted_logits(logits_TV[-1:], sampling, ())
+    token = pick_token(logits_1V[0], sampling, generator)
+    logprobs = [] if num_top is None else token_logprobs(logits_1V, [0], [token], num_top)
+    if num_prompt_top is None:
+        return token, logprobs, None
+    return token, logprobs, prompt_logprobs(logits_TV, prompt_ids, sampling, num_prompt_top)
+
+
+def verify_tree(tree: DraftTree, logits_NV: torch.Tensor, sampling: SamplingParams, num_top: int | None,
+                generated: Sequence[int], generator: torch.Generator | None
+                ) -> tuple[Accepted, list[TokenLogprob] | None]:
+    """A cycle's accepted path over the request's adjusted logits (``generated``: its output so far, the tree's
+    root last), and when asked the logprobs of the tokens it commits: node ``nodes[k]``'s row chose committed token
+    k (the root's row the first, the last accepted node's row the bonus)."""
+    logits_NV = adjusted_logits(logits_NV, sampling, generated, tree)
+    if sampling.greedy:
+        accepted = verify_greedy(tree, logits_NV)
+    else:
+        probs_NV = process_logits(logits_NV, sampling.temperature, sampling.top_p, sampling.top_k)
+        accepted = verify_sampling(tree, probs_NV, generator)
+    if num_top is None:
+        return accepted, None
+    return accepted, token_logprobs(logits_NV, accepted.nodes, accepted.committed, num_top)
 
 
 def _counts(generated: Sequence[int], tree: DraftTree | None, device: torch.device

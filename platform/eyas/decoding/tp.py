@@ -3,6 +3,17 @@
 Ranks find each other through a TCP rendezvous at rank 0's address (``free_port`` picks the port). Collectives run
 on gloo for CPU tensors and NCCL on GPUs. ``BroadcastChannel`` is the ``Channel`` of ``eyas.decoding.engine``: the
 leader's decisions (small Python lists of ints) reach every rank by ``broadcast_object_list``.
+
+Why the leader (rank 0) alone drafts, verifies and samples, and not a drafter replica per rank:
+  - every rank must feed the target the very same tree, or the ranks' forwards (and their all-reduces) diverge;
+    replicas would have to draft bit-identically (same floats, same sampling RNG state) on every rank, forever, and
+    one mismatch hangs or corrupts the replica. A broadcast makes agreement true by construction.
+  - the broadcast is two small messages per cycle (B trees of <= MAX_TREE_NODES ints, then B accepted paths), next
+    to the 2 * num_layers all-reduces of hidden states the target forward already does;
+  - the drafter's weights and its per-sequence state live once, not tp times; the target's final hidden states
+    (its taps) are all-reduced, so rank 0 already sees exactly what a single-GPU drafter would.
+The cost is that ranks > 0 idle while rank 0 drafts, which replicas would not save either: they would draft the
+same tree at the same time.
 """
 from __future__ import annotations
 
