@@ -3,8 +3,9 @@
 ``build_api(frontend)`` makes the app; serving.app's deployment builds it on the replica (Serve's
 ``__serve_build_asgi_app__``), and unit tests build it over an in-process engine. Routes:
 
-    POST /v1/completions        CompletionBody (serving.protocol): prompt (text or token ids), max_tokens, ...
-    POST /v1/chat/completions   ChatBody: messages, max_tokens | max_completion_tokens, ...same sampling fields
+    POST /v1/completions        CompletionBody (serving.protocol: what is honoured, refused, ignored): prompt (a text,
+                                token ids, or a list of either), max_tokens, n, echo, logprobs, penalties, ...
+    POST /v1/chat/completions   ChatBody: messages, max_tokens | max_completion_tokens, logprobs, ...
     GET  /v1/models             the served model, its context and speculative settings
     GET  /health                200 {"status": "ok", running, waiting, capacity, cancelled}; 503 once workers failed
 
@@ -17,8 +18,9 @@ with ``Retry-After`` instead of queueing without bound; a replica whose workers 
 ``api_key_env`` set, /v1 routes need ``Authorization: Bearer <key>`` (compared in constant time, never logged).
 
 A completion carries ``usage`` and eyas's ``spec`` (method, cycles, tau, accepted_per_position,
-acceptance_per_position, mean_draft_nodes, batch_size_max). A stream follows OpenAI's contract: chunks with one
-choice each, the last of them carrying ``finish_reason`` and the ``spec`` field; with
+acceptance_per_position, mean_draft_nodes, batch_size_max) over all its choices. A stream follows OpenAI's contract:
+chunks with one choice each (its ``index``; n * prompts choices interleave as their tokens arrive), each choice's
+last chunk carrying its ``finish_reason``, the response's last of these the ``spec`` field; with
 ``stream_options: {"include_usage": true}`` every chunk has ``"usage": null`` and one more chunk with empty
 ``choices`` carries ``usage`` (and ``spec`` again); then ``data: [DONE]``.
 """
@@ -29,6 +31,7 @@ import contextlib
 import hmac
 import json
 import time
+from dataclasses import replace
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -40,13 +43,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from eyas.config import to_dict
 from eyas.decoding.requests import SequenceRequest
-from eyas.decoding.sampling import SamplingParams
-from eyas.decoding.stats import SpecStats
 from eyas_ray.serve_config import ServeArgs
 from serving.metrics import ServingMetrics
-from serving.protocol import (GREEDY_BELOW, MAX_BODY_BYTES, ApiError, ChatBody, CompletionBody, ErrorResponse, Limits,
-                              TextStream, chat_prompt_ids, check_lengths, check_model, choice, encode_text, envelope,
-                              error_body, new_id, parse_body, stop_strings, usage)
+from serving.protocol import (MAX_BODY_BYTES, ApiError, ChatBody, CompletionBody, ErrorResponse, Limits, chat_prompt_ids,
+                              check_lengths, check_model, check_options, completion_prompts, error_body, parse_body,
+                              sampling_params, stop_strings)
+from serving.responses import LogprobsWriter, choice, envelope, new_id
+from serving.runs import END, ChoicePlan, RequestFailed, RequestRun, merged, spec_metrics, total_usage
 from serving.scheduler import ReplicaBroken, Scheduler
 
 RETRY_AFTER_BUSY_S = 1  # a row frees as soon as any running request ends
@@ -58,72 +61,6 @@ class JsonResponse(JSONResponse):
 
     def render(self, content: Any) -> bytes:
         return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
-
-
-class RequestFailed(RuntimeError):
-    """The engine failed this request alone (StepOutput.error); the replica and its other requests go on."""
-
-
-class RequestRun:
-    """One request's generation as text pieces, with stop strings applied and its speculative metrics kept."""
-
-    def __init__(self, scheduler: Scheduler, request: SequenceRequest, tokenizer: Any, stop: list[str],
-                 metrics: ServingMetrics) -> None:
-        self.scheduler, self.request, self.metrics = scheduler, request, metrics
-        self.text = TextStream(tokenizer, stop)
-        self.stats = SpecStats()
-        self.num_cycles = 0
-        self.finish_reason: str | None = None
-        self.start = time.perf_counter()
-        self.first_token_s: float | None = None
-        self.batch_size_max = 0  # the most sequences this request shared a round with (itself included)
-
-    async def pieces(self) -> AsyncIterator[tuple[str, list[int]]]:
-        """(text delta, new token ids) as tokens arrive; ends at EOS, the budget or a stop string."""
-        async with contextlib.aclosing(self.scheduler.generate(self.request)) as outputs:
-            async for out in outputs:
-                self.batch_size_max = max(self.batch_size_max, self.scheduler.batch_size)
-                if self.first_token_s is None and out.new_token_ids:
-                    self.first_token_s = time.perf_counter() - self.start
-                    self.metrics.first_token(self.first_token_s)
-                for num_accepted, judged_depth, num_drafted in out.cycles:
-                    self.num_cycles += 1
-                    self.stats.record_cycle(num_accepted, judged_depth, [], num_drafted)
-                if out.error is not None:
-                    raise RequestFailed(out.error)
-                before = len(self.text.ids)
-                delta = self.text.push(out.new_token_ids)
-                new_ids = self.text.ids[before:self.text.num_tokens] if self.text.stopped else out.new_token_ids
-                if self.text.stopped:
-                    self.finish_reason = "stop"
-                    yield delta, new_ids
-                    return  # aclosing frees the batch row now
-                if out.finished:
-                    self.finish_reason = out.finish_reason
-                    delta += self.text.flush()
-                yield delta, new_ids
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.text.ids[:self.text.num_tokens]
-
-    def usage(self) -> dict[str, int]:
-        return usage(len(self.request.prompt_ids), len(self.token_ids))
-
-    def spec_metrics(self, method: str) -> dict[str, Any]:
-        speculative = method != "vanilla"
-        self.stats.emitted(max(len(self.token_ids) - 1, 0))  # tau: what was sent (after the prefill's token)
-        return {"method": method, "cycles": self.num_cycles,
-                "tau": self.stats.tau if speculative else None,
-                "accepted_per_position": list(self.stats.depth_accepted),
-                "acceptance_per_position": self.stats.per_depth_accept,
-                "mean_draft_nodes": self.stats.num_draft_nodes / max(self.stats.cycles, 1),
-                "batch_size_max": self.batch_size_max}
-
-    def record(self, method: str) -> None:
-        spec = self.spec_metrics(method)
-        self.metrics.finished(len(self.token_ids), spec["accepted_per_position"], spec["tau"],
-                              time.perf_counter() - self.start)
 
 
 async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
@@ -169,31 +106,35 @@ class Frontend:
         try:
             raw = await read_body(request)  # read before any refusal: an unread body would reset a kept-alive link
             self._authorize(request)
-            body, sequence, stop = self._parse(raw, chat)
-            self._admit()
+            body, plans, stop = self._parse(raw, chat)
+            self._admit(len(plans))
         except (ApiError, ReplicaBroken) as err:
             self.metrics.request(route, getattr(err, "status", 503))
             raise
-        run = RequestRun(self.scheduler, sequence, self.tokenizer, stop, self.metrics)
+        runs = [RequestRun(self.scheduler, plan, self.tokenizer, stop, self.metrics) for plan in plans]
+        pieces = merged([run.pieces() for run in runs])
         if body.stream:
-            return await self._start_stream(run, body, chat, route)
+            return await self._start_stream(runs, pieces, body, chat, route)
         try:
-            text = "".join([delta async for delta, _ in run.pieces()])
+            async with contextlib.aclosing(pieces):
+                async for _ in pieces:  # each run keeps its text, tokens and logprobs
+                    pass
         except ReplicaBroken:
             self.metrics.request(route, 503)
             raise
         except RequestFailed as err:
             self.metrics.request(route, 500)
             raise request_failed(err) from None
-        except asyncio.CancelledError:  # the client went away; aclosing already freed the row
+        except asyncio.CancelledError:  # the client went away; aclosing already freed the rows
             self.metrics.request(route, 499)
             raise
-        run.record(self.method)
+        for run in runs:
+            run.record(self.method)
         self.metrics.request(route, 200)
-        result = envelope(chat, sequence.request_id, self.limits.model_name, stream=False)
-        result["choices"] = [choice(chat, text, run.finish_reason, run.token_ids if body.return_token_ids else None)]
-        result["usage"] = run.usage()
-        result["spec"] = run.spec_metrics(self.method)
+        result = envelope(chat, runs[0].plan.response_id, self.limits.model_name, stream=False)
+        result["choices"] = [self._whole_choice(run, body, chat) for run in runs]
+        result["usage"] = total_usage(runs)
+        result["spec"] = spec_metrics(runs, self.method)
         return JsonResponse(result)
 
     # ------------------------------------------------------------ steps
@@ -206,34 +147,55 @@ class Frontend:
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
             raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
 
-    def _parse(self, raw: bytes, chat: bool) -> tuple[Any, SequenceRequest, list[str]]:
+    def _parse(self, raw: bytes, chat: bool) -> tuple[Any, list[ChoicePlan], list[str]]:
+        """The body, one plan per choice (n per prompt), and the stop strings."""
         body = parse_body(raw, ChatBody if chat else CompletionBody)
         check_model(body, self.limits)
+        check_options(body, self.limits)
         if chat:
-            prompt_ids = chat_prompt_ids(self.tokenizer, body.messages)
+            prompts = [(chat_prompt_ids(self.tokenizer, body.messages), None)]
             asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
             default = None  # chat: up to the context, as OpenAI
+            logprobs, echo = ((body.top_logprobs or 0) if body.logprobs else None), False
         else:
-            prompt = body.prompt
-            prompt_ids = list(prompt) if isinstance(prompt, list) else encode_text(self.tokenizer, prompt, "prompt")
+            prompts = completion_prompts(self.tokenizer, body.prompt)
             asked, default = body.max_tokens, self.limits.default_max_tokens
-        max_tokens = check_lengths(prompt_ids, asked, self.limits, default)
-        temperature = body.temperature if body.temperature >= GREEDY_BELOW else 0.0
-        # a top_k past the vocabulary keeps every token: the same as off
-        top_k = body.top_k if 0 < body.top_k < self.limits.vocab_size else 0
-        # a top_p at or below 1/V keeps the top token alone either way; raised to 1/(2V) it stays a float32
-        # (5e-324 rounds to 0 there, which dropped every token: NaN probabilities broke the replica's round)
-        top_p = max(body.top_p, 0.5 / self.limits.vocab_size)
-        sampling = SamplingParams(temperature, top_p, top_k, body.seed)
-        request = SequenceRequest(new_id("chatcmpl" if chat else "cmpl"), prompt_ids, max_tokens, sampling)
-        return body, request, stop_strings(body)
+            logprobs, echo = body.logprobs, body.echo
+        silent = asked == 0  # echo alone (check_options): the engine generates one token, dropped
+        base = sampling_params(body, self.limits)
+        rid = new_id("chatcmpl" if chat else "cmpl")
+        plans = []
+        for i, (prompt_ids, text) in enumerate(prompts):
+            try:
+                max_tokens = check_lengths(prompt_ids, 1 if silent else asked, self.limits, default,
+                                           "messages" if chat else "prompt")
+            except ApiError as err:
+                if len(prompts) > 1:
+                    err.message = f"prompt[{i}]: {err.message}"
+                raise
+            echo_text = None
+            if echo:
+                echo_text = text if text is not None else self.tokenizer.decode(prompt_ids, skip_special_tokens=True)
+            for j in range(body.n):
+                index = i * body.n + j
+                seed = None if body.seed is None else (body.seed + j) % 2 ** 64  # n samples, not n copies
+                request = SequenceRequest(rid if len(prompts) * body.n == 1 else f"{rid}-{index}", prompt_ids,
+                                          max_tokens, replace(base, seed=seed), logprobs,
+                                          logprobs if echo else None)
+                plans.append(ChoicePlan(rid, index, i, request, echo_text, silent))
+        return body, plans, stop_strings(body)
 
-    def _admit(self) -> None:
-        """Back-pressure: past max_batch_size running plus max_waiting_requests waiting, a new request gets 429."""
+    def _admit(self, num_sequences: int) -> None:
+        """Back-pressure: past max_batch_size running plus max_waiting_requests waiting sequences, a new request
+        gets 429; one that could never fit (n * prompts past that sum) a 400."""
         if self.scheduler.broken is not None:
             raise ReplicaBroken("this replica's workers failed; retry shortly")
         limit = self.scheduler.capacity + self.args.max_waiting_requests
-        if self.scheduler.num_admitted >= limit:
+        if num_sequences > limit:
+            raise ApiError(400, f"this request asks for {num_sequences} choices (n times the prompts); this replica "
+                                f"holds at most {limit} sequences at once (max_batch_size={self.scheduler.capacity} + "
+                                f"max_waiting_requests={self.args.max_waiting_requests}): send fewer", "n")
+        if self.scheduler.num_admitted + num_sequences > limit:
             load = self.scheduler.load()
             raise ApiError(429, f"this replica is busy: {load['running']} requests running and {load['waiting']} "
                                 f"waiting for a batch row (max_batch_size={self.scheduler.capacity}, "
@@ -241,10 +203,18 @@ class Frontend:
                                 f"{RETRY_AFTER_BUSY_S} s", type="server_overloaded", code="server_busy",
                            retry_after_s=RETRY_AFTER_BUSY_S)
 
-    async def _start_stream(self, run: RequestRun, body: Any, chat: bool, route: str) -> StreamingResponse:
+    def _whole_choice(self, run: RequestRun, body: Any, chat: bool) -> dict[str, Any]:
+        logprobs = None
+        if run.request.logprobs is not None:
+            entries = run.logprob_entries(first=True) + list(zip(run.token_ids, run.logprobs))
+            logprobs = LogprobsWriter(self.tokenizer, chat).write(entries)
+        return choice(chat, run.plan.index, (run.plan.echo_text or "") + run.sent, run.finish_reason,
+                      run.token_ids if body.return_token_ids else None, logprobs)
+
+    async def _start_stream(self, runs: list[RequestRun], pieces: AsyncIterator[tuple[int, Any]], body: Any,
+                            chat: bool, route: str) -> StreamingResponse:
         """Waits for the first piece before answering: the request holds its place in the scheduler from now on
         (so admission counts it), and a failure before the first token is still an HTTP status."""
-        pieces = run.pieces()
         try:
             first = await anext(pieces)
         except ReplicaBroken:
@@ -256,35 +226,50 @@ class Frontend:
         except asyncio.CancelledError:
             self.metrics.request(route, 499)
             raise
-        return StreamingResponse(self._events(run, first, pieces, body, chat, route), media_type="text/event-stream")
+        return StreamingResponse(self._events(runs, first, pieces, body, chat, route),
+                                 media_type="text/event-stream")
 
-    async def _events(self, run: RequestRun, first: tuple[str, list[int]],
-                      pieces: AsyncIterator[tuple[str, list[int]]], body: Any, chat: bool,
-                      route: str) -> AsyncIterator[str]:
-        head = envelope(chat, run.request.request_id, self.limits.model_name, stream=True)
+    async def _events(self, runs: list[RequestRun], first: tuple[int, Any], pieces: AsyncIterator[tuple[int, Any]],
+                      body: Any, chat: bool, route: str) -> AsyncIterator[str]:
+        head = envelope(chat, runs[0].plan.response_id, self.limits.model_name, stream=True)
         usage_field = {"usage": None} if body.include_usage else {}  # OpenAI: null on every chunk but the last
+        writers = [LogprobsWriter(self.tokenizer, chat) for _ in runs]
+        started = [False] * len(runs)
+        ended = 0
 
         def event(payload: dict[str, Any]) -> str:
             return f"data: {json.dumps(payload)}\n\n"
 
-        def piece(delta: str, new_ids: list[int]) -> str | None:
-            if not delta and not body.return_token_ids:
+        def chunk(i: int, item: Any) -> str | None:
+            """A choice's piece as an event (None: nothing to send), or its finish once it ended."""
+            nonlocal ended
+            run = runs[i]
+            if item is END:
+                ended += 1
+                spec = {"spec": spec_metrics(runs, self.method)} if ended == len(runs) else {}
+                return event({**head, "choices": [choice(chat, run.plan.index, "", run.finish_reason, delta=True)],
+                              **usage_field, **spec})
+            text, new_ids, new_logprobs = item
+            entries = run.logprob_entries(first=not started[i]) + list(zip(new_ids, new_logprobs))
+            if not started[i]:
+                text, started[i] = (run.plan.echo_text or "") + text, True
+            if not text and not body.return_token_ids and not entries:
                 return None
-            part = choice(chat, delta, None, new_ids if body.return_token_ids else None, delta=True)
+            logprobs = writers[i].write(entries) if run.request.logprobs is not None else None
+            part = choice(chat, run.plan.index, text, None, new_ids if body.return_token_ids else None, logprobs,
+                          delta=True)
             return event({**head, "choices": [part], **usage_field})
 
         try:
             async with contextlib.aclosing(pieces):
-                if (chunk := piece(*first)) is not None:
-                    yield chunk
-                async for delta, new_ids in pieces:
-                    if (chunk := piece(delta, new_ids)) is not None:
-                        yield chunk
-            spec = run.spec_metrics(self.method)
-            yield event({**head, "choices": [choice(chat, "", run.finish_reason, delta=True)], **usage_field,
-                         "spec": spec})
+                if (line := chunk(*first)) is not None:
+                    yield line
+                async for i, item in pieces:
+                    if (line := chunk(i, item)) is not None:
+                        yield line
             if body.include_usage:
-                yield event({**head, "choices": [], "usage": run.usage(), "spec": spec})
+                spec = spec_metrics(runs, self.method)
+                yield event({**head, "choices": [], "usage": total_usage(runs), "spec": spec})
             yield "data: [DONE]\n\n"
         except ReplicaBroken as err:
             self.metrics.request(route, 503)
@@ -294,10 +279,11 @@ class Frontend:
             self.metrics.request(route, 500)
             yield event(request_failed(err).body())
             return
-        except (asyncio.CancelledError, GeneratorExit):  # client disconnected mid-stream: its row is freed
+        except (asyncio.CancelledError, GeneratorExit):  # client disconnected mid-stream: its rows are freed
             self.metrics.request(route, 499)
             raise
-        run.record(self.method)
+        for run in runs:
+            run.record(self.method)
         self.metrics.request(route, 200)
 
 
@@ -349,20 +335,32 @@ def build_api(frontend: Frontend) -> FastAPI:
     async def chat_completions(request: Request) -> Any:
         return await frontend.complete(request, chat=True)
 
-    api.openapi = lambda: _openapi(api, frontend.limits.model_name)  # type: ignore[method-assign]
+    max_sequences = frontend.scheduler.capacity + frontend.args.max_waiting_requests
+    api.openapi = lambda: _openapi(api, frontend.limits, max_sequences)  # type: ignore[method-assign]
     return api
 
 
-def _openapi(api: FastAPI, model_name: str) -> dict[str, Any]:
-    """FastAPI's schema plus the request-body models (routes that read raw bytes do not name them to FastAPI),
-    whose ``model`` is the one this replica serves."""
+def _openapi(api: FastAPI, limits: Limits, max_sequences: int) -> dict[str, Any]:
+    """FastAPI's schema plus the request-body models (routes that read raw bytes do not name them to FastAPI), with
+    this replica's bounds: its ``model``, its vocabulary (prompt token ids), the sequences it holds at once (n) and
+    its token budget (max_tokens)."""
     if api.openapi_schema is None:
         schema = get_openapi(title=api.title, version=api.version, description=api.description, routes=api.routes)
         _, defs = models_json_schema([(m, "validation") for m in BODY_MODELS],
                                      ref_template="#/components/schemas/{model}")
         for model in BODY_MODELS:
-            defs["$defs"][model.__name__]["properties"]["model"] = {
-                "type": "string", "enum": [model_name], "description": "the served model (GET /v1/models)"}
+            properties = defs["$defs"][model.__name__]["properties"]
+            properties["model"] = {
+                "type": "string", "enum": [limits.model_name], "description": "the served model (GET /v1/models)"}
+            properties["n"]["maximum"] = min(properties["n"]["maximum"], max_sequences)
+            for budget in ("max_tokens", "max_completion_tokens"):
+                if budget in properties:
+                    properties[budget]["anyOf"][0]["maximum"] = limits.max_tokens_limit
+        for form in defs["$defs"]["CompletionBody"]["properties"]["prompt"]["anyOf"]:  # token ids, or lists of them
+            items = form.get("items", {})
+            token_id = items.get("items", items)
+            if token_id.get("type") == "integer":
+                token_id["maximum"] = limits.vocab_size - 1
         schema.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
         api.openapi_schema = schema
     return api.openapi_schema

@@ -3,6 +3,7 @@ in the incremental detokenizer, the chat fallback template, ServeArgs and the sh
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -12,8 +13,9 @@ from hypothesis import strategies as st
 
 from eyas.config import ConfigError
 from eyas_ray.serve_config import ServeArgs
-from serving.protocol import (MAX_STOP_STRINGS, ApiError, ChatBody, CompletionBody, Limits, TextStream, chat_prompt_ids,
-                              check_lengths, check_model, parse_body, stop_strings)
+from serving.protocol import (MAX_CHOICES, MAX_PROMPTS, MAX_STOP_STRINGS, ApiError, ChatBody, CompletionBody, Limits,
+                              chat_prompt_ids, check_lengths, check_model, parse_body, stop_strings)
+from serving.responses import TextStream
 
 REPO = Path(__file__).resolve().parents[3]
 LIMITS = Limits(model_name="m", vocab_size=100, max_len=64, tree_room=16, max_tokens_limit=40, default_max_tokens=16)
@@ -55,10 +57,18 @@ def test_parse_body_rejects_malformed_and_mistyped_bodies(raw, status, param, te
     assert set(err.body()["error"]) == {"message", "type", "param", "code"}
 
 
-def test_parse_body_accepts_openai_fields_and_ignores_unknown_ones():
+def test_parse_body_accepts_openai_fields_and_refuses_unknown_ones():
     body = parse_body(json.dumps({"model": "m", "prompt": [1, 2], "temperature": 0, "stream": True, "user": "u",
                                   "stream_options": {"include_usage": True}}).encode(), CompletionBody)
     assert body.prompt == [1, 2] and body.temperature == 0.0 and body.stream
+    for raw, model, param, where in ((b'{"model": "m", "prompt": "x", "min_tokens": 2}', CompletionBody, "min_tokens",
+                                      "min_tokens"),
+                                     (b'{"model": "m", "messages": [{"role": "user", "content": "hi", "name": "a"}]}',
+                                      ChatBody, "messages", "messages[0].name"),
+                                     (b'{"model": "m", "prompt": "x", "stream_options": {"x": 1}}', CompletionBody,
+                                      "stream_options", "stream_options.x")):
+        err = error_of(lambda: parse_body(raw, model))
+        assert (err.status, err.param) == (400, param) and f"unknown field '{where}'" in err.message
     chat = parse_body(json.dumps({"model": "m", "messages": [{"role": "user", "content": [
         {"type": "text", "text": "hi"}]}]}).encode(), ChatBody)
     assert chat.messages[0].text() == "hi"
@@ -77,18 +87,34 @@ ACCEPTS = {
     "top_p": lambda v: _number(v) and 0 < v <= 1,
     "top_k": lambda v: _integer(v) and v >= -1,
     "seed": lambda v: v is None or (_integer(v) and 0 <= v < 2 ** 64),
-    "n": lambda v: _integer(v) and v == 1,
-    "max_tokens": lambda v: v is None or (_integer(v) and v >= 1),
+    "n": lambda v: _integer(v) and 1 <= v <= MAX_CHOICES,
+    "best_of": lambda v: v is None or (_integer(v) and 1 <= v <= MAX_CHOICES),
+    "echo": lambda v: isinstance(v, bool),
+    "logprobs": lambda v: v is None or (_integer(v) and 0 <= v <= 5),
+    "presence_penalty": lambda v: _number(v) and -2 <= v <= 2,
+    "frequency_penalty": lambda v: _number(v) and -2 <= v <= 2,
+    "logit_bias": lambda v: v is None or (isinstance(v, dict) and len(v) <= 1024 and all(
+        re.fullmatch(r"0|[1-9][0-9]{0,9}", k) and _number(b) and -100 <= b <= 100 for k, b in v.items())),
+    "suffix": lambda v: v in (None, ""),
+    "user": lambda v: v is None or isinstance(v, str),
+    "max_tokens": lambda v: v is None or (_integer(v) and v >= 0),
     "stream": lambda v: isinstance(v, bool),
     "stop": lambda v: v is None or (isinstance(v, str) and v != "") or (
         isinstance(v, list) and len(v) <= MAX_STOP_STRINGS and all(isinstance(s, str) and s for s in v)),
-    "prompt": lambda v: isinstance(v, str) or (isinstance(v, list) and all(_integer(t) for t in v)),
+    "prompt": lambda v: isinstance(v, str) or _token_ids(v) or (isinstance(v, list) and 1 <= len(v) <= MAX_PROMPTS and (
+        all(isinstance(t, str) for t in v) or all(_token_ids(t) for t in v))),
     "model": lambda v: isinstance(v, str),
 }
 
 
 def _integer(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    """An integer as JSON Schema counts them: 46 and 46.0, not 46.5 and not true."""
+    return (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, float) and value.is_integer())
+
+
+def _token_ids(value) -> bool:
+    """At least one id, none negative (the vocabulary's upper end is the replica's: check_lengths)."""
+    return isinstance(value, list) and len(value) >= 1 and all(_integer(t) and t >= 0 for t in value)
 
 
 def _number(value) -> bool:
@@ -117,7 +143,8 @@ def test_a_field_is_accepted_exactly_when_valid_else_its_400_names_it(field, val
     raw = json.dumps({**VALID, field: value}).encode()
     if ACCEPTS[field](value):
         body = parse_body(raw, CompletionBody)
-        assert getattr(body, field) == (float(value) if field in ("temperature", "top_p") else value)
+        floats = ("temperature", "top_p", "presence_penalty", "frequency_penalty")
+        assert getattr(body, field) == (float(value) if field in floats else value)
     else:
         err = error_of(lambda: parse_body(raw, CompletionBody))
         assert_openai_4xx(err)

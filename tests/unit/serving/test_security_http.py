@@ -66,10 +66,12 @@ def test_a_request_cannot_name_a_model_or_a_path_to_load(local_server, monkeypat
                        ("/v1/chat/completions", {"model": name, "messages": [{"role": "user", "content": "x"}]})):
         answer = httpx.post(f"{local_server.url}{path}", json=body, timeout=30)
         assert answer.status_code == 404 and answer.json()["error"]["code"] == "model_not_found", answer.text
-    # fields that name locations are not part of a request: ignored, never resolved
-    extra = {"model": MODEL, "prompt": "x", "max_tokens": 1, "drafter": "models:/evil@prod", "target": "/etc",
-             "spec": {"method": "eagle3", "drafter": "/tmp/evil"}, "spec_file": "/etc/passwd"}
-    assert httpx.post(f"{local_server.url}/v1/completions", json=extra, timeout=30).status_code == 200
+    # fields that name locations are not part of a request: refused as unknown fields (400), never resolved
+    for field, value in (("drafter", "models:/evil@prod"), ("target", "/etc"), ("spec_file", "/etc/passwd"),
+                         ("spec", {"method": "eagle3", "drafter": "/tmp/evil"})):
+        answer = httpx.post(f"{local_server.url}/v1/completions", timeout=30,
+                            json={"model": MODEL, "prompt": "x", "max_tokens": 1, field: value})
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == field, answer.text
 
 
 def test_bodies_and_prompts_have_size_limits(local_server):
