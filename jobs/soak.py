@@ -43,7 +43,7 @@ MALFORMED = [b"{not json", b'{"prompt": "x", "max_tokens": -3}', b'{"prompt": 7}
 
 
 async def leave_at(client, route: str, body: dict[str, Any], point: str, rng: random.Random,
-                   num_events: int | None = None) -> int | None:
+                   num_events: int | None = None):
     """Send ``body`` to ``route`` and leave at ``point`` (one of HANGUP_POINTS):
 
     - ``before_headers``: a stream dropped before its first chunk arrives (the answer's headers wait for the first
@@ -51,26 +51,26 @@ async def leave_at(client, route: str, body: dict[str, Any], point: str, rng: ra
     - ``mid_stream``: a stream closed after ``num_events`` chunks (1-3 when None);
     - ``timeout``: a whole-answer request whose client gives up after 20-600 ms.
 
-    Returns None when the client left, else the status of an answer that came first (a 4xx, or a finished one)."""
+    Returns None when the client left, else the (read) httpx response of an answer that came first (a 4xx, or a
+    finished one)."""
     if point == "mid_stream":
         async with client.stream("POST", route, json={**body, "stream": True}) as response:
             if response.status_code != 200:
                 await response.aread()
-                return response.status_code
+                return response
             events, limit = 0, num_events or rng.randint(1, 3)
             async for line in response.aiter_lines():
                 events += line.startswith("data: ")
                 if events >= limit:
                     return None  # leaving the block closes the connection mid-stream
-        return 200
+        return response
     if point not in HANGUP_POINTS:
         raise ValueError(f"point={point!r}: must be one of {HANGUP_POINTS}")
     try:
-        response = await asyncio.wait_for(client.post(route, json={**body, "stream": point == "before_headers"}),
-                                          rng.uniform(0.02, 0.6))
+        return await asyncio.wait_for(client.post(route, json={**body, "stream": point == "before_headers"}),
+                                      rng.uniform(0.02, 0.6))
     except asyncio.TimeoutError:  # the cancelled request closed its connection
         return None
-    return response.status_code
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -141,9 +141,12 @@ class Soak:
         point = point or self.rng.choice(HANGUP_POINTS)
         body = self.body("disconnect", prompt)
         start = time.perf_counter()
-        status = await leave_at(client, "/v1/completions", body, point, self.rng)
-        record = self._done("disconnect", prompt, start, status or 200, None, None)
-        record["point"] = point if status is None else "answered"
+        response = await leave_at(client, "/v1/completions", body, point, self.rng)
+        if response is None:
+            record = self._done("disconnect", prompt, start, 200, None, None)
+        else:
+            record = self._done("disconnect", prompt, start, response.status_code, None, response)
+        record["point"] = point if response is None else "answered"
         return record
 
     async def cold_hangups(self, count: int) -> None:

@@ -69,11 +69,11 @@ async def chaos(base_url: str, app: str, reference: dict[str, list[int]], seed: 
         prompt = LONG_PROMPT if long else rng.choice(PROMPTS)
         body = {"model": MODEL, "prompt": prompt, "max_tokens": 150 if long else 400, "temperature": 0}
         async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:  # a connection of its own
-            status = await leave_at(client, "/v1/completions", body, point, rng, num_events)
-        if status is None:
+            response = await leave_at(client, "/v1/completions", body, point, rng, num_events)
+        if response is None:
             result["left"] += 1
         else:
-            result["answered_first"].append(status)
+            result["answered_first"].append(response.status_code)
 
     async def normal(delay_s: float, prompt: str, stream: bool) -> None:
         await asyncio.sleep(delay_s)
