@@ -231,6 +231,8 @@ def render(args: argparse.Namespace, sources: list[str]) -> int:
 def run_bench(args: argparse.Namespace) -> dict:
     target_path = str(resolve_path(args.target))
     target_name = Path(target_path).name
+    # paths as configs write them ('$EYAS_HOME/...', ~) resolve here as everywhere else
+    args.draft_model, args.drafters_dir = str(resolve_path(args.draft_model)), str(resolve_path(args.drafters_dir))
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in methods if m not in METHODS and m not in HF_METHODS]
     if unknown:
@@ -239,7 +241,10 @@ def run_bench(args: argparse.Namespace) -> dict:
         methods.insert(0, "vanilla")  # speedup is relative to vanilla measured in the same run
     overrides: dict = {}
     for file in args.spec:
-        spec_data = (yaml.safe_load(Path(file).read_text()) or {}).get("spec") or {}
+        path = resolve_path(file)
+        if not path.is_file():
+            raise ConfigError(f"--spec {file}: no such file")
+        spec_data = (yaml.safe_load(path.read_text()) or {}).get("spec") or {}
         if "method" not in spec_data:
             raise ConfigError(f"--spec {file}: the spec section names no method")
         overrides[spec_data["method"]] = spec_data

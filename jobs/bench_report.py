@@ -229,7 +229,14 @@ def page(sources: list[str], out: str) -> str:
              "reaching depth d that the target accepted there; *same* the share of prompts decoded to vanilla's "
              "very tokens (1.00: lossless); *draft / verify / other* a cycle's time; *of limit* the speedup over "
              "the cost model's prediction tau * t(1) / (t(N) + t_draft). Why bfloat16 can be exact on a CPU: "
-             "[threads and dtypes](threads-and-dtypes.md).", ""]
+             "[threads and dtypes](threads-and-dtypes.md).", "",
+             "A run of your own (`python -m jobs.bench --help` lists every flag):", "", "```bash",
+             "python -m jobs.bench --methods vanilla,hf,ngram,eagle3 --suite humaneval,chat --num-prompts 4 \\",
+             "    --dtype bfloat16 --spec '$EYAS_HOME/sweeps/eagle3-tree-smollm2/best.yaml' --out docs/bench-NAME.json",
+             "```", "",
+             "A trained method reads its drafter at `$EYAS_HOME/drafters/<family>-<target>` unless a `--spec` (a "
+             "sweep's `best.yaml`) names one; `--suite` is code, prose, chat, humaneval or all, or `--prompts-file "
+             "FILE.jsonl` brings your own prompts. Then add the JSON to this page's `--from` list.", ""]
     for target in dict.fromkeys(target_name(r) for _, r in reports):
         lines += [f"## {target}", ""]
         for path, report in reports:

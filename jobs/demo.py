@@ -49,7 +49,7 @@ DEMO_EPOCHS = 2
 # The 30-minute budget of a fresh `make demo` (installs 1 min, target 13, draft LM 2.5, the rest ~3) leaves ~9 min for
 # drafters, so the demo trains the three its table needs (EAGLE-1 for eagle1/eagle2, EAGLE-3, DFlash) for DEMO_EPOCHS
 # epochs each and measures tau on 4 prompts per epoch. `python -m jobs.train_drafter --config
-# jobs/configs/<family>-tiny.yaml` trains a full config (README "Measured results"); a drafter already in
+# jobs/configs/<family>-tiny.yaml` trains a full config (docs/training.md); a drafter already in
 # $EYAS_HOME is reused either way.
 TINY_DRAFTERS = ("jobs/configs/eagle1-tiny.yaml", "jobs/configs/eagle3-tiny.yaml", "jobs/configs/dflash-tiny.yaml")
 

@@ -90,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--dtype", choices=DTYPES, default="float32",
                         help="the target's (and drafter's) dtype: float32 or bfloat16 on CPU, float16/bfloat16 on "
-                             "GPU; greedy speculative output is exact against vanilla in float32 (README)")
+                             "GPU; greedy speculative output is exact against vanilla in float32 "
+                             "(docs/threads-and-dtypes.md)")
     parser.add_argument("--threads", type=int, help="torch threads (default: eyas.threads' policy)")
     args = parser.parse_args(argv)
     try:

@@ -15,8 +15,8 @@ off, so both numbers are per replica). ``--baseline`` says what vanilla is:
   cycle, and its output is vanilla's: tests/unit/decoding/test_batch.py). Same process, same cores, same memory:
   the ratio measures speculation and nothing else.
 - ``twin``: a second application with ``spec.method: vanilla`` (route /vanilla) beside the first. It runs the
-  vanilla method itself, but two replicas on a small machine do not get the same share of it: on the 2-core box of
-  the README, two replicas doing the very same work measured 0.90-1.01x.
+  vanilla method itself, but two replicas on a small machine do not get the same share of it: on a 2-core box two
+  replicas doing the very same work measured up to 10% apart.
 
 At concurrency c, c closed-loop clients stream completions over loopback (a client sends its next request when its
 last one ends) until ``--requests-per-level`` requests are done; spec and vanilla alternate, in a rotating order

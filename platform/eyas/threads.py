@@ -1,5 +1,5 @@
 """One CPU thread policy for every eyas process that runs torch: how many intra-op threads, and how an idle OpenMP
-thread waits. The README section "Threads and dtype" has the measurements it was chosen by (``jobs.bench_threads``).
+thread waits. docs/threads-and-dtypes.md says why; ``jobs.bench_threads`` measures it against torch's defaults.
 
 torch's defaults (one thread per core; libgomp spins ~300,000 times at every barrier before it sleeps) collapse on a
 shared machine: when another process holds one of the cores, every parallel region waits for the thread that shares

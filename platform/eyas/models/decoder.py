@@ -296,7 +296,7 @@ class Decoder(nn.Module):
         CPU at one torch thread, with every linear on the panel kernel for this dtype (float32, or bfloat16 where
         the CPU has AVX512_BF16; at most ``panels.MAX_ROWS`` rows) and attention on eyas's kernel. Elsewhere the
         kernels' blocking follows the shapes: float32 differs in the last bits (greedy output has matched in every
-        test and bench), reduced precision can flip near-ties (README "Threads and dtype")."""
+        test and bench), reduced precision can flip near-ties (docs/threads-and-dtypes.md)."""
         fused = [self.lm_head.packed] + [m for layer in self.layers for m in (layer.self_attn.fused_qkv,
                                                                               layer.self_attn.packed_o,
                                                                               layer.mlp.fused_gate_up,

@@ -6,7 +6,7 @@ CPUs with native bfloat16 matrix units (AVX512-BF16, AMX) and on GPUs; float16 i
 matrix product). On a CPU with AVX512_BF16, at one torch thread, bfloat16 is exact too: eyas's panel and attention
 kernels give a verified token a decode step's bits (``Decoder.verify_is_exact``). Elsewhere in reduced precision a
 verify forward over N tokens and a decode step use differently shaped kernels, so near-ties in the target's argmax
-can flip: the README ("Threads and dtype") has the measured rates.
+can flip: docs/threads-and-dtypes.md, and ``jobs.dtype_agreement`` measures how often.
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ A decode step or a tree verify multiplies a few rows (T of 1 to ~100) by every w
 memory-bound, and its speed depends on how the weight lies in memory, not on its FLOPs. On CPU (float32, and
 bfloat16 where the CPU has native bfloat16, ``_is_mkldnn_bf16_supported``) the weight is reordered once into
 oneDNN's packed layout and multiplied through ``torch.ops.mkldnn._linear_pointwise``. Measured on this project's
-2-core AMD EPYC, 1 thread, the smollm2-135m linears (README "Threads and dtype"), ms for all of one forward's
+2-core AMD EPYC, 1 thread, the smollm2-135m linears (``jobs.bench_linear``), ms for all of one forward's
 weights at M rows:
 
 | M | 1 | 4 | 16 | 64 |
@@ -32,7 +32,7 @@ bfloat16 keeps row-major parameters: its packed kernel wins at one row too (24.8
 
 **Panels** (``eyas.models.panels``): where its C kernel builds, up to 64 float32 rows (and bfloat16 rows, where the
 CPU has AVX512_BF16) at one torch thread go through a panel copy of the weight instead, faster than every layout
-above at 1-64 rows and the same numbers for a row at any number of rows (README "Threads and dtype").
+above at 1-64 rows and the same numbers for a row at any number of rows (docs/threads-and-dtypes.md).
 
 Shape legend: O output features, I input features; x_XI is any leading shape.
 """

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from eyas.models import kernels
 
 WIDTH = 32     # outputs per panel (panels.c's W)
-MAX_ROWS = 64  # faster than oneDNN's packed product up to 64 rows (README "Threads and dtype"), so every tree
+MAX_ROWS = 64  # faster than oneDNN's packed product up to 64 rows (``jobs.bench_linear``), so every tree
 # (MAX_TREE_NODES = 64) verifies through it and a verified token gets a decode step's bits
 AMX_BLOCK = 32  # inputs per AMX tile product: bfloat16 panels pad I to a multiple of it
 SOURCE = Path(__file__).with_name("panels.c")

@@ -165,7 +165,7 @@ class LoopConfig:
     # from the files each step, so a worker's memory stays flat however large the data set)
     feature_cache: Literal["none", "memory", "disk"] = "none"
     # the drafter's forward and loss: bfloat16 autocast over float32 weights and optimizer state (2-4x faster steps
-    # on a CPU with AMX / AVX512-BF16, and on GPUs; README "Training in bfloat16")
+    # on a CPU with AMX / AVX512-BF16, and on GPUs; docs/training.md "Precision")
     precision: Literal["float32", "bfloat16", "auto"] = "float32"  # float32, bfloat16 (autocast) or auto (bfloat16 where native)
     # the target forward that makes the features: float32, bfloat16 (a bfloat16 copy of the target, loaded on the first
     # sequence to compute: ~1.6x faster on an AVX512-BF16 CPU, features within ~1% of float32's) or auto (as the

@@ -107,16 +107,20 @@ def test_cli_renders_without_measuring(tmp_path, capsys):
     assert bench.main(["--from", str(tmp_path / "run.json"), "--update-tables", str(tmp_path / "plain.md")]) == 2
 
 
-def test_a_fresh_run_writes_its_report(random_checkpoint, tmp_path):
+def test_a_fresh_run_writes_its_report(random_checkpoint, tmp_path, eyas_home):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ("import os\n", "x = [1, 2,")))
+    spec = eyas_home / "sweeps" / "ngram" / "best.yaml"  # named as a config names it: '$EYAS_HOME/...'
+    spec.parent.mkdir(parents=True)
+    spec.write_text("spec: {method: ngram, num_draft: 3}\n")
     out, page = tmp_path / "bench.json", tmp_path / "results.md"
     assert bench.main(["--target", str(random_checkpoint), "--methods", "vanilla,ngram", "--prompts-file",
                        str(prompts), "--max-new-tokens", "8", "--cost-repeats", "0", "--out", str(out),
-                       "--report", str(page)]) == 0
+                       "--spec", "$EYAS_HOME/sweeps/ngram/best.yaml", "--report", str(page)]) == 0
     report = json.loads(out.read_text())
     assert report["config"]["dtype"] == "float32" and "cpu_model" in report["machine"]
     text = page.read_text()
     assert f"--from {out} --report {page}" in text and f"## {random_checkpoint.name}" in text
-    assert "| method | settings | custom speedup | custom tau |" in text and row(text, "ngram")
+    assert "| method | settings | custom speedup | custom tau |" in text
+    assert row(text, "ngram").startswith("| ngram | 3 tokens a match | ")
     assert "![speedup and tau per method, bench](bench.png)" in text
