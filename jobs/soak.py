@@ -23,11 +23,12 @@ polls, RSS per process at start and end.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import random
 import time
 from typing import Any
+
+from jobs.chaos import HANGUP_POINTS, Watch, leave_at, process_rss, worker_occupancy
 
 # kind -> weight in the mix; the kind's expected status is in EXPECTED
 KINDS = {"greedy": 3, "greedy_stream": 3, "chat": 2, "sampled_stream": 2, "seeded": 2, "over_long": 1,
@@ -35,42 +36,9 @@ KINDS = {"greedy": 3, "greedy_stream": 3, "chat": 2, "sampled_stream": 2, "seede
 EXPECTED = {"over_long": 400, "malformed": 400}
 CHAT_PROMPTS = ["hello", "write a python function that adds two numbers", "what is a list?"]
 WARMUP_S = 5.0
-HANGUP_POINTS = ("before_headers", "mid_stream", "timeout")
 COLD_HANGUPS = 8  # the cold start's hang-ups, within its first second
-HEALTH_POLL_S = 1.0
 MALFORMED = [b"{not json", b'{"prompt": "x", "max_tokens": -3}', b'{"prompt": 7}', b"[]",
              b'{"prompt": "x", "temperature": "hot"}']
-
-
-async def leave_at(client, route: str, body: dict[str, Any], point: str, rng: random.Random,
-                   num_events: int | None = None) -> int | None:
-    """Send ``body`` to ``route`` and leave at ``point`` (one of HANGUP_POINTS):
-
-    - ``before_headers``: a stream dropped before its first chunk arrives (the answer's headers wait for the first
-      token), so while it waits for a row, prefills, or is in its first round; after 20-600 ms;
-    - ``mid_stream``: a stream closed after ``num_events`` chunks (1-3 when None);
-    - ``timeout``: a whole-answer request whose client gives up after 20-600 ms.
-
-    Returns None when the client left, else the status of an answer that came first (a 4xx, or a finished one)."""
-    if point == "mid_stream":
-        async with client.stream("POST", route, json={**body, "stream": True}) as response:
-            if response.status_code != 200:
-                await response.aread()
-                return response.status_code
-            events, limit = 0, num_events or rng.randint(1, 3)
-            async for line in response.aiter_lines():
-                events += line.startswith("data: ")
-                if events >= limit:
-                    return None  # leaving the block closes the connection mid-stream
-        return 200
-    if point not in HANGUP_POINTS:
-        raise ValueError(f"point={point!r}: must be one of {HANGUP_POINTS}")
-    try:
-        response = await asyncio.wait_for(client.post(route, json={**body, "stream": point == "before_headers"}),
-                                          rng.uniform(0.02, 0.6))
-    except asyncio.TimeoutError:  # the cancelled request closed its connection
-        return None
-    return response.status_code
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -80,32 +48,6 @@ def percentile(values: list[float], q: float) -> float:
     rank = q / 100 * (len(ordered) - 1)
     low, high = int(rank), min(int(rank) + 1, len(ordered) - 1)
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
-
-
-def process_rss(app: str) -> dict[str, int | None]:
-    """Resident bytes of the app's replica and TP worker processes, by actor name (None: on another node).
-
-    Reads the actor table of the Ray this process is connected to (ray.util.state would need the dashboard, and
-    without an address it may pick another cluster on the machine)."""
-    import psutil
-    import ray
-    from ray._private import state
-
-    here = ray.get_runtime_context().get_node_id()
-    out: dict[str, int | None] = {}
-    for actor in state.actors().values():
-        name = actor.get("Name") or ""
-        if actor.get("State") != "ALIVE" or not name.startswith((f"eyas-worker-{app}-",
-                                                                  f"SERVE_REPLICA::{app}#EyasServer#")):
-            continue
-        rss = None
-        if actor["Address"].get("NodeID") == here:
-            try:
-                rss = psutil.Process(actor["Pid"]).memory_info().rss
-            except psutil.NoSuchProcess:  # it died between the table read and now: the caller reports the change
-                continue
-        out[name] = rss
-    return out
 
 
 class Soak:
@@ -141,9 +83,12 @@ class Soak:
         point = point or self.rng.choice(HANGUP_POINTS)
         body = self.body("disconnect", prompt)
         start = time.perf_counter()
-        status = await leave_at(client, "/v1/completions", body, point, self.rng)
-        record = self._done("disconnect", prompt, start, status or 200, None, None)
-        record["point"] = point if status is None else "answered"
+        response = await leave_at(client, "/v1/completions", body, point, self.rng)
+        if response is None:
+            record = self._done("disconnect", prompt, start, 200, None, None)
+        else:
+            record = self._done("disconnect", prompt, start, response.status_code, None, response)
+        record["point"] = point if response is None else "answered"
         return record
 
     async def cold_hangups(self, count: int) -> None:
@@ -284,48 +229,6 @@ async def wait_idle(client, timeout_s: float) -> dict[str, Any]:
 
 def rss_total(rss: dict[str, int | None]) -> int:
     return sum(v for v in rss.values() if v is not None)
-
-
-def worker_occupancy(app: str) -> dict[str, dict[str, int]]:
-    """``TPWorker.occupancy`` of each live TP worker of ``app``, by actor name."""
-    import ray
-
-    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-             if a["name"].startswith(f"eyas-worker-{app}-")]
-    handles = [ray.get_actor(name, namespace="eyas-serving") for name in names]
-    return dict(zip(names, ray.get([h.occupancy.remote() for h in handles], timeout=60)))
-
-
-class Watch:
-    """Polls /health and the replica's processes once a second while the soak runs: every non-200 answer, and
-    every replica or TP worker process that was not there at the start (a restart)."""
-
-    def __init__(self, base_url: str, app: str) -> None:
-        self.url, self.app = base_url, app
-        self.start = set(process_rss(app))
-        self.seen = set(self.start)
-        self.unhealthy: list[str] = []
-        self.num_polls = 0
-
-    async def run(self, stop: asyncio.Event) -> None:
-        import httpx
-
-        async with httpx.AsyncClient(base_url=self.url, timeout=30) as client:
-            while not stop.is_set():
-                try:
-                    response = await client.get("/health")
-                    if response.status_code != 200:
-                        self.unhealthy.append(f"HTTP {response.status_code}: {response.text[:120]}")
-                except httpx.HTTPError as err:
-                    self.unhealthy.append(repr(err))
-                self.seen |= set(await asyncio.to_thread(process_rss, self.app))
-                self.num_polls += 1
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(stop.wait(), HEALTH_POLL_S)
-
-    @property
-    def restarts(self) -> int:
-        return len({name for name in self.seen - self.start if name.startswith("SERVE_REPLICA::")})
 
 
 async def soak(base_url: str, app: str, model: str, prompts: list[str], minutes: float, concurrency: int,

@@ -4,7 +4,7 @@ request's context made the TP workers' steps that request's children, and its ha
 
 Each run deploys a fresh micro application and, before anything else reaches it, sends the issue's burst (8 streams
 closed after their first chunk, at once: the replica's very first requests) and seeded random hang-ups
-(jobs.soak.leave_at: before the answer's headers, so while queued, in prefill or in the replica's first round;
+(jobs.chaos.leave_at: before the answer's headers, so while queued, in prefill or in the replica's first round;
 mid-stream; a whole-answer client that times out; some on a prompt long enough to be left in prefill) and cancelled
 deployment-handle calls (``set_speculation``, as jobs.load makes them), while normal clients send greedy requests. Checked: every normal request gets its exact greedy answer and no 5xx; /health answers 200 at
 every poll; the replica and its TP workers are the same processes at the end; every batch row, KV slot and drafter
@@ -44,13 +44,13 @@ def replica_names(app: str) -> set[str]:
 
 
 def occupancy(app: str) -> dict[str, dict[str, int]]:
-    from jobs.soak import worker_occupancy
+    from jobs.chaos import worker_occupancy
 
     return worker_occupancy(app)
 
 
 async def chaos(base_url: str, app: str, reference: dict[str, list[int]], seed: int) -> dict:
-    from jobs.soak import HANGUP_POINTS, leave_at
+    from jobs.chaos import HANGUP_POINTS, leave_at
 
     rng = random.Random(seed)
     result = {"statuses": [], "wrong": [], "unhealthy": [], "left": 0, "answered_first": [], "handle": []}
@@ -69,11 +69,11 @@ async def chaos(base_url: str, app: str, reference: dict[str, list[int]], seed: 
         prompt = LONG_PROMPT if long else rng.choice(PROMPTS)
         body = {"model": MODEL, "prompt": prompt, "max_tokens": 150 if long else 400, "temperature": 0}
         async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:  # a connection of its own
-            status = await leave_at(client, "/v1/completions", body, point, rng, num_events)
-        if status is None:
+            response = await leave_at(client, "/v1/completions", body, point, rng, num_events)
+        if response is None:
             result["left"] += 1
         else:
-            result["answered_first"].append(status)
+            result["answered_first"].append(response.status_code)
 
     async def normal(delay_s: float, prompt: str, stream: bool) -> None:
         await asyncio.sleep(delay_s)
