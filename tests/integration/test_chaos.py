@@ -68,6 +68,8 @@ async def chaos(base_url: str, app: str, reference: dict[str, list[int]], seed: 
         await asyncio.sleep(delay_s)
         prompt = LONG_PROMPT if long else rng.choice(PROMPTS)
         body = {"model": MODEL, "prompt": prompt, "max_tokens": 150 if long else 400, "temperature": 0}
+        if num_events is None:  # some random ones hold two rows (n=2), which must both be freed
+            body["n"] = rng.choice((1, 1, 2))
         async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:  # a connection of its own
             response = await leave_at(client, "/v1/completions", body, point, rng, num_events)
         if response is None:
