@@ -24,6 +24,7 @@ from torch import nn
 from eyas.models import attention, panels
 from eyas.models.cache import KVCache
 from eyas.models.config import ModelConfig
+from eyas.models.fused import FusedLayers
 from eyas.models.packing import PackedLinear, fuse_linears
 
 
@@ -249,6 +250,7 @@ class Decoder(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
         self._rope_cos: torch.Tensor | None = None
         self._rope_sin: torch.Tensor | None = None
+        self._fused: FusedLayers | None = None  # set by fuse() where it serves (eyas.models.fused)
 
     @property
     def device(self) -> torch.device:
@@ -277,6 +279,7 @@ class Decoder(nn.Module):
         self._rope_cos = self._rope_sin = None
         if self.lm_head.packed is not None:
             self.lm_head.packed = fuse_linears([self.lm_head])
+            self._fused = FusedLayers.build(self)  # its pointers were the old weights'
         return self
 
     def fuse(self) -> "Decoder":
@@ -288,22 +291,24 @@ class Decoder(nn.Module):
             layer.self_attn.fuse()
             layer.mlp.fuse()
         self.lm_head.packed = fuse_linears([self.lm_head])  # tied: the embedding shares its layout
+        self._fused = FusedLayers.build(self)
         return self
 
     def verify_is_exact(self, num_rows: int) -> bool:
         """Whether a forward over ``num_rows`` new tokens (a tree verify; rows of a batch count together) gives each
         token the same bits as decoding it alone, so that greedy speculative output is vanilla's in any dtype: on
-        CPU at one torch thread, with every linear on the panel kernel for this dtype (float32, or bfloat16 where
-        the CPU has AVX512_BF16; at most ``panels.MAX_ROWS`` rows) and attention on eyas's kernel. Elsewhere the
+        CPU, at most ``panels.MAX_ROWS`` rows, the LM head on the panel kernel, and the layers either in one C call
+        (eyas.models.fused, at any thread count) or, at one torch thread, every linear on the panel kernel for this
+        dtype (float32, or bfloat16 where the CPU has AVX512_BF16) and attention on eyas's kernel. Elsewhere the
         kernels' blocking follows the shapes: float32 differs in the last bits (greedy output has matched in every
         test and bench), reduced precision can flip near-ties (docs/threads-and-dtypes.md)."""
-        fused = [self.lm_head.packed] + [m for layer in self.layers for m in (layer.self_attn.fused_qkv,
-                                                                              layer.self_attn.packed_o,
-                                                                              layer.mlp.fused_gate_up,
-                                                                              layer.mlp.packed_down)]
-        return (self.device.type == "cpu" and torch.get_num_threads() == 1 and num_rows <= panels.MAX_ROWS
-                and all(linear is not None and linear.panels_PIW is not None for linear in fused)
-                and attention.supports(self.config.head_dim))
+        head = self.lm_head.packed
+        if self.device.type != "cpu" or num_rows > panels.MAX_ROWS or head is None or head.panels_PIW is None:
+            return False
+        linears = [m for layer in self.layers for m in (layer.self_attn.fused_qkv, layer.self_attn.packed_o,
+                                                         layer.mlp.fused_gate_up, layer.mlp.packed_down)]
+        return self._fused is not None or (torch.get_num_threads() == 1 and attention.supports(self.config.head_dim)
+                                           and all(m is not None and m.panels_PIW is not None for m in linears))
 
     def rope_tables(self, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin tables over positions [0, num_positions), built once and grown on demand."""
@@ -373,19 +378,21 @@ class Decoder(nn.Module):
         cache.begin(T)
         span = cache.span(T)
         mask_B1TS, causal = self.build_mask(cache, T, span, mask, positions_BT)
-        cos_PD, sin_PD = self.rope_tables(int(positions_BT.max()) + 1)
-        cos_BTD, sin_BTD = cos_PD[positions_BT], sin_PD[positions_BT]
-        hidden: dict[int, torch.Tensor] = {}
         x_BTE = self.embed_tokens(tokens_BT)
-        if 0 in taps:
-            hidden[0] = x_BTE
-        for i, layer in enumerate(self.layers, start=1):
-            x_BTE = layer.forward(x_BTE, cos_BTD, sin_BTD, cache, span, mask_B1TS, causal)
-            if i in taps and i != self.config.num_layers:
-                hidden[i] = x_BTE
-        x_BTE = self.norm(x_BTE)
-        if self.config.num_layers in taps:
-            hidden[self.config.num_layers] = x_BTE
+        hidden: dict[int, torch.Tensor] = {0: x_BTE} if 0 in taps else {}
+        if self._fused is not None and self._fused.applies(x_BTE):  # every layer in one C call (eyas.models.fused)
+            x_BTE, layer_taps = self._fused(x_BTE, positions_BT, cache, span, mask_B1TS, causal, taps)
+            hidden.update(layer_taps)
+        else:
+            cos_PD, sin_PD = self.rope_tables(int(positions_BT.max()) + 1)
+            cos_BTD, sin_BTD = cos_PD[positions_BT], sin_PD[positions_BT]
+            for i, layer in enumerate(self.layers, start=1):
+                x_BTE = layer.forward(x_BTE, cos_BTD, sin_BTD, cache, span, mask_B1TS, causal)
+                if i in taps and i != self.config.num_layers:
+                    hidden[i] = x_BTE
+            x_BTE = self.norm(x_BTE)
+            if self.config.num_layers in taps:
+                hidden[self.config.num_layers] = x_BTE
         cache.finish(T)
         if logits_slice is not None:
             x_BTE = x_BTE[:, logits_slice]

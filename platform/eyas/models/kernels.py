@@ -57,7 +57,7 @@ def library(source_name: str, switch: str) -> ctypes.CDLL | None:
             fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
             os.close(fd)
             try:
-                subprocess.run([compiler, "-O3", "-march=native", "-shared", "-fPIC", "-o", tmp, str(path)],
+                subprocess.run([compiler, "-O3", "-march=native", "-shared", "-fPIC", "-pthread", "-o", tmp, str(path)],
                                check=True, capture_output=True, text=True, timeout=120)
                 os.replace(tmp, target)  # atomic
             finally:

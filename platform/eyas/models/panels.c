@@ -28,10 +28,9 @@ CHUNK(1) CHUNK(2) CHUNK(3) CHUNK(4) CHUNK(5) CHUNK(6) CHUNK(7) CHUNK(8)
 typedef void (*chunk_fn)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t);
 static const chunk_fn CHUNKS[9] = {0, chunk1, chunk2, chunk3, chunk4, chunk5, chunk6, chunk7, chunk8};
 /* y[M, O] = x[M, I] @ W^T, W given as panels [ceil(O/32), I, 32] (zero-padded) */
-void eyas_panel_matmul(const float* x, int64_t M, int64_t ldx, const float* panels, int64_t I, int64_t O,
-                       float* y, int64_t ldy) {
-  const int64_t npanel = (O + W - 1) / W;
-  for (int64_t p = 0; p < npanel; ++p) {
+static void panels_f32(const float* x, int64_t M, int64_t ldx, const float* panels, int64_t I, int64_t O, float* y,
+                       int64_t ldy, int64_t p0, int64_t p1) {
+  for (int64_t p = p0; p < p1; ++p) {
     const float* panel = panels + p * I * W;
     const int64_t nv = (O - p * W) < W ? (O - p * W) : W;
     for (int64_t m = 0; m < M; m += 8) {
@@ -39,6 +38,138 @@ void eyas_panel_matmul(const float* x, int64_t M, int64_t ldx, const float* pane
       CHUNKS[mb](x + m * ldx, ldx, panel, I, y + m * ldy + p * W, ldy, nv);
     }
   }
+}
+/* The thread pool: a product's panels split over up to num_threads threads (the caller and num_threads - 1 workers
+this library starts on first use). Each panel's outputs are one thread's, summed exactly as on one thread, so the
+bits do not depend on the thread count. Threads claim tasks (a few panels each) from a shared counter until none
+are left: where another process holds a worker's core, the caller takes the tasks it cannot, and waits at most for
+the one task that worker holds. A worker spins on the counter for a while after a product (the next one follows
+within microseconds in a decode step), then sleeps on a condition variable. */
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <time.h>
+typedef struct job job_t;
+struct job {
+  void (*task)(const job_t*, int64_t, int64_t);  /* panels [p0, p1) */
+  const void* x; int64_t M, ldx; const void* panels; int64_t I, O; void* y; int64_t ldy;
+  int64_t num_panels, panels_per_task, num_tasks;
+};
+#define MAX_WORKERS 63
+#define POOL_MIN_BYTES (256 << 10)  /* a smaller weight is one thread's: waking a worker costs more than it saves */
+static job_t pool_job;
+/* one word, so that a claim sees its job whole: generation (bits 40-63), tasks (20-39), next task (0-19). A claim
+succeeds only in the job it was meant for, and before that task's done count, so the job cannot change under it. */
+static _Atomic uint64_t pool_next;
+#define GEN(word) ((uint32_t)((word) >> 40))
+#define TASKS(word) ((int64_t)(((word) >> 20) & 0xfffff))
+#define NEXT(word) ((int64_t)((word) & 0xfffff))
+static _Atomic int64_t pool_done;
+static _Atomic int pool_sleepers, pool_workers_wanted;
+static int pool_started;
+static int64_t pool_spin_ns = 200000;  /* EYAS_PANEL_SPIN_US: how long an idle worker spins before it sleeps */
+static pthread_mutex_t pool_mutex = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t pool_wake = PTHREAD_COND_INITIALIZER;
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+static inline int64_t now_ns(void) {
+  struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+/* claims and runs tasks of generation gen until none are left */
+static void run_tasks(uint32_t gen) {
+  for (;;) {
+    uint64_t seen = atomic_load(&pool_next);
+    if (GEN(seen) != gen || NEXT(seen) >= TASKS(seen)) return;
+    if (!atomic_compare_exchange_weak(&pool_next, &seen, seen + 1)) continue;
+    const job_t* j = &pool_job;
+    const int64_t p0 = NEXT(seen) * j->panels_per_task, p1 = p0 + j->panels_per_task;
+    j->task(j, p0, p1 < j->num_panels ? p1 : j->num_panels);
+    atomic_fetch_add(&pool_done, 1);
+  }
+}
+static void* worker_main(void* arg) {
+  const int worker = (int)(intptr_t)arg;
+  uint32_t last = GEN(atomic_load(&pool_next));
+  for (;;) {
+    int64_t since = now_ns();
+    for (int spins = 0;; ++spins) {
+      if (GEN(atomic_load(&pool_next)) != last) break;
+      cpu_relax();
+      if ((spins & 255) == 255 && now_ns() - since > pool_spin_ns) {
+        pthread_mutex_lock(&pool_mutex);
+        atomic_fetch_add(&pool_sleepers, 1);
+        while (GEN(atomic_load(&pool_next)) == last) pthread_cond_wait(&pool_wake, &pool_mutex);
+        atomic_fetch_sub(&pool_sleepers, 1);
+        pthread_mutex_unlock(&pool_mutex);
+        break;
+      }
+    }
+    last = GEN(atomic_load(&pool_next));
+    if (worker <= atomic_load(&pool_workers_wanted)) run_tasks(last);
+  }
+  return NULL;
+}
+static void forget_workers(void) {  /* a forked child has none of its parent's threads */
+  pool_started = 0;
+  atomic_store(&pool_sleepers, 0);
+  pthread_mutex_init(&pool_mutex, NULL);
+  pthread_cond_init(&pool_wake, NULL);
+}
+/* starts workers up to wanted (once: EYAS_PANEL_SPIN_US is read then); returns how many run, at most wanted */
+static int64_t start_workers(int64_t wanted) {
+  if (pool_started == 0) {
+    static int once = 0;
+    const char* spin = getenv("EYAS_PANEL_SPIN_US");
+    if (spin) pool_spin_ns = (int64_t)atol(spin) * 1000;
+    if (!once) once = 1, pthread_atfork(NULL, NULL, forget_workers);
+  }
+  while (pool_started < wanted && pool_started < MAX_WORKERS) {
+    pthread_t thread;
+    if (pthread_create(&thread, NULL, worker_main, (void*)(intptr_t)(pool_started + 1)) != 0) break;
+    pthread_detach(thread);
+    ++pool_started;
+  }
+  return pool_started < wanted ? pool_started : wanted;
+}
+/* runs job j over num_panels panels of panel_bytes each: on the caller alone for a small weight or one thread,
+else split with up to num_threads - 1 workers. Called from one thread at a time (torch's forward). */
+static void run_job(job_t* j, int64_t num_panels, int64_t panel_bytes, int64_t num_threads) {
+  const int64_t workers = num_threads > 1 && num_panels >= 2 && num_panels * panel_bytes >= POOL_MIN_BYTES
+                              ? start_workers(num_threads - 1) : 0;
+  if (workers == 0) { j->task(j, 0, num_panels); return; }
+  j->num_panels = num_panels;
+  j->panels_per_task = num_panels / (8 * (workers + 1)) > 1 ? num_panels / (8 * (workers + 1)) : 1;
+  j->num_tasks = (num_panels + j->panels_per_task - 1) / j->panels_per_task;
+  pool_job = *j;
+  atomic_store(&pool_workers_wanted, (int)workers);
+  atomic_store(&pool_done, 0);
+  const uint32_t gen = (GEN(atomic_load(&pool_next)) + 1) & 0xffffff;
+  atomic_store(&pool_next, ((uint64_t)gen << 40) | ((uint64_t)j->num_tasks << 20));  /* seq_cst: before the
+                                                                                         sleepers' count below */
+  if (atomic_load(&pool_sleepers) > 0) {
+    pthread_mutex_lock(&pool_mutex);
+    pthread_cond_broadcast(&pool_wake);
+    pthread_mutex_unlock(&pool_mutex);
+  }
+  run_tasks(gen);
+  for (int spins = 0; atomic_load(&pool_done) < j->num_tasks; ++spins) {
+    cpu_relax();
+    if (spins > 4096) sched_yield();  /* a worker lost its core mid-task: let it have ours */
+  }
+}
+static void task_f32(const job_t* j, int64_t p0, int64_t p1) {
+  panels_f32(j->x, j->M, j->ldx, j->panels, j->I, j->O, j->y, j->ldy, p0, p1);
+}
+/* y[M, O] = x[M, I] @ W^T, W given as panels [ceil(O/32), I, 32] (zero-padded); the panels split over up to
+num_threads threads (each output is one thread's, summed as on one thread) */
+void eyas_panel_matmul(const float* x, int64_t M, int64_t ldx, const float* panels, int64_t I, int64_t O,
+                       float* y, int64_t ldy, int64_t num_threads) {
+  job_t j = {task_f32, x, M, ldx, panels, I, O, y, ldy};
+  run_job(&j, (O + W - 1) / W, (int64_t)4 * I * W, num_threads);
 }
 
 /* bfloat16, where the CPU has AVX512_BF16 (elsewhere panels.py keeps torch's kernels): W in panels
@@ -134,13 +265,10 @@ int eyas_panel_uses_amx(void) { return 0; }
 #endif
 
 /* y[M, O] = x[M, I] @ W^T in bfloat16, W given as bfloat16 panels [ceil(O/32), I/2, 32, 2]; I even */
-void eyas_panel_matmul_bf16(const uint16_t* x, int64_t M, int64_t ldx, const uint16_t* panels, int64_t I, int64_t O,
-                            uint16_t* y, int64_t ldy) {
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  if (amx_on && I % 32 == 0) { matmul_amx(x, M, ldx, panels, I, O, y, ldy); return; }
-#endif
-  const int64_t npanel = (O + W - 1) / W, I2 = I / 2;
-  for (int64_t p = 0; p < npanel; ++p) {
+static void panels_bf16(const uint16_t* x, int64_t M, int64_t ldx, const uint16_t* panels, int64_t I, int64_t O,
+                        uint16_t* y, int64_t ldy, int64_t p0, int64_t p1) {
+  const int64_t I2 = I / 2;
+  for (int64_t p = p0; p < p1; ++p) {
     const uint16_t* panel = panels + p * I * W;
     const int64_t nv = (O - p * W) < W ? (O - p * W) : W;
     for (int64_t m = 0; m < M; m += 8) {
@@ -148,5 +276,16 @@ void eyas_panel_matmul_bf16(const uint16_t* x, int64_t M, int64_t ldx, const uin
       CHUNKS_BF16[mb](x + m * ldx, ldx, panel, I2, y + m * ldy + p * W, ldy, nv);
     }
   }
+}
+static void task_bf16(const job_t* j, int64_t p0, int64_t p1) {
+  panels_bf16(j->x, j->M, j->ldx, j->panels, j->I, j->O, j->y, j->ldy, p0, p1);
+}
+void eyas_panel_matmul_bf16(const uint16_t* x, int64_t M, int64_t ldx, const uint16_t* panels, int64_t I, int64_t O,
+                            uint16_t* y, int64_t ldy, int64_t num_threads) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if (amx_on && I % 32 == 0) { matmul_amx(x, M, ldx, panels, I, O, y, ldy); return; }
+#endif
+  job_t j = {task_bf16, x, M, ldx, panels, I, O, y, ldy};
+  run_job(&j, (O + W - 1) / W, (int64_t)2 * I * W, num_threads);
 }
 #endif

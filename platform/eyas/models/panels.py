@@ -50,7 +50,7 @@ def _library() -> ctypes.CDLL | None:
         if function is not None:
             function.restype = None
             function.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                                 ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
+                                 ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
     amx = getattr(library, "eyas_panel_amx", None)
     if amx is not None:  # once per process, before any product: a process multiplies with one kernel throughout
         amx.restype, amx.argtypes = ctypes.c_int, [ctypes.c_int]
@@ -104,10 +104,9 @@ def pack(weight_OI: torch.Tensor) -> torch.Tensor:
 
 
 def uses_panels(x_XI: torch.Tensor, panels_PIW: torch.Tensor) -> bool:
-    """Whether a product on ``x_XI`` goes through the kernel: few rows of the panels' dtype, one torch thread, no
-    gradient wanted."""
+    """Whether a product on ``x_XI`` goes through the kernel: few rows of the panels' dtype, no gradient wanted."""
     return (x_XI.numel() <= MAX_ROWS * x_XI.shape[-1] and x_XI.dtype == panels_PIW.dtype
-            and torch.get_num_threads() == 1 and not (torch.is_grad_enabled() and x_XI.requires_grad))
+            and not (torch.is_grad_enabled() and x_XI.requires_grad))
 
 
 def matmul(x_XI: torch.Tensor, panels_PIW: torch.Tensor, num_out: int) -> torch.Tensor:
@@ -123,5 +122,5 @@ def matmul(x_XI: torch.Tensor, panels_PIW: torch.Tensor, num_out: int) -> torch.
         kernel, num_in_padded = _library().eyas_panel_matmul, panels_PIW.shape[1]
     y_MO = torch.empty(x_MI.shape[0], num_out, dtype=panels_PIW.dtype)
     kernel(x_MI.data_ptr(), x_MI.shape[0], num_in_padded, panels_PIW.data_ptr(), num_in_padded, num_out,
-           y_MO.data_ptr(), num_out)
+           y_MO.data_ptr(), num_out, torch.get_num_threads())
     return y_MO.reshape(*x_XI.shape[:-1], num_out)

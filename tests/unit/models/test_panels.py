@@ -139,3 +139,23 @@ def test_eyas_amx_0_keeps_the_vector_kernel(tmp_path):
     env = {**os.environ, "EYAS_AMX": "0", "PYTHONPATH": os.pathsep.join(sys.path)}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "False", done.stderr
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=bf16)])
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_the_thread_pool_splits_panels_without_changing_a_bit(dtype, rows):
+    """Above the pool's size threshold (256 KiB of weights) the panels split over the threads; each output stays
+    one thread's sum in the one-thread order."""
+    generator = torch.Generator().manual_seed(rows)
+    weight_OI = torch.randn(1000, 576, generator=generator).to(dtype)
+    panels_PIW = panels.pack(weight_OI)
+    x_MI = torch.randn(rows, 576, generator=generator).to(dtype)
+    before = torch.get_num_threads()
+    try:
+        by_threads = []
+        for num_threads in (1, 2, 3, 2):
+            torch.set_num_threads(num_threads)
+            by_threads.append(panels.matmul(x_MI, panels_PIW, 1000))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(y_MO, by_threads[0]) for y_MO in by_threads[1:])

@@ -1,0 +1,167 @@
+/* eyas.models.forward: every decoder layer of the target over a few new tokens (a decode step, a tree verify) on CPU
+in one call, float32 or bfloat16 weights.
+
+A decode step of a small target runs ~50 torch ops per layer around its four products, each a few microseconds of
+dispatch: on smollm2 (30 layers) that overhead cost more than the weights' stream. Here a layer is RMSNorm, the
+q/k/v product, RoPE, the KV-cache write, attention, o_proj, the residual, RMSNorm, gate/up, SiLU * up, down_proj and
+the residual, with the products on the panel kernel (panels.c, its thread pool included) and attention on
+attention.c's kernel, both reached through the function pointers the caller hands over. Every step for a token is
+a fixed function of its own row (and, in attention, of the keys it sees in slot order), so a token's outputs are
+the same bits whether it is decoded alone or verified among others, at any thread count.
+
+bfloat16 rounds where torch's ops on bfloat16 tensors round (eyas.models.decoder's forward): the norms' outputs,
+each product, RoPE's two products and their sum, attention's output, SiLU, SiLU * up and each residual sum; the KV
+cache and attention are float32. Sums of squares and exp differ from torch's only in order and last bits.
+
+Layouts: x [N, E] (N = B * T rows, row b * T + t), the activations' dtype, updated in place; positions [N]; cos,
+sin the decoder's RoPE tables [P, D]; the cache k, v [L, B, G, S_max, D] float32 by strides (the last two
+contiguous); starts [B] the first new slot per row; mask uint8 [B, T, S] by strides or NULL (then causal as
+attention.c's). A product's input is padded with zeros to the panels' input width (a multiple of 32 in bfloat16). */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef void (*matmul_fn)(const void* x, int64_t M, int64_t ldx, const void* panels, int64_t I, int64_t O, void* y,
+                          int64_t ldy, int64_t num_threads);
+typedef void (*attend_fn)(const float* q, int64_t qsb, int64_t qsh, int64_t qst, const float* k, int64_t ksb,
+                          int64_t ksg, int64_t kss, const float* v, int64_t vsb, int64_t vsg, int64_t vss,
+                          const uint8_t* mask, int64_t msb, int64_t mst, int causal, float* out, int64_t B, int64_t H,
+                          int64_t G, int64_t T, int64_t S, int64_t D, float scale);
+
+typedef struct {  /* one layer's weights: pointers into tensors the caller keeps alive; a bias may be NULL */
+  const void *input_norm, *qkv, *qkv_bias, *o, *o_bias, *post_norm, *gate_up, *gate_up_bias, *down, *down_bias;
+} layer_t;
+
+typedef struct {
+  int64_t num_layers, E, H, G, D, I;       /* hidden, query heads, kv heads, head dim, MLP width */
+  int64_t E_in, HD_in, I_in;               /* the panels' input widths (padded) of E, H * D and I */
+  int64_t bf16;                            /* 1: bfloat16 weights and activations, 0: float32 */
+  float eps, scale;                        /* RMSNorm's epsilon; attention's 1 / sqrt(D) */
+  matmul_fn matmul;
+  attend_fn attend;
+  const layer_t* layers;
+  const void* final_norm;                  /* the norm before the LM head, applied after the last layer */
+} model_t;
+
+static inline float bf(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
+static inline uint16_t to_bf(float f) {  /* round to nearest even, as torch */
+  uint32_t u; memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+/* element i of an activation or weight vector in the model's dtype, as float32; r(): a value rounded to it */
+static inline float get(const model_t* m, const void* p, int64_t i) {
+  return m->bf16 ? bf(((const uint16_t*)p)[i]) : ((const float*)p)[i];
+}
+static inline void put(const model_t* m, void* p, int64_t i, float v) {
+  if (m->bf16) ((uint16_t*)p)[i] = to_bf(v); else ((float*)p)[i] = v;
+}
+static inline float r(const model_t* m, float v) { return m->bf16 ? bf(to_bf(v)) : v; }
+static inline size_t elem(const model_t* m) { return m->bf16 ? 2 : 4; }
+
+/* out[n] = RMSNorm(x[n]) * w for N rows (out rows ldo apart). bfloat16 as torch: the normed row rounded, then the
+product with the weight rounded; float32 as F.rms_norm. The sum of squares in 16 chains, added in a fixed order. */
+static void rms_norm(const model_t* m, const void* x, const void* w, void* out, int64_t ldo, int64_t N) {
+  const int64_t E = m->E;
+  for (int64_t n = 0; n < N; ++n) {
+    float acc[16] = {0};
+    for (int64_t i = 0; i < E; ++i) { const float v = get(m, x, n * E + i); acc[i & 15] += v * v; }
+    for (int s = 8; s > 0; s /= 2)
+      for (int j = 0; j < s; ++j) acc[j] += acc[j + s];
+    const float scale = 1.0f / sqrtf(acc[0] / (float)E + m->eps);
+    for (int64_t i = 0; i < E; ++i) {
+      const float v = get(m, x, n * E + i);
+      put(m, out, n * ldo + i, m->bf16 ? bf(to_bf(v * scale)) * get(m, w, i) : v * scale * get(m, w, i));
+    }
+  }
+}
+
+/* zeros in columns [width, ld) of N rows ld apart: a product's padded input */
+static void pad(const model_t* m, void* in, int64_t width, int64_t ld, int64_t N) {
+  if (width < ld)
+    for (int64_t n = 0; n < N; ++n) memset((char*)in + (size_t)(n * ld + width) * elem(m), 0, (size_t)(ld - width) * elem(m));
+}
+
+/* y[N, O] (+ bias, rounded) = x[N, in] @ W^T on the panel kernel */
+static void product(const model_t* m, const void* x, int64_t in, const void* panels, const void* bias, int64_t O,
+                    void* y, int64_t N, int64_t num_threads) {
+  m->matmul(x, N, in, panels, in, O, y, O, num_threads);
+  if (bias)
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t o = 0; o < O; ++o) put(m, y, n * O + o, get(m, y, n * O + o) + get(m, bias, o));
+}
+
+/* RoPE (Hugging Face's half split) of one head's D values at src, as torch rounds it: x * cos + rotate_half(x) * sin,
+each product and the sum in the dtype; into float32 dst */
+static void rope(const model_t* m, const void* src, int64_t at, const void* cos, const void* sin, int64_t pos,
+                 float* dst) {
+  const int64_t D = m->D, half = D / 2;
+  for (int64_t d = 0; d < D; ++d) {
+    const float rot = d < half ? -get(m, src, at + d + half) : get(m, src, at + d - half);
+    const float a = r(m, get(m, src, at + d) * get(m, cos, pos * D + d));
+    const float b = r(m, rot * get(m, sin, pos * D + d));
+    dst[d] = r(m, a + b);
+  }
+}
+
+/* x[n] += y[n] for N rows of E, rounded */
+static void residual(const model_t* m, void* x, const void* y, int64_t N) {
+  for (int64_t i = 0; i < N * m->E; ++i) put(m, x, i, get(m, x, i) + get(m, y, i));
+}
+
+int eyas_forward(const model_t* m, void* x, int64_t B, int64_t T, const int64_t* positions, const void* cos,
+                 const void* sin, float* k, float* v, int64_t ksl, int64_t ksb, int64_t ksg, const int64_t* starts,
+                 int64_t S, const uint8_t* mask, int64_t msb, int64_t mst, int causal, void* const* taps,
+                 int64_t num_threads) {
+  const int64_t N = B * T, E = m->E, H = m->H, G = m->G, D = m->D, I = m->I, QKV = (H + 2 * G) * D;
+  const size_t es = elem(m);
+  const int64_t widest = m->E_in > m->HD_in ? (m->E_in > m->I_in ? m->E_in : m->I_in)
+                                           : (m->HD_in > m->I_in ? m->HD_in : m->I_in);
+  /* in: a product's padded input; out: its output (q/k/v, o, gate/up, down); q, att: float32 attention rows */
+  void* in = calloc((size_t)(N * widest), es);
+  void* out = malloc((size_t)(N * (QKV > 2 * I ? QKV : 2 * I)) * es);
+  float* q = malloc(sizeof(float) * (size_t)(N * H * D));
+  float* att = malloc(sizeof(float) * (size_t)(N * H * D));
+  if (!in || !out || !q || !att) { free(in); free(out); free(q); free(att); return 1; }
+  for (int64_t l = 0; l < m->num_layers; ++l) {
+    const layer_t* w = &m->layers[l];
+    float* kl = k + l * ksl;
+    float* vl = v + l * ksl;
+    rms_norm(m, x, w->input_norm, in, m->E_in, N);
+    pad(m, in, E, m->E_in, N);
+    product(m, in, m->E_in, w->qkv, w->qkv_bias, QKV, out, N, num_threads);
+    for (int64_t n = 0; n < N; ++n) {  /* row n is token t of sequence b, in cache slot starts[b] + t */
+      const int64_t b = n / T, slot = starts[b] + n % T, pos = positions[n];
+      for (int64_t h = 0; h < H; ++h) rope(m, out, n * QKV + h * D, cos, sin, pos, q + (n * H + h) * D);
+      for (int64_t g = 0; g < G; ++g) {
+        float* kr = kl + b * ksb + g * ksg + slot * D;
+        float* vr = vl + b * ksb + g * ksg + slot * D;
+        rope(m, out, n * QKV + (H + g) * D, cos, sin, pos, kr);
+        for (int64_t d = 0; d < D; ++d) vr[d] = get(m, out, n * QKV + (H + G + g) * D + d);
+      }
+    }
+    m->attend(q, T * H * D, D, H * D, kl, ksb, ksg, D, vl, ksb, ksg, D, mask, msb, mst, causal, att, B, H, G, T, S,
+              D, m->scale);
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t i = 0; i < H * D; ++i) put(m, in, n * m->HD_in + i, att[n * H * D + i]);
+    pad(m, in, H * D, m->HD_in, N);
+    product(m, in, m->HD_in, w->o, w->o_bias, E, out, N, num_threads);
+    residual(m, x, out, N);
+    rms_norm(m, x, w->post_norm, in, m->E_in, N);
+    pad(m, in, E, m->E_in, N);
+    product(m, in, m->E_in, w->gate_up, w->gate_up_bias, 2 * I, out, N, num_threads);
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t i = 0; i < I; ++i) {
+        const float gate = get(m, out, n * 2 * I + i), up = get(m, out, n * 2 * I + I + i);
+        put(m, in, n * m->I_in + i, r(m, gate / (1.0f + expf(-gate))) * up);
+      }
+    pad(m, in, I, m->I_in, N);
+    product(m, in, m->I_in, w->down, w->down_bias, E, out, N, num_threads);
+    residual(m, x, out, N);
+    if (taps && taps[l]) memcpy(taps[l], x, (size_t)(N * E) * es);
+  }
+  rms_norm(m, x, m->final_norm, x, E, N);  /* in place: a row's sum is taken before it is overwritten */
+  free(in); free(out); free(q); free(att);
+  return 0;
+}
