@@ -43,7 +43,7 @@ demo: setup
 	$(BIN)/python -m jobs.demo
 
 bench: setup
-	$(BIN)/python -m jobs.bench --suite humaneval,chat --num-prompts 4
+	$(BIN)/python -m jobs.bench --suite humaneval,chat --num-prompts 8
 
 mlflow-ui: setup
 	@echo "MLflow UI: http://127.0.0.1:5000/#/experiments?workflowType=machine_learning (Model training view)"
