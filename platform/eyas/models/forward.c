@@ -51,71 +51,73 @@ static inline uint16_t to_bf(float f) {  /* round to nearest even, as torch */
   return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 /* element i of an activation or weight vector in the model's dtype, as float32; r(): a value rounded to it */
-static inline float get(const model_t* m, const void* p, int64_t i) {
-  return m->bf16 ? bf(((const uint16_t*)p)[i]) : ((const float*)p)[i];
+static inline __attribute__((always_inline)) float get(const int bf16, const void* p, int64_t i) {
+  return bf16 ? bf(((const uint16_t*)p)[i]) : ((const float*)p)[i];
 }
-static inline void put(const model_t* m, void* p, int64_t i, float v) {
-  if (m->bf16) ((uint16_t*)p)[i] = to_bf(v); else ((float*)p)[i] = v;
+static inline __attribute__((always_inline)) void put(const int bf16, void* p, int64_t i, float v) {
+  if (bf16) ((uint16_t*)p)[i] = to_bf(v); else ((float*)p)[i] = v;
 }
-static inline float r(const model_t* m, float v) { return m->bf16 ? bf(to_bf(v)) : v; }
-static inline size_t elem(const model_t* m) { return m->bf16 ? 2 : 4; }
+static inline __attribute__((always_inline)) float r(const int bf16, float v) { return bf16 ? bf(to_bf(v)) : v; }
+static inline __attribute__((always_inline)) size_t elem(const int bf16) { return bf16 ? 2 : 4; }
 
 /* out[n] = RMSNorm(x[n]) * w for N rows (out rows ldo apart). bfloat16 as torch: the normed row rounded, then the
 product with the weight rounded; float32 as F.rms_norm. The sum of squares in 16 chains, added in a fixed order. */
-static void rms_norm(const model_t* m, const void* x, const void* w, void* out, int64_t ldo, int64_t N) {
+static inline __attribute__((always_inline)) void rms_norm(const int bf16, const model_t* m, const void* x, const void* w, void* out, int64_t ldo, int64_t N) {
   const int64_t E = m->E;
   for (int64_t n = 0; n < N; ++n) {
     float acc[16] = {0};
-    for (int64_t i = 0; i < E; ++i) { const float v = get(m, x, n * E + i); acc[i & 15] += v * v; }
+    for (int64_t i = 0; i < E; ++i) { const float v = get(bf16, x, n * E + i); acc[i & 15] += v * v; }
     for (int s = 8; s > 0; s /= 2)
       for (int j = 0; j < s; ++j) acc[j] += acc[j + s];
     const float scale = 1.0f / sqrtf(acc[0] / (float)E + m->eps);
     for (int64_t i = 0; i < E; ++i) {
-      const float v = get(m, x, n * E + i);
-      put(m, out, n * ldo + i, m->bf16 ? bf(to_bf(v * scale)) * get(m, w, i) : v * scale * get(m, w, i));
+      const float v = get(bf16, x, n * E + i);
+      put(bf16, out, n * ldo + i, bf16 ? bf(to_bf(v * scale)) * get(bf16, w, i) : v * scale * get(bf16, w, i));
     }
   }
 }
 
 /* zeros in columns [width, ld) of N rows ld apart: a product's padded input */
-static void pad(const model_t* m, void* in, int64_t width, int64_t ld, int64_t N) {
+static inline __attribute__((always_inline)) void pad(const int bf16, void* in, int64_t width, int64_t ld, int64_t N) {
   if (width < ld)
-    for (int64_t n = 0; n < N; ++n) memset((char*)in + (size_t)(n * ld + width) * elem(m), 0, (size_t)(ld - width) * elem(m));
+    for (int64_t n = 0; n < N; ++n) memset((char*)in + (size_t)(n * ld + width) * elem(bf16), 0, (size_t)(ld - width) * elem(bf16));
 }
 
 /* y[N, O] (+ bias, rounded) = x[N, in] @ W^T on the panel kernel */
-static void product(const model_t* m, const void* x, int64_t in, const void* panels, const void* bias, int64_t O,
+static inline __attribute__((always_inline)) void product(const int bf16, const model_t* m, const void* x, int64_t in, const void* panels, const void* bias, int64_t O,
                     void* y, int64_t N, int64_t num_threads) {
   m->matmul(x, N, in, panels, in, O, y, O, num_threads);
   if (bias)
     for (int64_t n = 0; n < N; ++n)
-      for (int64_t o = 0; o < O; ++o) put(m, y, n * O + o, get(m, y, n * O + o) + get(m, bias, o));
+      for (int64_t o = 0; o < O; ++o) put(bf16, y, n * O + o, get(bf16, y, n * O + o) + get(bf16, bias, o));
 }
 
 /* RoPE (Hugging Face's half split) of one head's D values at src, as torch rounds it: x * cos + rotate_half(x) * sin,
 each product and the sum in the dtype; into float32 dst */
-static void rope(const model_t* m, const void* src, int64_t at, const void* cos, const void* sin, int64_t pos,
+static inline __attribute__((always_inline)) void rope(const int bf16, const model_t* m, const void* src, int64_t at, const void* cos, const void* sin, int64_t pos,
                  float* dst) {
   const int64_t D = m->D, half = D / 2;
   for (int64_t d = 0; d < D; ++d) {
-    const float rot = d < half ? -get(m, src, at + d + half) : get(m, src, at + d - half);
-    const float a = r(m, get(m, src, at + d) * get(m, cos, pos * D + d));
-    const float b = r(m, rot * get(m, sin, pos * D + d));
-    dst[d] = r(m, a + b);
+    const float rot = d < half ? -get(bf16, src, at + d + half) : get(bf16, src, at + d - half);
+    const float a = r(bf16, get(bf16, src, at + d) * get(bf16, cos, pos * D + d));
+    const float b = r(bf16, rot * get(bf16, sin, pos * D + d));
+    dst[d] = r(bf16, a + b);
   }
 }
 
 /* x[n] += y[n] for N rows of E, rounded */
-static void residual(const model_t* m, void* x, const void* y, int64_t N) {
-  for (int64_t i = 0; i < N * m->E; ++i) put(m, x, i, get(m, x, i) + get(m, y, i));
+static inline __attribute__((always_inline)) void residual(const int bf16, const model_t* m, void* x, const void* y, int64_t N) {
+  for (int64_t i = 0; i < N * m->E; ++i) put(bf16, x, i, get(bf16, x, i) + get(bf16, y, i));
 }
 
-int eyas_forward(const model_t* m, void* x, int64_t B, int64_t T, const int64_t* positions, const void* cos,
-                 const void* sin, float* k, float* v, int64_t ksl, int64_t ksb, int64_t ksg, const int64_t* starts,
-                 int64_t S, const uint8_t* mask, int64_t msb, int64_t mst, int causal, void* const* taps,
-                 int64_t num_threads) {
+/* the layers for one dtype (bf16 a constant: each dtype's code is compiled apart, without a branch per value) */
+static inline __attribute__((always_inline)) int forward(const int bf16, const model_t* m, void* x, int64_t B, int64_t T,
+                                               const int64_t* positions, const void* cos, const void* sin, float* k,
+                                               float* v, int64_t ksl, int64_t ksb, int64_t ksg, const int64_t* starts,
+                                               int64_t S, const uint8_t* mask, int64_t msb, int64_t mst, int causal,
+                                               void* const* taps, int64_t num_threads) {
   const int64_t N = B * T, E = m->E, H = m->H, G = m->G, D = m->D, I = m->I, QKV = (H + 2 * G) * D;
-  const size_t es = elem(m);
+  const size_t es = elem(bf16);
   const int64_t widest = m->E_in > m->HD_in ? (m->E_in > m->I_in ? m->E_in : m->I_in)
                                            : (m->HD_in > m->I_in ? m->HD_in : m->I_in);
   /* in: a product's padded input; out: its output (q/k/v, o, gate/up, down); q, att: float32 attention rows */
@@ -128,40 +130,51 @@ int eyas_forward(const model_t* m, void* x, int64_t B, int64_t T, const int64_t*
     const layer_t* w = &m->layers[l];
     float* kl = k + l * ksl;
     float* vl = v + l * ksl;
-    rms_norm(m, x, w->input_norm, in, m->E_in, N);
-    pad(m, in, E, m->E_in, N);
-    product(m, in, m->E_in, w->qkv, w->qkv_bias, QKV, out, N, num_threads);
+    rms_norm(bf16, m, x, w->input_norm, in, m->E_in, N);
+    pad(bf16, in, E, m->E_in, N);
+    product(bf16, m, in, m->E_in, w->qkv, w->qkv_bias, QKV, out, N, num_threads);
     for (int64_t n = 0; n < N; ++n) {  /* row n is token t of sequence b, in cache slot starts[b] + t */
       const int64_t b = n / T, slot = starts[b] + n % T, pos = positions[n];
-      for (int64_t h = 0; h < H; ++h) rope(m, out, n * QKV + h * D, cos, sin, pos, q + (n * H + h) * D);
+      for (int64_t h = 0; h < H; ++h) rope(bf16, m, out, n * QKV + h * D, cos, sin, pos, q + (n * H + h) * D);
       for (int64_t g = 0; g < G; ++g) {
         float* kr = kl + b * ksb + g * ksg + slot * D;
         float* vr = vl + b * ksb + g * ksg + slot * D;
-        rope(m, out, n * QKV + (H + g) * D, cos, sin, pos, kr);
-        for (int64_t d = 0; d < D; ++d) vr[d] = get(m, out, n * QKV + (H + G + g) * D + d);
+        rope(bf16, m, out, n * QKV + (H + g) * D, cos, sin, pos, kr);
+        for (int64_t d = 0; d < D; ++d) vr[d] = get(bf16, out, n * QKV + (H + G + g) * D + d);
       }
     }
     m->attend(q, T * H * D, D, H * D, kl, ksb, ksg, D, vl, ksb, ksg, D, mask, msb, mst, causal, att, B, H, G, T, S,
               D, m->scale);
     for (int64_t n = 0; n < N; ++n)
-      for (int64_t i = 0; i < H * D; ++i) put(m, in, n * m->HD_in + i, att[n * H * D + i]);
-    pad(m, in, H * D, m->HD_in, N);
-    product(m, in, m->HD_in, w->o, w->o_bias, E, out, N, num_threads);
-    residual(m, x, out, N);
-    rms_norm(m, x, w->post_norm, in, m->E_in, N);
-    pad(m, in, E, m->E_in, N);
-    product(m, in, m->E_in, w->gate_up, w->gate_up_bias, 2 * I, out, N, num_threads);
+      for (int64_t i = 0; i < H * D; ++i) put(bf16, in, n * m->HD_in + i, att[n * H * D + i]);
+    pad(bf16, in, H * D, m->HD_in, N);
+    product(bf16, m, in, m->HD_in, w->o, w->o_bias, E, out, N, num_threads);
+    residual(bf16, m, x, out, N);
+    rms_norm(bf16, m, x, w->post_norm, in, m->E_in, N);
+    pad(bf16, in, E, m->E_in, N);
+    product(bf16, m, in, m->E_in, w->gate_up, w->gate_up_bias, 2 * I, out, N, num_threads);
     for (int64_t n = 0; n < N; ++n)
       for (int64_t i = 0; i < I; ++i) {
-        const float gate = get(m, out, n * 2 * I + i), up = get(m, out, n * 2 * I + I + i);
-        put(m, in, n * m->I_in + i, r(m, gate / (1.0f + expf(-gate))) * up);
+        const float gate = get(bf16, out, n * 2 * I + i), up = get(bf16, out, n * 2 * I + I + i);
+        put(bf16, in, n * m->I_in + i, r(bf16, gate / (1.0f + expf(-gate))) * up);
       }
-    pad(m, in, I, m->I_in, N);
-    product(m, in, m->I_in, w->down, w->down_bias, E, out, N, num_threads);
-    residual(m, x, out, N);
+    pad(bf16, in, I, m->I_in, N);
+    product(bf16, m, in, m->I_in, w->down, w->down_bias, E, out, N, num_threads);
+    residual(bf16, m, x, out, N);
     if (taps && taps[l]) memcpy(taps[l], x, (size_t)(N * E) * es);
   }
-  rms_norm(m, x, m->final_norm, x, E, N);  /* in place: a row's sum is taken before it is overwritten */
+  rms_norm(bf16, m, x, m->final_norm, x, E, N);  /* in place: a row's sum is taken before it is overwritten */
   free(in); free(out); free(q); free(att);
   return 0;
+}
+
+int eyas_forward(const model_t* m, void* x, int64_t B, int64_t T, const int64_t* positions, const void* cos,
+                 const void* sin, float* k, float* v, int64_t ksl, int64_t ksb, int64_t ksg, const int64_t* starts,
+                 int64_t S, const uint8_t* mask, int64_t msb, int64_t mst, int causal, void* const* taps,
+                 int64_t num_threads) {
+  if (m->bf16)
+    return forward(1, m, x, B, T, positions, cos, sin, k, v, ksl, ksb, ksg, starts, S, mask, msb, mst, causal, taps,
+                   num_threads);
+  return forward(0, m, x, B, T, positions, cos, sin, k, v, ksl, ksb, ksg, starts, S, mask, msb, mst, causal, taps,
+                 num_threads);
 }
