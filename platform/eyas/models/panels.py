@@ -15,9 +15,12 @@ CPU also has AMX (Sapphire Rapids and later), the same panels go through the til
 about a decode step's time, where the vector kernel turns compute-bound past 2 rows (``jobs.bench_linear``).
 
 The kernel is compiled once per CPU kind with the host's C compiler (``eyas.models.kernels``). Where no compiler
-works, or with ``EYAS_PANELS=0``, ``available()`` is False and ``PackedLinear`` keeps torch's kernels. The kernel is
-single-threaded: it is used at one torch thread (eyas's policy on small machines, ``eyas.threads``) and at most
-``MAX_ROWS`` rows; more rows or threads go to oneDNN.
+works, or with ``EYAS_PANELS=0``, ``available()`` is False and ``PackedLinear`` keeps torch's kernels. It takes up to
+``MAX_ROWS`` rows (more go to oneDNN) on torch's thread count: a weight of 256 KiB or more is split over a thread
+pool of its own (the caller and ``torch.get_num_threads() - 1`` workers), which hand out a few panels at a time, so
+a thread that lost its core to another process leaves its share to the others. Each output is one thread's sum in
+the one-thread order: the bits do not depend on the thread count. An idle worker spins ``EYAS_PANEL_SPIN_US``
+(default 200) microseconds for the next product, then sleeps.
 
 Shape legend: O output features, I input features, M rows, P panels.
 """
