@@ -67,6 +67,7 @@ static _Atomic uint64_t pool_next;
 #define NEXT(word) ((int64_t)((word) & 0xfffff))
 static _Atomic int64_t pool_done;
 static _Atomic int pool_sleepers, pool_workers_wanted;
+static _Atomic int pool_taken;  /* a caller is using the pool: another one (a second Python thread) runs alone */
 static int pool_started;
 static int64_t pool_spin_ns = 200000;  /* EYAS_PANEL_SPIN_US: how long an idle worker spins before it sleeps */
 static pthread_mutex_t pool_mutex = PTHREAD_MUTEX_INITIALIZER;
@@ -116,6 +117,7 @@ static void* worker_main(void* arg) {
 static void forget_workers(void) {  /* a forked child has none of its parent's threads */
   pool_started = 0;
   atomic_store(&pool_sleepers, 0);
+  atomic_store(&pool_taken, 0);
   pthread_mutex_init(&pool_mutex, NULL);
   pthread_cond_init(&pool_wake, NULL);
 }
@@ -135,12 +137,16 @@ static int64_t start_workers(int64_t wanted) {
   }
   return pool_started < wanted ? pool_started : wanted;
 }
-/* runs job j over num_panels panels of panel_bytes each: on the caller alone for a small weight or one thread,
-else split with up to num_threads - 1 workers. Called from one thread at a time (torch's forward). */
+/* runs job j over num_panels panels of panel_bytes each: on the caller alone for a small weight, one thread, or
+while another caller holds the pool; else split with up to num_threads - 1 workers */
 static void run_job(job_t* j, int64_t num_panels, int64_t panel_bytes, int64_t num_threads) {
-  const int64_t workers = num_threads > 1 && num_panels >= 2 && num_panels * panel_bytes >= POOL_MIN_BYTES
-                              ? start_workers(num_threads - 1) : 0;
-  if (workers == 0) { j->task(j, 0, num_panels); return; }
+  if (num_threads < 2 || num_panels < 2 || num_panels * panel_bytes < POOL_MIN_BYTES ||
+      atomic_exchange(&pool_taken, 1)) {
+    j->task(j, 0, num_panels);
+    return;
+  }
+  const int64_t workers = start_workers(num_threads - 1);
+  if (workers == 0) { j->task(j, 0, num_panels); atomic_store(&pool_taken, 0); return; }
   j->num_panels = num_panels;
   j->panels_per_task = num_panels / (8 * (workers + 1)) > 1 ? num_panels / (8 * (workers + 1)) : 1;
   j->num_tasks = (num_panels + j->panels_per_task - 1) / j->panels_per_task;
@@ -160,6 +166,7 @@ static void run_job(job_t* j, int64_t num_panels, int64_t panel_bytes, int64_t n
     cpu_relax();
     if (spins > 4096) sched_yield();  /* a worker lost its core mid-task: let it have ours */
   }
+  atomic_store(&pool_taken, 0);
 }
 static void task_f32(const job_t* j, int64_t p0, int64_t p1) {
   panels_f32(j->x, j->M, j->ldx, j->panels, j->I, j->O, j->y, j->ldy, p0, p1);

@@ -159,3 +159,29 @@ def test_the_thread_pool_splits_panels_without_changing_a_bit(dtype, rows):
     finally:
         torch.set_num_threads(before)
     assert all(torch.equal(y_MO, by_threads[0]) for y_MO in by_threads[1:])
+
+
+def test_products_from_two_python_threads_at_once_keep_their_bits():
+    """ctypes lets go of the GIL: a second thread's product runs on its caller alone while the pool is taken."""
+    import threading
+    generator = torch.Generator().manual_seed(3)
+    weight_OI = torch.randn(1000, 576, generator=generator)
+    panels_PIW = panels.pack(weight_OI)
+    x_MI = torch.randn(4, 576, generator=generator)
+    expected_MO = panels.matmul(x_MI, panels_PIW, 1000)
+    before, failures = torch.get_num_threads(), []
+    torch.set_num_threads(2)
+
+    def work():
+        for _ in range(200):
+            if not torch.equal(panels.matmul(x_MI, panels_PIW, 1000), expected_MO):
+                failures.append(1)
+    try:
+        workers = [threading.Thread(target=work) for _ in range(3)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+    finally:
+        torch.set_num_threads(before)
+    assert not failures
