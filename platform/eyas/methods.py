@@ -18,8 +18,10 @@ from eyas.config import ConfigError, eyas_home, from_dict, require, resolve_path
 from eyas.drafters import registry
 from eyas.drafters.datastore import Datastore
 from eyas.drafters.draft_lm import DraftLMConfig, DraftLMDrafter
+from eyas.drafters.hybrid import HybridDrafter
 from eyas.drafters.ngram import NgramConfig, NgramDrafter
-from eyas.drafters.trees import TREE_MODES, TreeSpec
+from eyas.drafters.trees import MODE_SETTINGS, TREE_MODES, TreeSpec
+from eyas.decoding.tree import MAX_TREE_NODES
 from eyas.models.decoder import Decoder
 from eyas.models.loading import load_target
 from eyas.train.config import data_path
@@ -40,10 +42,12 @@ class SpecConfig:
     tree: str | None = None         # the tree mode, over the method's default (one of TREES)
     depth: int | None = None        # chain / dynamic / best-first depth; dflash: block positions drafted
     top_k: int | None = None        # children per expanded node
-    num_nodes: int | None = None    # node budget N (drafted nodes, root excluded; ngram: num_draft * max_matches)
+    num_nodes: int | None = None    # node budget N (drafted nodes, root excluded; ngram: num_draft * max_matches;
+                                    # hybrid: the merged tree's, default the learned tree's)
     num_draft: int | None = None    # chain length for ngram / draft-lm (default 4)
     max_matches: int | None = None  # ngram: distinct continuations kept, the tree width (default 4)
     datastore: tuple[str, ...] | None = None  # ngram: data sets of jobs.generate_data to retrieve from (names/paths)
+    proposers: tuple[str, ...] | None = None  # hybrid: a retrieval proposer and a learned drafter (ngram, eagle3)
 
     def __post_init__(self) -> None:
         require(self.method in METHODS, "spec.method", self.method, f"must be one of {sorted(METHODS)}")
@@ -60,6 +64,8 @@ class SpecConfig:
                     "must be >= 1")
         if method.tree is not None:
             self.tree_spec  # noqa: B018 (validate the tree now: a bad one fails at load time, named spec.*)
+        if method.parts is not None:
+            method.parts(self)  # a composite method's parts are SpecConfigs: their checks run now
 
     @property
     def tree_spec(self) -> TreeSpec | None:
@@ -96,6 +102,7 @@ class Method:
     tree: TreeSpec | None          # the default tree (None: no tree settings: vanilla, ngram, draft-lm)
     settings: tuple[str, ...]      # the SpecConfig fields it reads besides ``method``
     factory: Callable[[Decoder, SpecConfig], DrafterFactory] | None  # None: vanilla (no drafter)
+    parts: Callable[[SpecConfig], tuple[SpecConfig, ...]] | None = None  # a composite method: its proposers' specs
 
     @property
     def speculates(self) -> bool:
@@ -157,6 +164,40 @@ def _trained_method(family: str, tree: TreeSpec) -> Method:
     return Method(family, tree, ("drafter",) + TREE_SETTINGS, _trained)
 
 
+RETRIEVAL_PROPOSERS = ("ngram",)
+LEARNED_PROPOSERS = ("draft-lm", "eagle1", "eagle2", "eagle3", "medusa", "dflash", "dflash-ddtree")
+HYBRID_PROPOSERS = ("ngram", "eagle3")  # spec.proposers' default
+
+
+def hybrid_parts(spec: SpecConfig) -> tuple[SpecConfig, SpecConfig]:
+    """A hybrid spec's (retrieval, learned) proposer specs. Each part gets the hybrid's settings it reads; num_nodes
+    is the hybrid's node budget, and the learned tree's own budget where its mode has one (it drafts up to the
+    budget, the merge keeps the best). A setting neither part reads is an error."""
+    proposers = tuple(spec.proposers or HYBRID_PROPOSERS)
+    retrieval = [p for p in proposers if p in RETRIEVAL_PROPOSERS]
+    learned = [p for p in proposers if p in LEARNED_PROPOSERS]
+    require(len(proposers) == 2 and len(retrieval) == 1 and len(learned) == 1, "spec.proposers", list(proposers),
+            f"name one retrieval proposer of {list(RETRIEVAL_PROPOSERS)} and one learned drafter of "
+            f"{list(LEARNED_PROPOSERS)}")
+    require(spec.num_nodes is None or spec.num_nodes < MAX_TREE_NODES, "spec.num_nodes", spec.num_nodes,
+            f"a tree may draft at most {MAX_TREE_NODES - 1} nodes")
+    tree = METHODS[learned[0]].tree  # the learned tree reads num_nodes where its mode has a budget
+    budgeted = tree is not None and "num_nodes" in MODE_SETTINGS.get(spec.tree or tree.mode, ())
+    reads = {name: tuple(k for k in METHODS[name].settings if k != "num_nodes" or (name in learned and budgeted))
+             for name in (retrieval[0], learned[0])}
+    for field in dataclasses.fields(spec):
+        value = getattr(spec, field.name)
+        if field.name not in ("method", "proposers", "num_nodes") and value is not None \
+                and not any(field.name in names for names in reads.values()):
+            require(False, f"spec.{field.name}", value, f"is read by neither of the proposers {list(proposers)}")
+    return tuple(SpecConfig(method=name, **{k: getattr(spec, k) for k in names}) for name, names in reads.items())
+
+
+def _hybrid(target: Decoder, spec: SpecConfig) -> DrafterFactory:
+    retrieval, learned = (METHODS[part.method].factory(target, part) for part in hybrid_parts(spec))
+    return lambda: HybridDrafter(retrieval(), learned(), spec.num_nodes)
+
+
 METHODS: dict[str, Method] = {
     "vanilla": Method(None, None, (), None),
     "ngram": Method(None, None, ("num_draft", "max_matches", "num_nodes", "datastore"), _ngram),
@@ -167,6 +208,9 @@ METHODS: dict[str, Method] = {
     "medusa": _trained_method("medusa", TreeSpec(mode="static")),
     "dflash": _trained_method("dflash", TreeSpec(mode="block")),
     "dflash-ddtree": _trained_method("dflash", TreeSpec(mode="ddtree")),
+    # a retrieval proposer and a learned drafter in one tree under one node budget (drafters/hybrid.py)
+    "hybrid": Method(None, None, ("proposers", "drafter", "draft_model", "num_draft", "max_matches", "datastore")
+                     + TREE_SETTINGS, _hybrid, hybrid_parts),
 }
 # a family's own method: what a checkpoint of that family runs when no method is named
 FAMILY_METHOD = {"eagle1": "eagle1", "eagle3": "eagle3", "medusa": "medusa", "dflash": "dflash"}

@@ -64,6 +64,12 @@ TRAINED_CASES: dict[str, tuple[str, dict[str, Any] | None]] = {
     "dflash/block": ("dflash", None),
     "dflash-ddtree/ddtree": ("dflash-ddtree", {"mode": "ddtree", "num_nodes": 12, "top_k": 3}),
 }
+# case name -> (the learned proposer beside ngram, hybrid settings)
+HYBRID_CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "hybrid/ngram+eagle3": ("eagle3", {"num_nodes": 12}),
+    "hybrid/ngram+eagle1-static": ("eagle1", {}),
+    "hybrid/ngram+dflash": ("dflash", {"num_nodes": 6}),
+}
 FAMILY_OF = {"eagle1": "eagle1", "eagle2": "eagle1", "eagle3": "eagle3", "medusa": "medusa", "dflash": "dflash",
              "dflash-ddtree": "dflash"}
 
@@ -144,6 +150,10 @@ class Setup:
             settings = {("tree" if k == "mode" else k): v for k, v in (tree or {}).items()}
             spec = SpecConfig(method=method, drafter=str(paths[FAMILY_OF[method]]), **settings)
             self.factories[case] = drafter_factory(self.target, spec)
+        for case, (learned, settings) in HYBRID_CASES.items():
+            spec = SpecConfig(method="hybrid", proposers=("ngram", learned), drafter=str(paths[FAMILY_OF[learned]]),
+                              **settings)
+            self.factories[case] = drafter_factory(self.target, spec)
 
 
 def stats_record(stats) -> dict[str, Any]:
@@ -184,9 +194,10 @@ def record_all(setup: Setup) -> dict[str, Any]:
         out["batch"][case] = run_batch(setup, factory)
     adaptive = SpeculationSchedule({1: None, 2: 4, 3: 0})
     out["batch_adaptive"] = {case: run_batch(setup, setup.factories[case], capacity=2, schedule=adaptive)
-                             for case in ("eagle2/dynamic", "dflash/block", "ngram/tree")}
+                             for case in ("eagle2/dynamic", "dflash/block", "ngram/tree", "hybrid/ngram+eagle3")}
     out["batch_sampled"] = {case: run_batch(setup, setup.factories[case], sampling=SAMPLING)
-                            for case in ("vanilla", "eagle3/dynamic", "dflash/block", "draft-lm/chain")}
+                            for case in ("vanilla", "eagle3/dynamic", "dflash/block", "draft-lm/chain",
+                                         "hybrid/ngram+dflash")}
     return out
 
 

@@ -14,7 +14,8 @@ from eyas.methods import (FAMILY_METHOD, METHODS, SpecConfig, build_drafter, dra
                           tree_over)
 from eyas.models import Decoder, ModelConfig
 
-DESIGN_METHODS = {"vanilla", "ngram", "draft-lm", "medusa", "eagle1", "eagle2", "eagle3", "dflash", "dflash-ddtree"}
+DESIGN_METHODS = {"vanilla", "ngram", "draft-lm", "medusa", "eagle1", "eagle2", "eagle3", "dflash", "dflash-ddtree",
+                  "hybrid"}
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +68,17 @@ def test_defaults_and_tree_settings_over_them():
     ({"method": "draft-lm", "datastore": ["d"]}, r"spec.datastore=\('d',\): does not apply to method draft-lm"),
     ({"method": "ngram", "datastore": "d"}, r"spec.datastore: expected a list"),
     ({"method": "ngram", "datastore": []}, r"spec.datastore=\(\): name at least one data set"),
+    ({"method": "hybrid", "proposers": ["ngram", "ngram"]}, r"spec.proposers=\['ngram', 'ngram'\]: name one "
+                                                            r"retrieval proposer"),
+    ({"method": "hybrid", "proposers": ["eagle3"]}, r"spec.proposers=\['eagle3'\]: name one retrieval"),
+    ({"method": "hybrid", "proposers": ["ngram", "draft-lm"], "top_k": 2}, r"spec.top_k=2: is read by neither"),
+    ({"method": "hybrid", "proposers": ["ngram", "eagle3"], "draft_model": "m"}, r"spec.draft_model='m': is read "
+                                                                                  r"by neither"),
+    ({"method": "hybrid", "proposers": ["ngram", "dflash"], "top_k": 2}, r"spec.top_k=2: does not apply to a "
+                                                                        r"block tree"),
+    ({"method": "hybrid", "num_nodes": 64}, r"spec.num_nodes=64: a tree may draft at most 63"),
+    ({"method": "hybrid", "proposers": "ngram"}, r"spec.proposers: expected a list"),
+    ({"method": "eagle3", "proposers": ["ngram", "eagle3"]}, r"spec.proposers=.*does not apply to method eagle3"),
 ])
 def test_spec_errors_name_the_key(data, message):
     with pytest.raises(ConfigError, match=message):
@@ -95,6 +107,17 @@ def test_factories(target, tmp_path):
     assert a.model.fc.packed is not None  # a checkpoint's drafter drafts through packed linears (pack_linears)
     with pytest.raises(ConfigError, match="method 'eagle1' needs a eagle1 drafter, but .* holds a dflash"):
         drafter_factory(target, SpecConfig(method="eagle1", drafter=str(path)))
+    # hybrid: one drafter of each proposer per sequence, the learned one's weights shared, one node budget
+    make = drafter_factory(target, SpecConfig(method="hybrid", proposers=("ngram", "dflash"), drafter=str(path),
+                                              max_matches=2))
+    a, b = make(), make()
+    assert isinstance(a.retrieval, NgramDrafter) and a.retrieval.config.max_matches == 2
+    assert a.learned.model is b.learned.model and a.learned is not b.learned
+    assert a.max_draft_nodes == 3 and a.target_taps == a.learned.target_taps  # default: the learned tree's budget
+    assert drafter_factory(target, SpecConfig(method="hybrid", proposers=("dflash", "ngram"), drafter=str(path),
+                                              num_nodes=5))().max_draft_nodes == 5
+    with pytest.raises(ConfigError, match="spec.method=eagle3 needs a trained drafter"):
+        drafter_factory(target, SpecConfig(method="hybrid"))
 
 
 def test_resolve_checkpoint(tmp_path, monkeypatch):

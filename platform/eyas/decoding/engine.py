@@ -45,7 +45,7 @@ import torch
 from eyas.decoding.logits import TokenLogprob, first_token, verify_tree
 from eyas.decoding.requests import Channel, LocalChannel, SequenceRequest, SpeculationSchedule, StepOutput
 from eyas.decoding.sampling import make_generator, truncate_at_stop
-from eyas.decoding.stats import SpecStats, judged_nodes
+from eyas.decoding.stats import SpecStats
 from eyas.decoding.tree import MAX_TREE_NODES, DraftTree, chain, check_tree_size, pack_trees, prune
 from eyas.decoding.verify import Accepted
 from eyas.models.decoder import Decoder
@@ -290,8 +290,7 @@ class SpecEngine:
             row.cycles.append((0, 0, 0))
             return
         row.behind.append(([tree.tokens_list[0]] + accepted.tokens, hidden, b, accepted.nodes))
-        judged_depth, judged = judged_nodes(tree, accepted.nodes) if tree.num_nodes > 1 else (0, [])
-        row.stats.record_cycle(accepted.num_accepted, judged_depth, judged, tree.num_nodes - 1)
+        judged_depth = row.stats.record_verdict(tree, accepted.nodes)
         row.cycles.append((accepted.num_accepted, judged_depth, tree.num_nodes - 1))
 
     def _catch_up(self, row: _Row) -> None:

@@ -3,7 +3,9 @@
 tau = tokens emitted per verify cycle: the mean of (accepted drafted tokens + 1 bonus), less what a stop (EOS, a
 stop string) or the token budget cut from the final cycle (``emitted``); n-alpha = acceptance at depth n given all
 shallower drafted tokens were accepted, as the verifier judged them (a cut does not undo an acceptance);
-calibration = draft confidence binned against measured acceptance.
+calibration = draft confidence binned against measured acceptance. A hybrid tree (``DraftTree.drafted_by``) also
+gets n-alpha per proposer: at depth d, the cycles where that proposer had a judged node, and those where the
+accepted depth-d node was one it drafted (a node two proposers drafted counts for both).
 """
 from __future__ import annotations
 
@@ -32,6 +34,9 @@ class SpecStats:
     new_tokens: int = 0
     num_draft_nodes: int = 0
     num_cut: int = 0  # tokens the cycles committed that a stop or the budget then cut (the final cycle's tail)
+    # proposer -> per depth d (index d-1): cycles with a judged depth-d node of it, and with an accepted one
+    proposer_offered: dict[str, list[int]] = field(default_factory=dict)
+    proposer_accepted: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def tau(self) -> float | None:
@@ -48,6 +53,12 @@ class SpecStats:
     @property
     def per_depth_accept(self) -> list[float]:
         return [a / o if o else 0.0 for a, o in zip(self.depth_accepted, self.depth_offered)]
+
+    @property
+    def per_proposer_accept(self) -> dict[str, list[float]]:
+        """proposer -> n-alpha of its nodes per depth (hybrid trees only; {} otherwise)."""
+        return {name: [a / o if o else 0.0 for a, o in zip(self.proposer_accepted[name], offered)]
+                for name, offered in self.proposer_offered.items()}
 
     def _grow(self, depth: int) -> None:
         while len(self.depth_offered) < depth:
@@ -75,6 +86,39 @@ class SpecStats:
             self.confidence_count[b] += 1
             self.confidence_accepted[b] += int(accepted)
 
+    def record_verdict(self, tree: DraftTree, path: list[int]) -> int:
+        """One verify cycle of ``tree`` whose accepted node path (root included) is ``path``; returns the deepest
+        judged depth."""
+        judged_depth, judged = judged_nodes(tree, path) if tree.num_nodes > 1 else (0, [])
+        self.record_cycle(len(path) - 1, judged_depth, judged, tree.num_nodes - 1)
+        if tree.drafted_by is not None:
+            self.record_proposers(tree, path)
+        return judged_depth
+
+    def record_proposers(self, tree: DraftTree, path: list[int]) -> None:
+        """Per-proposer n-alpha of one cycle of a tree that names its nodes' proposers."""
+        assert tree.drafted_by is not None
+        on_path, parents, depth = set(path), tree.parents_list, tree.depth_N.tolist()
+        offered: set[tuple[str, int]] = set()
+        accepted: set[tuple[str, int]] = set()
+        for i in range(1, tree.num_nodes):
+            if parents[i] in on_path:
+                for name in tree.drafted_by[i]:
+                    offered.add((name, depth[i]))
+                    if i in on_path:
+                        accepted.add((name, depth[i]))
+        for name, d in sorted(offered):
+            self._count(name, d, 1, int((name, d) in accepted))
+
+    def _count(self, name: str, depth: int, num_offered: int, num_accepted: int) -> None:
+        offered = self.proposer_offered.setdefault(name, [])
+        accepted = self.proposer_accepted.setdefault(name, [])
+        while len(offered) < depth:
+            offered.append(0)
+            accepted.append(0)
+        offered[depth - 1] += num_offered
+        accepted[depth - 1] += num_accepted
+
     def calibration(self) -> list[dict[str, float]]:
         rows = []
         for b in range(NUM_CONFIDENCE_BINS):
@@ -100,6 +144,9 @@ class SpecStats:
                 out.confidence_sum[b] += src.confidence_sum[b]
                 out.confidence_count[b] += src.confidence_count[b]
                 out.confidence_accepted[b] += src.confidence_accepted[b]
+            for name, offered in src.proposer_offered.items():
+                for d, (o, a) in enumerate(zip(offered, src.proposer_accepted[name]), start=1):
+                    out._count(name, d, o, a)
         return out
 
     def to_dict(self) -> dict[str, Any]:
@@ -107,6 +154,7 @@ class SpecStats:
                 "per_depth_accept": self.per_depth_accept, "calibration": self.calibration(),
                 "new_tokens": self.new_tokens, "num_cut": self.num_cut,
                 "mean_draft_nodes": self.num_draft_nodes / max(self.cycles, 1),
+                "per_proposer_accept": self.per_proposer_accept,
                 "time_s": {"draft": self.draft_s, "verify": self.verify_s, "other": self.other_s}}
 
 

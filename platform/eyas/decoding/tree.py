@@ -51,6 +51,8 @@ class DraftTree:
     scores_N: torch.Tensor  # V = product of draft confidences on the root->node path (root 1.0)
     draft_probs_NV: torch.Tensor | None = None  # row i: the distribution node i's token was chosen from; row 0 unused
     sampled: bool = False
+    # a hybrid tree's nodes: the proposers that drafted each (root: ()), for per-proposer acceptance in SpecStats
+    drafted_by: tuple[tuple[str, ...], ...] | None = None
     depth_N: torch.Tensor = field(init=False, repr=False)  # long; root depth 0
 
     def __post_init__(self) -> None:
@@ -65,6 +67,8 @@ class DraftTree:
                                                 or self.draft_probs_NV.shape[0] != num_nodes):
             raise ValueError(f"DraftTree: draft_probs_NV has shape {tuple(self.draft_probs_NV.shape)}, "
                              f"expected ({num_nodes}, V)")
+        if self.drafted_by is not None and len(self.drafted_by) != num_nodes:
+            raise ValueError(f"DraftTree: drafted_by has {len(self.drafted_by)} entries, expected {num_nodes}")
         parents, tokens = self.parents_list, self.tokens_list
         if parents[0] != -1:
             raise ValueError(f"DraftTree: the root must have parent -1, got {parents[0]}")
@@ -272,8 +276,9 @@ def prune(tree: DraftTree, max_drafted: int) -> DraftTree:
     parents = [-1] + [new_id[tree.parents_list[i]] for i in keep[1:]]
     index = torch.tensor(keep, dtype=torch.long)
     probs = tree.draft_probs_NV[index.to(tree.draft_probs_NV.device)] if tree.draft_probs_NV is not None else None
+    drafted_by = tuple(tree.drafted_by[i] for i in keep) if tree.drafted_by is not None else None
     return DraftTree(tree.tokens_N[index.to(tree.tokens_N.device)], torch.tensor(parents, dtype=torch.long),
-                     tree.scores_N[index.to(tree.scores_N.device)], probs, tree.sampled)
+                     tree.scores_N[index.to(tree.scores_N.device)], probs, tree.sampled, drafted_by)
 
 
 def pack_trees(plan: Sequence[tuple[Sequence[int], Sequence[int]]], lengths: Sequence[int],

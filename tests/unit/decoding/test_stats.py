@@ -72,3 +72,23 @@ def test_judged_nodes_are_the_children_of_accepted_nodes():
     assert [(round(c, 6), ok) for c, ok in judged] == [(0.8, True), (0.1, False), (0.5, False), (0.25, False)]
     deepest, judged = judged_nodes(tree, [0, 1, 3, 5])
     assert deepest == 3 and [ok for _, ok in judged] == [True, False, True, False, True]
+
+
+def test_acceptance_per_proposer_and_depth():
+    # root -> a (ngram, eagle3) -> b (ngram) ; root -> c (eagle3) ; a -> d (eagle3) ; b -> e (ngram)
+    tree = DraftTree(torch.tensor([0, 1, 2, 3, 4, 5]), torch.tensor([-1, 0, 1, 0, 1, 2]), torch.ones(6),
+                     drafted_by=((), ("ngram", "eagle3"), ("ngram",), ("eagle3",), ("eagle3",), ("ngram",)))
+    stats = SpecStats()
+    assert stats.record_verdict(tree, [0, 1, 2]) == 3  # a, b accepted; e judged at depth 3 and rejected
+    assert stats.proposer_offered == {"eagle3": [1, 1], "ngram": [1, 1, 1]}
+    assert stats.proposer_accepted == {"eagle3": [1, 0], "ngram": [1, 1, 0]}
+    stats.record_verdict(tree, [0, 3])  # c (eagle3) accepted at depth 1, the leaf
+    stats.record_verdict(tree, [0])  # all rejected
+    assert stats.per_proposer_accept == {"eagle3": [2 / 3, 0.0], "ngram": [1 / 3, 1.0, 0.0]}
+    assert stats.cycles == 3 and stats.accepted_per_cycle == [2, 1, 0] and stats.depth_offered == [3, 1, 1]
+    merged = stats.merge(SpecStats())
+    assert merged.per_proposer_accept == stats.per_proposer_accept and merged.to_dict()["per_proposer_accept"] == \
+        stats.per_proposer_accept
+    plain = SpecStats()
+    plain.record_verdict(DraftTree(tree.tokens_N, tree.parents_N, tree.scores_N), [0, 1])
+    assert plain.proposer_offered == {} and plain.to_dict()["per_proposer_accept"] == {}

@@ -17,6 +17,7 @@ from eyas.decoding.logits import adjusted_logits
 from eyas.decoding.sampling import SamplingParams
 from eyas.decoding.tree import DraftTree, chain, from_paths
 from eyas.decoding.verify import Accepted, process_logits, sample, verify_greedy, verify_sampling
+from eyas.drafters.hybrid import merge
 
 
 def logits_choosing(tree: DraftTree, choice: dict[int, int], vocab: int = 10, default: int = 9) -> torch.Tensor:
@@ -219,8 +220,21 @@ def sampled_tree(context: tuple[int, ...], width: int, depth: int, rng: random.R
                      sampled=True)
 
 
+def hybrid_tree(context: tuple[int, ...], rng: random.Random) -> DraftTree:
+    """(d) the hybrid drafter's merge: two retrieved paths (fixed by the context, as lookup's are) over a chain of 3
+    sampled from q, the best 4 nodes by value, declared deterministic (its q rows dropped)."""
+    lookup = random.Random(hash(context))
+    retrieved = from_paths(context[-1], [[lookup.randrange(VOCAB) for _ in range(2)] for _ in range(2)], [0.5, 0.5])
+    sampled = sampled_tree(context, 1, 3, rng)
+    v_N = [1.0]
+    for i in range(1, sampled.num_nodes):
+        v_N.append(v_N[-1] * sampled.draft_probs_NV[i, sampled.tokens_list[i]].item())
+    return merge([("ngram", retrieved, [0.6 ** int(d) for d in retrieved.depth_N]), ("learned", sampled, v_N)], 4)
+
+
 TREES = {
     "topk_2x2": lambda context, rng: topk_tree(context),
+    "hybrid": hybrid_tree,
     "sampled_chain_3": lambda context, rng: sampled_tree(context, 1, 3, rng),
     "sampled_iid_2x2": lambda context, rng: sampled_tree(context, 2, 2, rng),
 }
@@ -353,6 +367,7 @@ def _overaccept(target_px, draft_qx):
     ("sampled_chain_3", "_accept_probability", _overaccept),
     ("topk_2x2", "_without", _keep_rejected),
     ("topk_2x2", "_accept_probability", _overaccept),
+    ("hybrid", "_without", _keep_rejected),
 ])
 def test_the_same_test_rejects_a_biased_verifier(kind, name, bug, monkeypatch):
     monkeypatch.setattr(verify, name, bug)
