@@ -27,7 +27,9 @@ def test_bench_threads_runs_each_policy_in_its_own_environment(random_checkpoint
     rows = {row["policy"]: row for row in json.loads(out.read_text())["rows"]}
     eyas, passive = rows["eyas"]["threads"], rows["2:passive"]["threads"]
     # the test session's OMP_NUM_THREADS=1 is not passed on: each process starts from its policy alone
-    assert eyas["source"] == "cores-1" and eyas["openmp"] == {"OMP_WAIT_POLICY": "PASSIVE"}
+    # eyas.threads' count from the cores the machine leaves free at start ("quiet" / "busy"; "cores-1" without
+    # /proc/stat): which one depends on what else runs now, never on the session's OMP_NUM_THREADS
+    assert eyas["source"] in ("quiet", "busy", "cores-1") and eyas["openmp"] == {"OMP_WAIT_POLICY": "PASSIVE"}
     assert passive["num_threads"] == 2 and passive["openmp"] == {"OMP_WAIT_POLICY": "PASSIVE"}
     assert all(row["quiet_tokens_per_s"][0] > 0 and row["busy_tokens_per_s"][0] > 0 for row in rows.values())
     assert "busy/quiet" in capsys.readouterr().out
