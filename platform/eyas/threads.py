@@ -7,13 +7,11 @@ that core while the others spin against it, and a decode step runs 3-10x slower.
 
 - **thread count**: an explicit count (``--threads``, ``torch_threads``) as given. In a Ray worker, the CPUs Ray's
   accounting gave it (its config's ``cpus_per_worker`` / ``worker_cpus`` / ``cpus_per_trial``: no other Ray task
-  runs on them), at most the cores. Elsewhere ``OMP_NUM_THREADS`` when set, else every core the other processes
-  leave free when this process starts: cores being the physical cores this process may run on (CPU affinity, a
-  cgroup v2 quota), less those other processes kept busy over a quarter-second sample of /proc/stat (``quiet``:
-  all of them; ``busy``: one core fewer per busy one, at least one thread). Without /proc/stat one core is left to
-  the rest of the machine (``cores-1``). A process that competes later loses little: the products of a decode
-  step and a verify (eyas.models.panels) hand out their panels a few at a time, so a thread that lost its core
-  leaves its share to the others instead of holding them up.
+  runs on them), at most the cores. Elsewhere ``OMP_NUM_THREADS`` when set, else leave one physical core to the
+  rest of the machine: ``max(1, cores - 1)``, cores being the physical cores this process may run on (CPU affinity,
+  a cgroup v2 quota). With one other busy process every thread still has a core of its own; a quiet machine loses
+  one core of N (on 2 cores batch-1 decode loses nothing, torch's matrix-vector products run on one thread either
+  way; verification and prefill run 1.2-1.6x slower).
 - **wait policy** ``OMP_WAIT_POLICY=PASSIVE``: an idle OpenMP thread sleeps at once instead of spinning, so where
   more processes compete than cores are left, threads do not burn the cores others need. libgomp (torch's OpenMP
   on Linux) and LLVM's libomp both honour it, but only when the library loads, i.e. when torch is first imported:
@@ -28,7 +26,6 @@ from __future__ import annotations
 
 import math
 import os
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -40,10 +37,6 @@ OPENMP_KNOBS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME", "OMP_NUM_T
 # "torch": leave torch's and OpenMP's defaults alone (to compare against them); "eyas": the policy above
 POLICY_VAR = "EYAS_THREAD_POLICY"
 POLICIES = ("eyas", "torch")
-# the default count samples the other processes' CPU use once, at start: QUIET_SAMPLE_S seconds; a core they keep
-# busy QUIET_CORES of the time or more is theirs
-QUIET_SAMPLE_S = 0.25
-QUIET_CORES = 0.5
 
 _set_here: set[str] = set()  # OpenMP variables set_openmp_env() put into os.environ (not the user's own)
 _configured: ThreadSettings | None = None  # configure_threads()' last answer, for reports (current_settings)
@@ -54,8 +47,8 @@ class ThreadSettings:
     """What a process runs with: recorded by jobs.bench in bench.json's ``machine``."""
     policy: str               # "eyas" or "torch" (EYAS_THREAD_POLICY)
     num_threads: int          # torch intra-op threads
-    source: str               # where the count came from: explicit, OMP_NUM_THREADS, quiet, busy, cores-1, budget,
-                              # torch, unconfigured (current_settings: set outside configure_threads)
+    source: str               # where the count came from: explicit, OMP_NUM_THREADS, cores-1, budget, torch,
+                              # unconfigured (current_settings: set outside configure_threads)
     available_cores: int      # physical cores this process may run on
     openmp: dict[str, str]    # the OpenMP variables in this process's environment
 
@@ -130,41 +123,7 @@ def thread_count(num_threads: int | None = None, cpu_budget: float | None = None
         return int(text), "OMP_NUM_THREADS"
     if cpu_budget is not None:  # Ray's accounting gave this worker these CPUs: no other Ray task runs on them
         return max(1, min(math.floor(cpu_budget), available_cores())), "budget"
-    cores = available_cores()
-    others = others_busy_cores()
-    if others is None:  # no /proc/stat (macOS): leave one core to the rest of the machine
-        return max(1, cores - 1), "cores-1"
-    busy = min(cores - 1, math.floor(others + 1 - QUIET_CORES))  # cores other processes kept busy, whole
-    return max(1, cores - busy), "quiet" if busy == 0 else "busy"
-
-
-def _busy_ticks(cpus: set[int]) -> int | None:
-    """Busy clock ticks since boot of ``cpus``, all processes (/proc/stat's cpuN lines: all but idle and
-    iowait); None without /proc/stat."""
-    try:
-        lines = Path("/proc/stat").read_text().splitlines()
-    except OSError:
-        return None
-    busy = 0
-    for line in lines:
-        name, *fields = line.split()
-        if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
-            ticks = [int(field) for field in fields[:8]]
-            busy += sum(ticks) - ticks[3] - ticks[4]
-    return busy
-
-
-def others_busy_cores(sample_s: float = QUIET_SAMPLE_S) -> float | None:
-    """Cores of ours that other processes kept busy on average over ``sample_s`` (their busy time from /proc/stat
-    less this process's own); None without /proc/stat."""
-    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
-    start, own_start, wall_start = _busy_ticks(cpus), os.times(), time.monotonic()
-    if start is None:
-        return None
-    time.sleep(sample_s)
-    end, own_end, wall = _busy_ticks(cpus), os.times(), time.monotonic() - wall_start
-    own = (own_end.user + own_end.system) - (own_start.user + own_start.system)
-    return max(0.0, (end - start) / os.sysconf("SC_CLK_TCK") - own) / wall
+    return max(1, available_cores() - 1), "cores-1"
 
 
 def configure_threads(num_threads: int | None = None, cpu_budget: float | None = None) -> ThreadSettings:
