@@ -10,8 +10,8 @@ that core while the others spin against it, and a decode step runs 3-10x slower.
   runs on them), at most the cores. Elsewhere ``OMP_NUM_THREADS`` when set, else leave one physical core to the
   rest of the machine: ``max(1, cores - 1)``, cores being the physical cores this process may run on (CPU affinity,
   a cgroup v2 quota). With one other busy process every thread still has a core of its own; a quiet machine loses
-  one core of N (on 2 cores batch-1 decode loses nothing, torch's matrix-vector products run on one thread either
-  way; verification and prefill run 1.2-1.6x slower).
+  one core of N (on a quiet 2-core EPYC, bfloat16 decode runs ~1.17x faster at 2 threads, but a 2-thread process
+  keeps only ~0.65x of its speed once a busy process starts beside it: docs/threads-and-dtypes.md).
 - **wait policy** ``OMP_WAIT_POLICY=PASSIVE``: an idle OpenMP thread sleeps at once instead of spinning, so where
   more processes compete than cores are left, threads do not burn the cores others need. libgomp (torch's OpenMP
   on Linux) and LLVM's libomp both honour it, but only when the library loads, i.e. when torch is first imported:
