@@ -24,6 +24,7 @@ import ray
 from ray import serve
 
 from integration_testing import wait_until
+from jobs.chaos import HANGUP_POINTS, leave_at, worker_occupancy
 from serve_testing import (MODEL, NUM_NEW, PROMPTS, deploy, micro_config, ray_session, reference,  # noqa: F401
                            serve_port, worker_names)
 
@@ -43,15 +44,7 @@ def replica_names(app: str) -> set[str]:
             if a["name"].startswith(f"SERVE_REPLICA::{app}#")}
 
 
-def occupancy(app: str) -> dict[str, dict[str, int]]:
-    from jobs.chaos import worker_occupancy
-
-    return worker_occupancy(app)
-
-
 async def chaos(base_url: str, app: str, reference: dict[str, list[int]], seed: int) -> dict:
-    from jobs.chaos import HANGUP_POINTS, leave_at
-
     rng = random.Random(seed)
     result = {"statuses": [], "wrong": [], "unhealthy": [], "left": 0, "answered_first": [], "handle": []}
     stop = asyncio.Event()
@@ -151,7 +144,7 @@ def test_hangups_on_a_cold_replica_fail_no_other_request(serve_port, random_chec
         http = httpx.Client(base_url=base_url, timeout=60)
         wait_until(lambda: (lambda h: (h["running"], h["waiting"]) == (0, 0))(http.get("/health").json()), 30,
                    what="every row to be freed")
-        held = occupancy(name)
+        held = worker_occupancy(name)
         assert len(held) == tp and all(v == {"rows": 0, "kv_slots": 0, "drafters": 0} for v in held.values()), held
         assert replica_names(name) == replicas and worker_names(name) == workers  # never replaced
         served = http.get("/v1/models").json()["data"][0]["speculation_by_batch"]

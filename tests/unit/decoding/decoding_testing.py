@@ -44,3 +44,17 @@ def run_collecting(engine: SpecEngine, requests: list[SequenceRequest]) -> dict[
             if out.finished:
                 entry["final"] = out
     return got
+
+
+def assert_seeded_sampling_alone_equals_batched(target, prompts, eos, spec: SpecConfig) -> None:
+    """Three seeded sampled requests: batched in one engine, each gets the tokens it gets alone (``generate``)."""
+    from eyas.decoding.generate import SamplingParams, generate
+    from eyas.methods import build_drafter
+
+    sampling = [SamplingParams(temperature=0.8, top_p=0.9, seed=11 + i) for i in range(3)]
+    expected = [generate(target, prompts[i], NUM_NEW, drafter=build_drafter(target, spec), sampling=sampling[i],
+                         eos_token_ids=eos).token_ids for i in range(3)]
+    engine = SpecEngine(target, capacity=3, max_len=256, drafter_factory=lambda: build_drafter(target, spec),
+                        eos_token_ids=eos)
+    done = engine.run([SequenceRequest(str(i), prompts[i], NUM_NEW, sampling[i]) for i in range(3)])
+    assert [done[str(i)][0] for i in range(3)] == expected

@@ -23,7 +23,7 @@ from eyas.decoding.generate import SamplingParams, generate
 from eyas.decoding.tp import BroadcastChannel, free_port, init_tensor_parallel, shutdown_tensor_parallel
 from eyas.decoding.tree import DraftTree, chain
 
-from decoding_testing import NUM_NEW, spec_for
+from decoding_testing import NUM_NEW, assert_seeded_sampling_alone_equals_batched, spec_for
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -256,13 +256,7 @@ def test_joins_and_leaves_between_cycles(setup):
 def test_seeded_sampling_equals_single_generate(setup, random_draft_checkpoint):
     target, prompts, eos = setup
     spec = spec_for("draft-lm", random_draft_checkpoint)
-    sampling = [SamplingParams(temperature=0.8, top_p=0.9, seed=11 + i) for i in range(3)]
-    expected = [generate(target, prompts[i], NUM_NEW, drafter=build_drafter(target, spec), sampling=sampling[i],
-                         eos_token_ids=eos).token_ids for i in range(3)]
-    engine = SpecEngine(target, capacity=3, max_len=256, drafter_factory=lambda: build_drafter(target, spec),
-                         eos_token_ids=eos)
-    done = engine.run([SequenceRequest(str(i), prompts[i], NUM_NEW, sampling[i]) for i in range(3)])
-    assert [done[str(i)][0] for i in range(3)] == expected
+    assert_seeded_sampling_alone_equals_batched(target, prompts, eos, spec)
 
 
 def test_first_token_can_finish_and_bad_requests_are_refused(setup):

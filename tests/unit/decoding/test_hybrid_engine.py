@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from decoding_testing import NUM_NEW
+from decoding_testing import NUM_NEW, assert_seeded_sampling_alone_equals_batched
 from eyas.decoding.engine import SpecEngine
-from eyas.decoding.generate import SamplingParams, generate
+from eyas.decoding.generate import generate
 from eyas.decoding.requests import SequenceRequest, SpeculationSchedule
 from eyas.methods import LEARNED_PROPOSERS, METHODS, SpecConfig, build_drafter
 
@@ -73,10 +73,4 @@ def test_seeded_sampling_is_the_same_alone_and_batched(setup, random_drafters, r
                                                        learned):
     target, prompts, eos = setup
     spec = hybrid_spec(learned, {}, random_drafters, random_draft_checkpoint, datastore_dir)
-    sampling = [SamplingParams(temperature=0.8, top_p=0.9, seed=11 + i) for i in range(3)]
-    expected = [generate(target, prompts[i], NUM_NEW, drafter=build_drafter(target, spec), sampling=sampling[i],
-                         eos_token_ids=eos).token_ids for i in range(3)]
-    engine = SpecEngine(target, capacity=3, max_len=256, drafter_factory=lambda: build_drafter(target, spec),
-                        eos_token_ids=eos)
-    done = engine.run([SequenceRequest(str(i), prompts[i], NUM_NEW, sampling[i]) for i in range(3)])
-    assert [done[str(i)][0] for i in range(3)] == expected
+    assert_seeded_sampling_alone_equals_batched(target, prompts, eos, spec)
