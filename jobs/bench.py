@@ -50,6 +50,7 @@ from eyas.models import CheckpointError, load_target, load_tokenizer, torch_dtyp
 from eyas.decoding.generate import generate
 from eyas.decoding.stats import SpecStats
 from eyas.files import writable_path, write_text_atomic
+from eyas.cpu import cpu_features
 from eyas.threads import configure_threads, current_settings
 from jobs.bench_costs import CostMeasurement, finish_costs, measure_costs
 from jobs.bench_report import plot, print_table, write_page, write_tables
@@ -84,17 +85,9 @@ def git_commit() -> str:
         return "unknown"
 
 
-def cpu_model() -> str | None:
-    """The CPU's marketing name (/proc/cpuinfo's ``model name``), None where there is none to read."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return None
-    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), None)
-
-
 def machine() -> dict:
-    return {"host": host.node(), "cpu": host.processor() or host.machine(), "cpu_model": cpu_model(),
+    return {"host": host.node(), "cpu": host.processor() or host.machine(), "cpu_model": cpu_features().model,
+            "cpu_features": cpu_features().to_dict(),  # eyas.cpu: the kind its kernels run (avx512_bf16, ...), AMX
             "torch_threads": torch.get_num_threads(),
             "threads": current_settings().to_dict(),  # eyas.threads: policy, count and its source, OpenMP env
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}

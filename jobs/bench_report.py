@@ -78,12 +78,18 @@ def machine(report: dict) -> str:
     threads = info.get("threads") or {}
     cores = threads.get("available_cores") or cost.get("cpu_count")
     parts = [info.get("cpu_model") or info.get("cpu") or "unknown CPU"]
+    kind = (info.get("cpu_features") or {}).get("kind")
+    if kind:
+        parts.append(f"{kind} kernels")
     if cores:
         parts.append(f"{cores} cores")
     num = info.get("torch_threads")
     if num:
         policy = f" ({threads['policy']} policy)" if threads.get("policy") else ""
         parts.append(f"{num} torch thread{'s' if num != 1 else ''}{policy}")
+    adaptive = threads.get("kernel_threads")
+    if adaptive:
+        parts.append(f"eyas kernels {adaptive[0]}-{adaptive[1]} threads (adaptive)")
     parts.append(f"GPU {info['cuda']}" if info.get("cuda") else "no GPU")
     band = cost.get("bandwidth")
     if band:

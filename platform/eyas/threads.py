@@ -19,6 +19,15 @@ that core while the others spin against it, and a decode step runs 3-10x slower.
   tests/conftest.py call it before anything imports torch); Ray workers, actors and Serve replicas get it through
   their ``runtime_env`` env_vars (``eyas_ray.threads``). A value the user set wins.
 
+- **eyas's own kernels adapt** (the panel products and the fused forward: ``kernel_threads()``). Their results do not
+  depend on the thread count, so their count may change between two calls without changing a bit. Where the count
+  is the policy's own choice (source ``cores-1``), they use every core while the machine is quiet, and one core fewer
+  while other processes keep more than half a core of ours busy (``ThreadGovernor``: it reads ``/proc/stat`` at
+  most every ``EYAS_THREAD_INTERVAL_S`` seconds, 0.5 by default, from the thread that computes). torch's own count
+  (prefill, training, ops over many rows) stays fixed, so nothing whose bits depend on the count ever changes.
+  An explicit count, ``OMP_NUM_THREADS`` or a Ray budget fixes the kernels' count too; ``EYAS_ADAPTIVE_THREADS=0``
+  switches adaptation off.
+
 ``EYAS_THREAD_POLICY=torch`` leaves torch's and OpenMP's defaults alone (to compare against them).
 This module must not import torch at module level: it is imported before torch, to set the environment.
 """
@@ -26,9 +35,12 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from eyas.cpu import CpuReading, CpuWindow, cpu_reading
 
 # what an idle OpenMP thread does; read by the OpenMP runtime once, when torch loads it
 OPENMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
@@ -40,6 +52,9 @@ POLICIES = ("eyas", "torch")
 
 _set_here: set[str] = set()  # OpenMP variables set_openmp_env() put into os.environ (not the user's own)
 _configured: ThreadSettings | None = None  # configure_threads()' last answer, for reports (current_settings)
+_governor: ThreadGovernor | None = None  # eyas's kernels' adaptive count (kernel_threads), where the policy adapts
+ADAPTIVE_VAR = "EYAS_ADAPTIVE_THREADS"  # "0": eyas's kernels keep torch's count
+INTERVAL_VAR = "EYAS_THREAD_INTERVAL_S"  # how often the governor reads the CPU clocks
 
 
 @dataclass(frozen=True)
@@ -51,6 +66,7 @@ class ThreadSettings:
                               # unconfigured (current_settings: set outside configure_threads)
     available_cores: int      # physical cores this process may run on
     openmp: dict[str, str]    # the OpenMP variables in this process's environment
+    kernel_threads: tuple[int, int] | None = None  # eyas's kernels' (fewest, most) threads where they adapt
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -132,15 +148,67 @@ def configure_threads(num_threads: int | None = None, cpu_budget: float | None =
     worker's num_cpus). Under EYAS_THREAD_POLICY=torch only an explicit count is applied."""
     import torch  # here, not at the top: the module is imported before torch to set OpenMP's environment
 
-    global _configured
+    global _configured, _governor
     policy = thread_policy()
     if policy == "torch" and num_threads is None:
         count, source = torch.get_num_threads(), "torch"
     else:
         count, source = thread_count(num_threads, cpu_budget)
         torch.set_num_threads(count)
-    _configured = ThreadSettings(policy, count, source, available_cores(), openmp_variables())
+    cores = available_cores()
+    adapts = source == "cores-1" and cores > count and os.environ.get(ADAPTIVE_VAR, "1") != "0"
+    _governor = ThreadGovernor(count, cores) if adapts else None
+    _configured = ThreadSettings(policy, count, source, cores, openmp_variables(),
+                                 (count, cores) if adapts else None)
     return _configured
+
+
+def kernel_threads() -> int:
+    """How many threads eyas's own kernels (panel products, the fused forward) use for the call about to run: the
+    governor's count where they adapt (``configure_threads``), else torch's."""
+    if _governor is None:
+        import torch  # loaded already by whoever runs a kernel
+
+        return torch.get_num_threads()
+    return _governor.tick()
+
+
+class ThreadGovernor:
+    """eyas's kernels' thread count between ``fewest`` and ``most``: ``most`` while other processes use less than
+    ``QUIET_CORES`` of our cores, ``fewest`` once they use more than ``BUSY_CORES`` (between the two it keeps its
+    count). A reading costs two small file reads; ``tick`` takes one at most every ``interval_s``."""
+    QUIET_CORES = 0.25
+    BUSY_CORES = 0.5
+
+    def __init__(self, fewest: int, most: int, interval_s: float | None = None) -> None:
+        if not 1 <= fewest <= most:
+            raise ValueError(f"ThreadGovernor({fewest}, {most}): needs 1 <= fewest <= most")
+        self.fewest, self.most = fewest, most
+        self.interval_s = interval_s if interval_s is not None else float(os.environ.get(INTERVAL_VAR, "0.5"))
+        self.count = fewest  # start modest: the first window says whether the machine is quiet
+        self._last: CpuReading | None = None
+        self._next_s = 0.0
+
+    def tick(self) -> int:
+        now = time.monotonic()
+        if now >= self._next_s:
+            self._next_s = now + self.interval_s
+            reading = cpu_reading()
+            if self._last is not None:
+                self.count = self.decide(CpuWindow(self._last, reading).others_cores)
+            self._last = reading
+        return self.count
+
+    def decide(self, others_cores: float | None) -> int:
+        """The count after a window in which other processes used ``others_cores`` of our cores (None: no
+        /proc/stat, keep the count)."""
+        if others_cores is None:
+            return self.count
+        if others_cores > self.BUSY_CORES:
+            return self.fewest
+        if others_cores < self.QUIET_CORES:
+            return self.most
+        return self.count
 
 
 def current_settings() -> ThreadSettings:

@@ -99,3 +99,49 @@ def test_libgomp_reads_the_wait_policy_when_an_app_imports_torch():
     report, settings = libgomp_settings("torch")  # the stock behaviour, for comparisons: spin, then sleep
     assert "GOMP_SPINCOUNT = '300000'" in report, report[-2000:]
     assert settings["openmp"] == {} and settings["source"] == "torch"
+
+
+def test_governor_uses_every_core_when_quiet_and_one_fewer_beside_a_busy_process(monkeypatch):
+    """Fake CPU clocks: 1 s windows in which other processes use 0.1, 0.9, 0.4 (between the bounds: keep), 0.1
+    cores; the governor reads them from the computing thread, at most once an interval."""
+    readings = iter([(0.0, 0.0), (1.0, 0.1), (2.0, 1.0), (3.0, 1.4), (4.0, 1.5)])  # (wall, others' busy seconds)
+    clock = {"now": 0.0}
+
+    def fake_reading():
+        wall, busy = next(readings)
+        return threads.CpuReading(wall_s=wall, cores_busy_s=busy, own_s=0.0, load_1m=0.0, num_cores=2)
+
+    monkeypatch.setattr(threads, "cpu_reading", fake_reading)
+    monkeypatch.setattr(threads.time, "monotonic", lambda: clock["now"])
+    governor = threads.ThreadGovernor(1, 2, interval_s=1.0)
+    assert governor.tick() == 1  # no window yet: start modest
+    clock["now"] = 0.5
+    assert governor.tick() == 1  # within the interval: no reading taken
+    counts = []
+    for now in (1.0, 2.0, 3.0, 4.0):
+        clock["now"] = now
+        counts.append(governor.tick())
+    assert counts == [2, 1, 1, 2]
+    assert governor.decide(None) == 2  # no /proc/stat: keep the count
+    with pytest.raises(ValueError, match="fewest <= most"):
+        threads.ThreadGovernor(3, 2)
+
+
+def test_only_the_policys_own_count_adapts_and_torch_keeps_its_count(clean_env):
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        settings = threads.configure_threads()  # cores-1 of 4: the kernels adapt between 3 and 4
+        assert (settings.num_threads, settings.source, settings.kernel_threads) == (3, "cores-1", (3, 4))
+        assert torch.get_num_threads() == 3 and threads.kernel_threads() in (3, 4)
+        assert threads.configure_threads(num_threads=2).kernel_threads is None  # an explicit count is fixed
+        assert threads.kernel_threads() == torch.get_num_threads() == 2
+        assert threads.configure_threads(cpu_budget=2).kernel_threads is None  # a Ray budget too
+        clean_env.setenv(threads.ADAPTIVE_VAR, "0")
+        assert threads.configure_threads().kernel_threads is None
+        clean_env.delenv(threads.ADAPTIVE_VAR)
+        clean_env.setattr(threads, "available_cores", lambda: 1)
+        assert threads.configure_threads().kernel_threads is None  # one core: nothing to adapt
+    finally:
+        threads.configure_threads(num_threads=before)

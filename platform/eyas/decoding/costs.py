@@ -26,15 +26,14 @@ competitor that leaves our cores free.
 from __future__ import annotations
 
 import bisect
-import os
 import statistics
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Mapping, Sequence
 
 import torch
 
+from eyas.cpu import CpuReading, CpuWindow, cpu_reading, load_average  # noqa: F401 (re-exported)
 from eyas.decoding.tree import pack_trees
 from eyas.models.decoder import Decoder
 
@@ -44,7 +43,6 @@ CURVE_SIZES = (1, 2, 4, 8, 16, 32, 64)
 MAX_SPREAD = 1.25
 # other processes using more than this many of our cores, on average over a measurement, disturbed it
 MAX_OTHERS_CORES = 0.5
-PROC_STAT = Path("/proc/stat")
 
 
 @dataclass(frozen=True)
@@ -102,75 +100,6 @@ def load_warning(load_average: float, num_cores: int, num_threads: int, own_thre
     return None
 
 
-@dataclass(frozen=True)
-class CpuReading:
-    """The CPU clocks at one instant; two of them bracket a measurement (``CpuWindow``)."""
-    wall_s: float  # time.monotonic()
-    cores_busy_s: float | None  # busy seconds of the cores we may run on, all processes, summed (None: no /proc/stat)
-    own_s: float  # this process's CPU seconds: every thread, user + system, and children it waited for
-    load_1m: float  # the 1-minute load average (0.0 where the OS has none)
-    num_cores: int  # the cores we may run on (CPU affinity), all of them without /proc/stat
-
-
-@dataclass(frozen=True)
-class CpuWindow:
-    """Who used the CPU between two readings."""
-    start: CpuReading
-    end: CpuReading
-
-    @property
-    def wall_s(self) -> float:
-        return self.end.wall_s - self.start.wall_s
-
-    @property
-    def own_cores(self) -> float:
-        """Cores this process used on average (2.0: two threads busy all along)."""
-        return (self.end.own_s - self.start.own_s) / self.wall_s if self.wall_s > 0 else 0.0
-
-    @property
-    def others_cores(self) -> float | None:
-        """Cores of ours every other process used on average (None without /proc/stat). The kernel counts both
-        clocks in ticks (10 ms each, per core), so a window of a few seconds reads to a few hundredths."""
-        if self.start.cores_busy_s is None or self.end.cores_busy_s is None or self.wall_s <= 0:
-            return None
-        busy = self.end.cores_busy_s - self.start.cores_busy_s
-        return max(0.0, busy / self.wall_s - self.own_cores)
-
-    def to_dict(self) -> dict[str, float | int | str | None]:
-        others = self.others_cores
-        return {"wall_s": round(self.wall_s, 2), "num_cores": self.end.num_cores,
-                "own_cores": round(self.own_cores, 2), "others_cores": None if others is None else round(others, 2),
-                "source": "/proc/stat" if others is not None else "load average (no /proc/stat)",
-                "load_average": {"start": round(self.start.load_1m, 2), "end": round(self.end.load_1m, 2)}}
-
-
-def _cores_busy_seconds(cores: set[int]) -> float | None:
-    """Busy seconds since boot of ``cores``, all processes (None without /proc/stat). A ``cpuN`` line reads user
-    nice system idle iowait irq softirq steal guest guest_nice, in clock ticks; busy is all but idle, iowait and
-    steal (another virtual machine's time, not a process here), and guest time is inside user and nice already."""
-    try:
-        lines = PROC_STAT.read_text().splitlines()
-    except OSError:
-        return None
-    ticks = 0
-    for line in lines:
-        name, *fields = line.split()
-        if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cores:
-            user, nice, system, _idle, _iowait, irq, softirq = (int(f) for f in fields[:7])
-            ticks += user + nice + system + irq + softirq
-    return ticks / os.sysconf("SC_CLK_TCK")
-
-
-def cpu_reading() -> CpuReading:
-    """The CPU clocks now: take one before and one after a measurement, ``CpuWindow(start, end)``."""
-    cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
-    busy = _cores_busy_seconds(cores)
-    own = os.times()
-    return CpuReading(wall_s=time.monotonic(), cores_busy_s=busy,
-                      own_s=own.user + own.system + own.children_user + own.children_system,
-                      load_1m=load_average(), num_cores=len(cores) if busy is not None else os.cpu_count() or 1)
-
-
 def others_warning(window: CpuWindow, max_others: float = MAX_OTHERS_CORES) -> str | None:
     """A warning when other processes used more than ``max_others`` of our cores on average during ``window``
     (None too without /proc/stat: see ``busy_reasons``)."""
@@ -198,14 +127,6 @@ def busy_reasons(timings: Mapping[str, Timing], window: CpuWindow | None = None,
         if (w := load_warning(reading.load_1m, reading.num_cores, num_threads, own)):
             reasons.append(f"{w} (no /proc/stat: the load average stands in for other processes' CPU time)")
     return reasons
-
-
-def load_average() -> float:
-    """The 1-minute load average (0.0 where the OS has none)."""
-    try:
-        return os.getloadavg()[0]
-    except OSError:
-        return 0.0
 
 
 # ---------------------------------------------------------------- the model

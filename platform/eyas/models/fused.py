@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from eyas.models import attention, kernels, panels
+from eyas.threads import kernel_threads
 
 SOURCE = Path(__file__).with_name("forward.c")
 _LAYER_FIELDS = ("input_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "gate_up", "gate_up_bias", "down",
@@ -131,7 +132,7 @@ class FusedLayers:
         failed = _library().eyas_forward(
             ctypes.byref(self.model), x_BTE.data_ptr(), B, T, positions_N.data_ptr(), cos_PD.data_ptr(),
             sin_PD.data_ptr(), k_LBHSD.data_ptr(), v_LBHSD.data_ptr(), k_LBHSD.stride(0), k_LBHSD.stride(1),
-            k_LBHSD.stride(2), starts, span, mask, msb, mst, int(causal), tap_ptrs, torch.get_num_threads())
+            k_LBHSD.stride(2), starts, span, mask, msb, mst, int(causal), tap_ptrs, kernel_threads())
         if failed:
             raise MemoryError("eyas.models.fused: forward.c could not allocate its scratch buffers")
         if num_layers in taps:

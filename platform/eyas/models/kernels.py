@@ -1,7 +1,8 @@
 """Builds eyas's small C kernels (``panels.c``, ``attention.c``) with the host's compiler, once per source and CPU
 kind, and loads them through ctypes.
 
-A kernel is compiled with ``$CC`` (else ``cc``) ``-O3 -march=native`` into ``$XDG_CACHE_HOME/eyas/kernels`` (default
+A kernel is compiled with ``$CC`` (else ``cc``) ``-O3 -march=native`` (less AMX where the CPU lists it but cannot run
+it: ``eyas.cpu.compile_flags``) into ``$XDG_CACHE_HOME/eyas/kernels`` (default
 ``~/.cache``), written atomically: concurrent builders each write their own temporary file and rename it. Where no
 compiler works, or with ``EYAS_KERNELS=0`` (``EYAS_PANELS=0`` for the panel kernel alone), ``library`` returns None
 with a warning and the callers keep torch's kernels.
@@ -18,6 +19,8 @@ import tempfile
 import warnings
 from functools import lru_cache
 from pathlib import Path
+
+from eyas.cpu import compile_flags, cpu_features
 
 HERE = Path(__file__).parent
 
@@ -48,7 +51,9 @@ def library(source_name: str, switch: str) -> ctypes.CDLL | None:
     stem = path.stem
     try:
         source = path.read_bytes()  # an install without the package data falls back too
-        target = _cache_dir() / f"{stem}-{hashlib.sha256(source).hexdigest()[:12]}-{_cpu_key()}.so"
+        flags = compile_flags(cpu_features())
+        digest = hashlib.sha256(source + " ".join(flags).encode()).hexdigest()[:12]
+        target = _cache_dir() / f"{stem}-{digest}-{_cpu_key()}.so"
         if not target.exists():
             compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
             if not compiler:
@@ -57,7 +62,7 @@ def library(source_name: str, switch: str) -> ctypes.CDLL | None:
             fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
             os.close(fd)
             try:
-                subprocess.run([compiler, "-O3", "-march=native", "-shared", "-fPIC", "-pthread", "-o", tmp, str(path)],
+                subprocess.run([compiler, "-O3", *flags, "-shared", "-fPIC", "-pthread", "-o", tmp, str(path)],
                                check=True, capture_output=True, text=True, timeout=120)
                 os.replace(tmp, target)  # atomic
             finally:

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from eyas.models import kernels
+from eyas.threads import kernel_threads
 
 WIDTH = 32     # outputs per panel (panels.c's W)
 MAX_ROWS = 64  # faster than oneDNN's packed product up to 64 rows (``jobs.bench_linear``), so every tree
@@ -125,5 +126,5 @@ def matmul(x_XI: torch.Tensor, panels_PIW: torch.Tensor, num_out: int) -> torch.
         kernel, num_in_padded = _library().eyas_panel_matmul, panels_PIW.shape[1]
     y_MO = torch.empty(x_MI.shape[0], num_out, dtype=panels_PIW.dtype)
     kernel(x_MI.data_ptr(), x_MI.shape[0], num_in_padded, panels_PIW.data_ptr(), num_in_padded, num_out,
-           y_MO.data_ptr(), num_out, torch.get_num_threads())
+           y_MO.data_ptr(), num_out, kernel_threads())
     return y_MO.reshape(*x_XI.shape[:-1], num_out)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import eyas.cpu
 from eyas.decoding import costs
 from eyas.decoding import engine as engine_module
 from eyas.decoding.generate import generate
@@ -95,7 +96,7 @@ def test_others_cores_warns_past_half_a_core():
 
 
 def test_without_proc_stat_the_load_average_stands_in(monkeypatch, tmp_path):
-    monkeypatch.setattr(costs, "PROC_STAT", tmp_path / "no-such-file")
+    monkeypatch.setattr(eyas.cpu, "PROC_STAT", tmp_path / "no-such-file")
     assert costs.cpu_reading().cores_busy_s is None
     calm = costs.CpuWindow(reading(0.0, None, 0.0, load_1m=0.2), reading(10.0, None, 10.0, load_1m=1.3))
     assert calm.others_cores is None and costs.busy_reasons({}, calm, num_threads=1) == []
@@ -112,11 +113,11 @@ def test_proc_stat_counts_busy_ticks_of_our_cores(monkeypatch, tmp_path):
                     "cpu0 100 20 30 5000 70 1 2 40 10 0\n"
                     "cpu1 200 0 50 4000 0 3 4 0 0 0\n"
                     "intr 12345 0 0\n")
-    monkeypatch.setattr(costs, "PROC_STAT", stat)
+    monkeypatch.setattr(eyas.cpu, "PROC_STAT", stat)
     tick = os.sysconf("SC_CLK_TCK")
-    assert costs._cores_busy_seconds({0}) == pytest.approx(153 / tick)
-    assert costs._cores_busy_seconds({0, 1}) == pytest.approx((153 + 257) / tick)
-    assert costs._cores_busy_seconds({5}) == 0.0
+    assert eyas.cpu._cores_busy_seconds({0}) == pytest.approx(153 / tick)
+    assert eyas.cpu._cores_busy_seconds({0, 1}) == pytest.approx((153 + 257) / tick)
+    assert eyas.cpu._cores_busy_seconds({5}) == 0.0
 
 
 BUSY_CHILD = "import time\ndeadline = time.monotonic() + 3\nprint('busy', flush=True)\n" \
@@ -141,7 +142,7 @@ def process_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-@pytest.mark.skipif(not costs.PROC_STAT.exists(), reason="needs /proc/stat (Linux)")
+@pytest.mark.skipif(not eyas.cpu.PROC_STAT.exists(), reason="needs /proc/stat (Linux)")
 def test_cpu_window_sees_a_busy_process_and_not_our_own_work():
     """Real clocks: a busy-loop child's CPU shows as others', the same busy loop in this process as our own.
     Other load on the machine (it may fill every core) enters both windows, so the checks are relative: the
