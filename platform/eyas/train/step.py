@@ -20,6 +20,7 @@ from typing import Any, Iterable, Mapping
 import torch
 from torch import nn
 
+from eyas.config import ConfigError
 from eyas.decoding.generate import generate
 from eyas.decoding.stats import SpecStats
 from eyas.drafters import registry
@@ -81,16 +82,35 @@ def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
+HEAD_PREFIX = "lm_head."  # a drafter's own LM head (optim.head_lr_multiplier)
+
+
+def is_head(name: str) -> bool:
+    return name.startswith(HEAD_PREFIX) or f".{HEAD_PREFIX}" in name
+
+
 def build_optimizer(model: nn.Module, optim: OptimConfig) -> torch.optim.AdamW:
-    """AdamW over the trainable parameters; matrices decay, norms and biases (1-D) do not."""
-    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    if not params:
+    """AdamW over the trainable parameters; matrices decay, norms and biases (1-D) do not. The drafter's own LM
+    head (``lm_head.*``) runs at ``lr * optim.head_lr_multiplier``; a multiplier of 0 freezes it (requires_grad
+    off, so no optimizer state and no gradient are kept for it)."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if optim.head_lr_multiplier != 1.0 and not any(is_head(n) for n, _ in named):
+        raise ConfigError(f"optim.head_lr_multiplier={optim.head_lr_multiplier}: {type(model).__name__} has no "
+                          f"trainable LM head of its own (parameters named {HEAD_PREFIX}*); leave it at 1.0")
+    if optim.head_lr_multiplier == 0:
+        for name, param in named:
+            if is_head(name):
+                param.requires_grad_(False)
+        named = [(n, p) for n, p in named if not is_head(n)]
+    if not named:
         raise ValueError(f"{type(model).__name__} has no trainable parameters")
-    decay = [p for _, p in params if p.ndim >= 2]
-    no_decay = [p for _, p in params if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": optim.weight_decay}]
-    if no_decay:
-        groups.append({"params": no_decay, "weight_decay": 0.0})
+    groups = []
+    for head in (False, True):
+        lr = optim.lr * (optim.head_lr_multiplier if head else 1.0)
+        for decays in (True, False):
+            params = [p for n, p in named if is_head(n) == head and (p.ndim >= 2) == decays]
+            if params:
+                groups.append({"params": params, "lr": lr, "weight_decay": optim.weight_decay if decays else 0.0})
     return torch.optim.AdamW(groups, lr=optim.lr, betas=tuple(optim.betas))
 
 
