@@ -17,7 +17,7 @@ from eyas.drafters.eagle3 import Eagle3Config, Eagle3Model
 from eyas.models.features import target_features
 from eyas.train.config import OptimConfig, TrainConfig
 from eyas.train.data import SequenceDataset
-from eyas.train.step import build_optimizer
+from eyas.train.optim import build_optimizer
 from eyas.train.trainer import Trainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "drafters"))
