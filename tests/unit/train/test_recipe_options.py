@@ -159,3 +159,16 @@ def test_dflash_recipe_keys_train(data_dir, block_size):
     raw = {"name": "x", "drafter": {"type": "eagle3", "config": {"prompt_loss_weight": 0.3}},
            "optim": {"head_lr_multiplier": 0.0}}
     assert from_dict(TrainConfig, raw).optim.head_lr_multiplier == 0.0
+
+
+def test_per_suite_evaluation_keys_validate():
+    from eyas.train.config import LoopConfig, MeasureConfig
+
+    assert LoopConfig(heldout_data={"code": "data-smollm2-code", "chat": "data-smollm2-draft"}).heldout_data
+    with pytest.raises(ConfigError, match="train.heldout_data='code-x'"):
+        LoopConfig(heldout_data={"code-x": "data"})
+    assert MeasureConfig(suite="docstring, chat").suite == "docstring, chat"
+    with pytest.raises(ConfigError, match="measure.suite='humaneval'"):  # the bench's suite: never tuned on
+        MeasureConfig(suite="humaneval")
+    with pytest.raises(ConfigError, match="train.epoch_steps"):
+        LoopConfig(epoch_steps=0)
