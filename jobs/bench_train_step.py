@@ -8,7 +8,8 @@ The batch is ``train.batch_size`` random sequences of ``train.max_len`` tokens (
 the response the loss covers), so the cost is the config's worst case and needs no data set. The first step runs
 the target (it fills the cache) and is reported apart (``first_step_s``); the later ones give min and median of
 ``features_s`` (assembly), ``step_s`` (forward + loss + backward + optimizer, ``train.precision`` resolved as the
-trainer does) and ``total_s``. One process, ``scaling.num_workers`` ignored: a worker of a 2-worker job on a 2-core
+trainer does) and ``total_s``, and ``positions_per_s``: the supervised positions of a batch (its response tokens,
+what the loss learns from) over the median ``total_s``, the figure to compare across commits and recipes. One process, ``scaling.num_workers`` ignored: a worker of a 2-worker job on a 2-core
 machine runs one such step per optimizer step, on its own core.
 """
 from __future__ import annotations
@@ -60,11 +61,13 @@ def measure(cfg: TrainConfig, steps: int) -> dict:
         samples.append({"features_s": assembled - start, "step_s": done - assembled, "total_s": done - start,
                         "loss": metrics["loss"]})
     later = samples[1:]
+    supervised = int((batch.loss_mask_BT * batch.valid_BT).sum())
     summary = {key: {"min": min(s[key] for s in later), "median": statistics.median(s[key] for s in later)}
                for key in ("features_s", "step_s", "total_s")}
     return {"drafter": cfg.drafter.type, "target": cfg.target, "batch_size": cfg.train.batch_size,
             "max_len": cfg.train.max_len, "precision": precision, "threads": torch.get_num_threads(),
-            "first_step_s": samples[0]["total_s"], **summary, "samples": samples}
+            "first_step_s": samples[0]["total_s"], **summary, "supervised_positions": supervised,
+            "positions_per_s": supervised / summary["total_s"]["median"], "samples": samples}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{report['first_step_s']:.2f} s")
     for key in ("features_s", "step_s", "total_s"):
         print(f"  {key:10s} min {report[key]['min']:.3f} s  median {report[key]['median']:.3f} s")
+    print(f"  {report['positions_per_s']:.1f} supervised positions/s ({report['supervised_positions']} a step)")
     print(f"wrote {out}")
     return 0
 

@@ -129,13 +129,22 @@ def pending_shards(cfg: DataConfig, out: Path, covered: dict[str, int]) -> list[
 def prompt_ids(cfg: DataConfig, tokenizer: Any, split: str, count: int) -> list[list[int]]:
     """The first ``count`` prompts of ``split`` as token ids (fewer when the source has fewer).
 
-    regenerate: corpus prompts with the tokenizer's special tokens (BOS), cut to ``max_prompt_tokens``.
+    regenerate: corpus prompts with the tokenizer's special tokens (BOS), cut to ``max_prompt_tokens`` (suite
+    docstring: longer ones skipped, as a cut one would not end where HumanEval's do); with ``exclude_humaneval``
+    the train prompts that share a function with HumanEval are dropped first.
     sharegpt: chat-templated first human turns; the template writes the special tokens, longer prompts are skipped.
     """
     if cfg.source == "sharegpt":
         return [ids for _, ids in datasets.chat_prompt_ids(split, count, tokenizer, cfg.max_prompt_tokens)]
-    texts = corpus.train_prompts(count, cfg.suite) if split == "train" else corpus.heldout_prompts(cfg.suite, count)
-    return [tokenizer(text).input_ids[:cfg.max_prompt_tokens] for text in texts]
+    whole = cfg.suite == "docstring"  # a cut docstring prompt would lose the closing quotes it must end with
+    num = None if cfg.exclude_humaneval or whole else count
+    texts = corpus.train_prompts(num, cfg.suite) if split == "train" else corpus.heldout_prompts(cfg.suite, num)
+    if cfg.exclude_humaneval and split == "train":
+        texts = datasets.without_humaneval(texts)
+    ids = (tokenizer(text).input_ids for text in texts)
+    if whole:
+        return [p for p in ids if len(p) <= cfg.max_prompt_tokens][:count]
+    return [p[:cfg.max_prompt_tokens] for p in ids][:count]
 
 
 def plan_prompts(cfg: DataConfig, target_dir: Path) -> dict[str, list[list[int]]]:

@@ -18,6 +18,10 @@ whole file / whole topic, so a held-out prompt never shares a document with trai
 Prompts (same shape for both splits; the held-out ones feed benchmarks, the train ones data regeneration)
 - ``code``: a function that has a docstring and at least two statements: its ``def`` line(s), the docstring and
   the first ``NUM_BODY_LINES`` source lines after it, dedented, with no trailing newline (see ``function_prompts``).
+- ``docstring``: HumanEval's shape: a function's ``def`` line(s) and its whole docstring (doctest examples
+  included, where it has them), dedented, ending at the newline after the closing quotes; the model writes the whole
+  body (see ``docstring_prompts``). Functions whose body has fewer than ``MIN_DOCSTRING_BODY`` statements after the
+  docstring are skipped. The split is the code suite's (by file).
 - ``prose``: a section heading and the first ``NUM_PROSE_SENTENCES`` sentences of a prose paragraph under it
   (every paragraph of at least ``MIN_PARAGRAPH_WORDS`` words), original line wrapping kept.
 Prompts are ordered by a stable hash of their key (so the first N mix many files) and ``"all"`` alternates code and
@@ -41,7 +45,10 @@ MAX_PROMPT_CHARS = 1200  # longer code prompts are skipped: they would crowd a 5
 
 SKIP_DIRS = frozenset({"site-packages", "test", "tests", "idle_test", "pydoc_data", "__pycache__"})
 
+MIN_DOCSTRING_BODY = 2  # statements after the docstring that a docstring prompt's function must have
+
 Kind = Literal["all", "code", "prose"]
+PROMPT_SUITES = ("all", "code", "docstring", "prose")
 Split = Literal["train", "heldout"]
 
 
@@ -155,6 +162,29 @@ def function_prompts(rel: str, text: str) -> list[tuple[str, str]]:
     return out
 
 
+def docstring_prompts(rel: str, text: str) -> list[tuple[str, str]]:
+    """``(key, prompt)`` in HumanEval's form for every function of one file with a docstring and a body after it:
+    the ``def`` line(s) and the docstring, dedented, ending in ``\n`` right after the closing quotes, as HumanEval's
+    prompts end (``    \"\"\"\n``), so the drafter learns from the very token sequence the bench starts from."""
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return []
+    lines = text.splitlines(keepends=True)
+    out = []
+    for node in ast.walk(tree):
+        if (not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                or len(node.body) < 1 + MIN_DOCSTRING_BODY or ast.get_docstring(node, clean=False) is None):
+            continue
+        doc_end = node.body[0].end_lineno
+        if not lines[doc_end - 1].rstrip().endswith(('"""', "'''")) or node.body[1].lineno <= doc_end:
+            continue  # something shares the docstring's last line
+        prompt = textwrap.dedent("".join(lines[node.lineno - 1:doc_end])).rstrip() + "\n"
+        if len(prompt) <= MAX_PROMPT_CHARS:
+            out.append((f"docstring:{rel}:{node.lineno}:{node.name}", prompt))
+    return out
+
+
 _HEADING_RULE = re.compile(r"^([*=\-~^])\1{2,}$")
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z\"'(“])")
 _VERSION_NOTE = re.compile(r"^(Changed|Added|New|Deprecated) in version|^See also")
@@ -200,14 +230,15 @@ def _paragraphs(lines: list[str]) -> list[tuple[str, int, str]]:
     return out
 
 
-@functools.lru_cache(maxsize=4)
-def _prompts(split: Split, suite: Literal["code", "prose"]) -> tuple[str, ...]:
+@functools.lru_cache(maxsize=6)
+def _prompts(split: Split, suite: Literal["code", "docstring", "prose"]) -> tuple[str, ...]:
     want_heldout = split == "heldout"
     keyed: list[tuple[str, str]] = []
-    if suite == "code":
+    if suite in ("code", "docstring"):
+        extract = function_prompts if suite == "code" else docstring_prompts
         for rel, text in code_files():
             if is_heldout(f"code:{rel}") == want_heldout:
-                keyed += function_prompts(rel, text)
+                keyed += extract(rel, text)
     else:
         for name, text in prose_topics():
             if is_heldout(f"prose:{name}") == want_heldout:
@@ -220,8 +251,8 @@ def prompts(split: Split, suite: str, num: int | None = None) -> list[str]:
     """Up to ``num`` prompts (all when None) in a fixed order; fewer when the suite has fewer."""
     if split not in ("train", "heldout"):
         raise ValueError(f"split={split!r}: must be 'train' or 'heldout'")
-    if suite not in ("all", "code", "prose"):
-        raise ValueError(f"suite={suite!r}: must be one of 'code', 'prose', 'all'")
+    if suite not in PROMPT_SUITES:
+        raise ValueError(f"suite={suite!r}: must be one of {list(PROMPT_SUITES)}")
     if num is not None and num < 0:
         raise ValueError(f"num={num!r}: must be >= 0")
     if suite == "all":
@@ -235,7 +266,8 @@ def prompts(split: Split, suite: str, num: int | None = None) -> list[str]:
 
 
 def heldout_prompts(suite: str = "all", num: int | None = None) -> list[str]:
-    """Benchmark prompts from held-out files / topics: ``suite`` is 'code', 'prose' or 'all' (alternating)."""
+    """Benchmark prompts from held-out files / topics: ``suite`` is 'code', 'docstring', 'prose' or 'all' (code and
+    prose alternating)."""
     return prompts("heldout", suite, num)
 
 

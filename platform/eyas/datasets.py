@@ -44,7 +44,8 @@ from eyas import corpus
 from eyas.config import eyas_home
 from eyas.files import atomic_write
 
-SUITES = ("code", "prose", "chat", "humaneval")
+SUITES = ("code", "prose", "chat", "humaneval", "docstring")
+ALL_SUITES = ("code", "prose", "chat", "humaneval")  # what ``--suite all`` runs on a chat target
 SPEAKER_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bard": "assistant",
                  "bing": "assistant", "system": "system"}
 READ_CHUNK_BYTES = 1 << 20
@@ -338,13 +339,36 @@ def humaneval_prompts(num: int | None = None, downloader: Downloader | None = No
     return prompts if num is None else prompts[:num]
 
 
+def def_lines(text: str) -> set[str]:
+    """The ``def`` lines of a code text, whitespace-normalised: what names a function whatever its indentation."""
+    return {" ".join(line.split()) for line in text.splitlines() if line.lstrip().startswith(("def ", "async def "))}
+
+
+def humaneval_overlap(prompts: Sequence[str], problems: Sequence[dict[str, Any]]) -> list[int]:
+    """Indices of ``prompts`` that share a function with HumanEval: a ``def`` line of one of its prompts, or its
+    whole prompt text. HumanEval is the bench's code suite and is never trained on, nor put in a datastore."""
+    signatures = set().union(*(def_lines(problem["prompt"]) for problem in problems)) if problems else set()
+    texts = [problem["prompt"].strip() for problem in problems]
+    return [i for i, prompt in enumerate(prompts)
+            if def_lines(prompt) & signatures or any(text and text in prompt for text in texts)]
+
+
+def without_humaneval(prompts: Sequence[str], downloader: Downloader | None = None) -> list[str]:
+    """``prompts`` less any that overlap HumanEval (``humaneval_overlap``), saying how many were dropped."""
+    dropped = set(humaneval_overlap(prompts, humaneval_problems(downloader)))
+    if dropped:
+        progress(f"dropped {len(dropped)} prompt(s) that share a function with HumanEval (held out)")
+    return [prompt for i, prompt in enumerate(prompts) if i not in dropped]
+
+
 # ---------------------------------------------------------------- benchmark suites
 
 
 def suite_prompts(suite: str, num_prompts: int | None, tokenizer: Any = None, max_prompt_tokens: int | None = None,
                   downloader: Downloader | None = None) -> list[str]:
     """Held-out prompts of one benchmark suite: ``chat`` (held-out ShareGPT, chat-templated with ``tokenizer``),
-    ``humaneval`` (code completion), ``code`` / ``prose`` (eyas.corpus, as before). ``max_prompt_tokens`` skips
+    ``humaneval`` (code completion), ``code`` / ``prose`` / ``docstring`` (eyas.corpus; docstring: HumanEval's
+    shape from held-out stdlib functions). ``max_prompt_tokens`` skips
     longer chat prompts; the other suites are returned whole (a completion prompt may be cut by the caller)."""
     if suite not in SUITES:
         raise ValueError(f"suite={suite!r}: must be one of {list(SUITES)}")
@@ -357,10 +381,10 @@ def suite_prompts(suite: str, num_prompts: int | None, tokenizer: Any = None, ma
 
 def bench_suites(suite: str, tokenizer: Any = None) -> tuple[str, ...]:
     """The suites ``jobs.bench --suite`` runs: names joined by commas (``humaneval,chat``), or ``all``: code and
-    prose, plus chat and humaneval when the target is a chat model (``is_instruct_template``), so a self-trained
+    prose, plus chat and humaneval (``ALL_SUITES``; docstring only when named) when the target is a chat model (``is_instruct_template``), so a self-trained
     base target never downloads."""
     if suite == "all":
-        return SUITES if is_instruct_template(tokenizer) else ("code", "prose")
+        return ALL_SUITES if is_instruct_template(tokenizer) else ("code", "prose")
     names = tuple(dict.fromkeys(name.strip() for name in suite.split(",")))
     unknown = [name for name in names if name not in SUITES]
     if unknown or not names:

@@ -21,6 +21,7 @@ from integration_testing import random_target_workspace
 REPO = Path(__file__).resolve().parents[2]
 INFERENCE = REPO / "tune" / "configs" / "eagle3-tree-micro.yaml"
 TRAINING = REPO / "tune" / "configs" / "dflash-train-micro.yaml"
+EAGLE3_TRAINING = REPO / "tune" / "configs" / "eagle3-train-micro.yaml"
 SCHEDULE = REPO / "tune" / "configs" / "schedule-micro.yaml"
 NUM_TRAIN, NUM_HELDOUT = 32, 8
 pytestmark = pytest.mark.slow
@@ -220,6 +221,28 @@ def test_training_sweep_asha_mlflow_and_best_drafter(workspace, local_ray):
     assert drafter.model.config.block_size == best["sweep"]["point"]["drafter.config.block_size"]
     prompt = workspace["tokenizer"]("class Parser:").input_ids
     assert generate(target, prompt, 16, drafter=drafter).token_ids == generate(target, prompt, 16).token_ids
+
+
+def test_eagle3_recipe_sweep_reports_acceptance_per_suite(workspace, local_ray):
+    """The EAGLE-3 recipe keys (head lr multiplier x prompt loss) swept with ASHA: each trial reports the held-out
+    acceptance of every suite (heldout_<label>_sim_tau) and their mean sim_tau each epoch, side by side in MLflow."""
+    from tune.sweep import main
+
+    out = workspace["root"] / "eagle3-training-out"
+    assert main(["--config", str(EAGLE3_TRAINING), f"output.dir={out}"]) == 0
+    trials = json.loads((out / "results.json").read_text())["trials"]
+    assert len(trials) == 4 and all(t["error"] is None for t in trials)
+    for trial in trials:
+        for report in trial["history"]:
+            assert {"sim_tau", "heldout_code_sim_tau", "heldout_chat_sim_tau"} <= set(report)
+            assert report["sim_tau"] == pytest.approx((report["heldout_code_sim_tau"]
+                                                       + report["heldout_chat_sim_tau"]) / 2)
+    assert any(t["epochs"] == 2 for t in trials)
+    client, parent, children, _ = mlflow_runs("eagle3-train-micro")
+    assert len(children) == 4
+    assert {child.data.params["point.optim.head_lr_multiplier"] for child in children} == {"1.0", "0.0"}
+    for child in children:
+        assert client.get_metric_history(child.info.run_id, "heldout_code_sim_tau")
 
 
 def test_ray_train_runner_launches_a_torch_trainer_per_trial(workspace, local_ray):

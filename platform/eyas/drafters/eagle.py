@@ -229,6 +229,51 @@ def unroll(model: EagleModel, input_ids_BT: torch.Tensor, hidden_BTE: torch.Tens
     return outputs
 
 
+def selected_indices(keep_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(index_BR, kept_BR): each row's indices where ``keep_BT`` is set, ascending and left-aligned, R = the most
+    any row keeps; shorter rows are padded with other indices, kept_BR False. [[0 1 1 0], [1 0 0 0]] ->
+    index [[1 2], [0 1]], kept [[1 1], [1 0]]."""
+    keep_BT = keep_BT.bool()
+    R = max(1, int(keep_BT.sum(1).max()))
+    index_BR = torch.argsort((~keep_BT).to(torch.int8), dim=1, stable=True)[:, :R]
+    return index_BR, keep_BT.gather(1, index_BR)
+
+
+def gather_rows(x_BTE: torch.Tensor, index_BR: torch.Tensor) -> torch.Tensor:
+    """x_BTE at each row's indices: [B, R, E]."""
+    return x_BTE.gather(1, index_BR[..., None].expand(-1, -1, x_BTE.shape[-1]))
+
+
+def unroll_selected(model: EagleModel, input_ids_BT: torch.Tensor, hidden_BTE: torch.Tensor, num_steps: int,
+                    index_BR: torch.Tensor) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """``unroll`` computed only where it is read: step 0's layer runs at every index (later steps attend its keys
+    over the whole real prefix), but its readout and every later step run only at ``index_BR`` (the indices some
+    step learns from: ``selected_indices``). Step j >= 1 at index i attends step-0 keys k <= i and the keys of
+    steps 1..j at i, as in ``ttt_attention_mask``, so the values at the selected indices are ``unroll``'s; the
+    rest (prompt positions, padding) is never computed. On a chat batch (prompts of up to 256 tokens, answers of
+    128) that skips most of the layer passes and LM-head rows of the unrolled steps.
+
+    Returns (step 0's output at every index, [(hidden_out_BRE, logits_BRX)] per step). The model provides
+    ``layer_pass(tokens, hidden, positions, past, mask) -> (out, kv)`` and ``readout(out) -> logits``."""
+    B, T = input_ids_BT.shape
+    R = index_BR.shape[1]
+    assert hidden_BTE.shape[:2] == (B, T) and index_BR.shape[0] == B, "hidden / index vs tokens"
+    device = input_ids_BT.device
+    out_BTE, past = model.layer_pass(shift_left(input_ids_BT, 1), hidden_BTE,
+                                     torch.arange(T, device=device).expand(B, T), None, None)
+    hidden_BRE = gather_rows(out_BTE, index_BR)
+    outputs = [(hidden_BRE, model.readout(hidden_BRE))]
+    prefix_BRT = torch.arange(T, device=device)[None, None, :] <= index_BR[..., None]  # step-0 keys k <= i
+    own_BRR = torch.eye(R, dtype=torch.bool, device=device).expand(B, R, R)  # step m >= 1 keys at i itself
+    for j in range(1, num_steps):
+        mask_B1RS = torch.cat([prefix_BRT] + [own_BRR] * j, dim=-1)[:, None]
+        tokens_BR = shift_left(input_ids_BT, 1 + j).gather(1, index_BR)
+        hidden_BRE, (k_BHRD, v_BHRD) = model.layer_pass(tokens_BR, hidden_BRE, index_BR + j, past, mask_B1RS)
+        past = (torch.cat([past[0], k_BHRD], 2), torch.cat([past[1], v_BHRD], 2))
+        outputs.append((hidden_BRE, model.readout(hidden_BRE)))
+    return out_BTE, outputs
+
+
 def masked_mean(values_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
     mask_BT = mask_BT.to(values_BT.dtype)
     return (values_BT * mask_BT).sum() / mask_BT.sum().clamp(min=1)

@@ -27,8 +27,9 @@ import torch
 from torch import nn
 
 from eyas.config import require
-from eyas.drafters.eagle import (KV, LOSS_TARGETS, DraftLayerConfig, EagleModel, check_taps, hard_cross_entropy,
-                                 masked_mean, scalar, shift_left, soft_cross_entropy, step_mask, unroll)
+from eyas.drafters.eagle import (KV, LOSS_TARGETS, DraftLayerConfig, EagleModel, check_taps, gather_rows,
+                                 hard_cross_entropy, masked_mean, scalar, selected_indices, shift_left,
+                                 soft_cross_entropy, step_mask, unroll_selected)
 from eyas.drafters.vocab import to_target_probs, vocab_maps
 from eyas.models.decoder import Decoder, RMSNorm
 from eyas.models.features import TargetFeatures, TrainBatch
@@ -55,6 +56,11 @@ class Eagle3Config:
     step_decay: float = 0.8  # weight of step j: step_decay ** j
     noise_scale: float = 0.0  # uniform noise on the fused input states (training only)
     loss_target: str = "soft"  # "soft": the target's distribution (paper); "argmax": one-hot on its argmax
+    # also fuse the target's last (final-normed) state, the one EAGLE-1 reads and every feature cache keeps
+    last_layer_tap: bool = False
+    # step 0's CE on prompt positions too, times this weight (0 = off): their labels (the target's argmax or
+    # distribution at the next position) are in the features already; acc_j stays on the response
+    prompt_loss_weight: float = 0.0
 
     def __post_init__(self) -> None:
         require(self.taps is None or len(self.taps) >= 1, "taps", self.taps, "needs at least one tap layer")
@@ -64,6 +70,7 @@ class Eagle3Config:
         require(0 < self.step_decay <= 1, "step_decay", self.step_decay, "must be in (0, 1]")
         require(self.noise_scale >= 0, "noise_scale", self.noise_scale, "must be >= 0")
         require(self.loss_target in LOSS_TARGETS, "loss_target", self.loss_target, f"must be one of {LOSS_TARGETS}")
+        require(self.prompt_loss_weight >= 0, "prompt_loss_weight", self.prompt_loss_weight, "must be >= 0 (0 = off)")
 
 
 class Eagle3Model(EagleModel):
@@ -73,7 +80,10 @@ class Eagle3Model(EagleModel):
                  ) -> None:
         super().__init__(config, target, two_stream=True)
         num_layers, E, V = target.config.num_layers, target.config.hidden_size, target.config.vocab_size
-        self.target_taps = check_taps(config.taps or eagle3_taps(num_layers), num_layers, "taps")
+        taps = tuple(config.taps or eagle3_taps(num_layers))
+        if config.last_layer_tap and num_layers not in taps:
+            taps += (num_layers,)
+        self.target_taps = check_taps(taps, num_layers, "taps")
         d2t_X, t2d_V = vocab_maps(draft_vocab, config.draft_vocab_size, V)
         self.draft_vocab = None if draft_vocab is None else d2t_X.tolist()
         self.register_buffer("d2t", d2t_X, persistent=False)  # draft index -> target id (saved in config.json)
@@ -92,9 +102,18 @@ class Eagle3Model(EagleModel):
 
     def step(self, tokens_BT: torch.Tensor, hidden_BTE: torch.Tensor, positions_BT: torch.Tensor,
              past: KV | None, mask_B1TS: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, KV]:
+        out_BTE, kv = self.layer_pass(tokens_BT, hidden_BTE, positions_BT, past, mask_B1TS)
+        return out_BTE, self.readout(out_BTE), kv
+
+    def layer_pass(self, tokens_BT: torch.Tensor, hidden_BTE: torch.Tensor, positions_BT: torch.Tensor,
+                   past: KV | None, mask_B1TS: torch.Tensor | None) -> tuple[torch.Tensor, KV]:
+        """The decoder layer alone: (hidden out, its new keys and values)."""
         cos_BTD, sin_BTD = self.rope(positions_BT)
-        out_BTE, kv = self.layer(hidden_BTE.to(self.dtype), self.embed(tokens_BT), cos_BTD, sin_BTD, past, mask_B1TS)
-        return out_BTE, linear(self.lm_head, self.norm(out_BTE)), kv
+        return self.layer(hidden_BTE.to(self.dtype), self.embed(tokens_BT), cos_BTD, sin_BTD, past, mask_B1TS)
+
+    def readout(self, out_BTE: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits [..., X] of the layer's output."""
+        return linear(self.lm_head, self.norm(out_BTE))
 
     def draft_probs(self, logits_X: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [..., X] -> probabilities over the target vocabulary [..., V] (0 outside)."""
@@ -103,25 +122,51 @@ class Eagle3Model(EagleModel):
     def training_loss(self, batch: TrainBatch, features: TargetFeatures) -> tuple[torch.Tensor, dict[str, float]]:
         """Step j's CE against the target's next-token choice 1 + j positions ahead, over the draft vocabulary: a
         one-hot on its argmax ("argmax"; argmaxes outside the draft vocabulary are masked) or its distribution
-        restricted and renormalised ("soft"). The targets are derived once for all steps."""
+        restricted and renormalised ("soft"). Only the indices some step learns from are unrolled and read out
+        (``unroll_selected``); ``prompt_loss_weight`` adds step 0's CE at the prompt positions."""
         config = self.config
         taps = {layer: features.taps[layer].detach() for layer in self.target_taps}
         hidden_BTE = self.add_noise(self.initial_hidden(taps), config.noise_scale)
         target_draft_BT = self.t2d[features.argmax_BT]  # -1: outside the draft vocabulary
         soft_BTX = (features.logits_BTV[..., self.d2t].float().softmax(-1) if config.loss_target == "soft"
                     else None)
+        learn_KBT = torch.stack([step_mask(batch, 2 + j) for j in range(config.ttt_steps)])
+        index_BR, kept_BR = selected_indices(learn_KBT.amax(0))
+        first_BTE, steps = unroll_selected(self, batch.input_ids_BT, hidden_BTE, config.ttt_steps, index_BR)
         loss = hidden_BTE.new_zeros((), dtype=torch.float32)
         metrics: dict[str, float] = {}
-        for j, (_, logits_BTX) in enumerate(unroll(self, batch.input_ids_BT, hidden_BTE, config.ttt_steps)):
-            draft_BT = shift_left(target_draft_BT, 1 + j)  # zero-padded at the end, where learn_BT is 0
-            learn_BT = step_mask(batch, 2 + j)
-            in_vocab_BT = learn_BT * (draft_BT >= 0)
-            ce = (hard_cross_entropy(logits_BTX, draft_BT, in_vocab_BT) if soft_BTX is None
-                  else soft_cross_entropy(logits_BTX, soft_BTX, in_vocab_BT, ahead=1 + j))
+        for j, (_, logits_BRX) in enumerate(steps):
+            draft_BR = shift_left(target_draft_BT, 1 + j).gather(1, index_BR)  # zero-padded where learn is 0
+            learn_BR = learn_KBT[j].gather(1, index_BR) * kept_BR
+            ce = self.step_ce(logits_BRX, draft_BR, learn_BR, soft_BTX, index_BR + 1 + j)
             loss = loss + config.step_decay ** j * ce
             # acceptance counts out-of-vocabulary targets as misses: the drafter can never propose them
-            agree_BT = (logits_BTX.argmax(-1) == draft_BT).float()
-            metrics[f"acc_{j + 1}"] = scalar(masked_mean(agree_BT, learn_BT))
+            agree_BR = (logits_BRX.argmax(-1) == draft_BR).float()
+            metrics[f"acc_{j + 1}"] = scalar(masked_mean(agree_BR, learn_BR))
             metrics[f"ce_{j + 1}"] = scalar(ce)
+        if config.prompt_loss_weight > 0:
+            prompt_ce = self.prompt_ce(batch, first_BTE, target_draft_BT, soft_BTX, learn_KBT[0])
+            loss = loss + config.prompt_loss_weight * prompt_ce
+            metrics["prompt_ce"] = scalar(prompt_ce)
         metrics["loss"] = scalar(loss)
         return loss, metrics
+
+    def step_ce(self, logits_BRX: torch.Tensor, draft_BR: torch.Tensor, learn_BR: torch.Tensor,
+                soft_BTX: torch.Tensor | None, label_at_BR: torch.Tensor) -> torch.Tensor:
+        """CE at the selected indices against the argmax labels ``draft_BR`` (outside the draft vocabulary:
+        masked), or against the target's distribution at ``label_at_BR`` (soft)."""
+        in_vocab_BR = learn_BR * (draft_BR >= 0)
+        if soft_BTX is None:
+            return hard_cross_entropy(logits_BRX, draft_BR, in_vocab_BR)
+        probs_BRX = gather_rows(soft_BTX, label_at_BR.clamp(max=soft_BTX.shape[1] - 1))
+        return soft_cross_entropy(logits_BRX, probs_BRX, in_vocab_BR)
+
+    def prompt_ce(self, batch: TrainBatch, first_BTE: torch.Tensor, target_draft_BT: torch.Tensor,
+                  soft_BTX: torch.Tensor | None, learn_BT: torch.Tensor) -> torch.Tensor:
+        """Step 0's CE at the real positions it does not learn from already (the prompt), labels from the
+        features: the target's choice for the token after next, as at the response."""
+        prompt_BT = shift_left(batch.valid_BT.float(), 2) * (1 - learn_BT)
+        index_BR, kept_BR = selected_indices(prompt_BT)
+        logits_BRX = self.readout(gather_rows(first_BTE, index_BR))
+        draft_BR = shift_left(target_draft_BT, 1).gather(1, index_BR)
+        return self.step_ce(logits_BRX, draft_BR, prompt_BT.gather(1, index_BR) * kept_BR, soft_BTX, index_BR + 1)

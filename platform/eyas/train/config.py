@@ -13,7 +13,13 @@ from typing import Any, Literal
 from eyas.config import eyas_home, require, resolve_path
 from eyas.datasets import SHAREGPT
 
-SUITES = ("all", "code", "prose")
+SUITES = ("all", "code", "docstring", "prose")  # eyas.corpus prompt suites (docstring: HumanEval's shape)
+MEASURE_SUITES = SUITES + ("chat",)  # held-out prompts training measures tau on (chat: held-out ShareGPT)
+
+
+def suite_names(suites: str) -> tuple[str, ...]:
+    """``code,chat`` -> ("code", "chat"): one or more suites joined by commas, each once."""
+    return tuple(dict.fromkeys(name.strip() for name in suites.split(",") if name.strip()))
 
 
 def home_path(ref: str, kind: str) -> Path:
@@ -60,7 +66,7 @@ class DataConfig:
     target: str = "tiny"
     source: Literal["regenerate", "corpus", "sharegpt", "mix"] = "regenerate"
     parts: tuple[str, ...] = ()      # source=mix: the data sets to join (names under $EYAS_HOME/data or paths)
-    suite: str = "all"               # prompts / documents: code, prose or all
+    suite: str = "all"               # prompts / documents: code, docstring (HumanEval's shape), prose or all
     num_prompts: int = 512           # train sequences (regenerated prompts or corpus chunks); more on a rerun grows it
     num_heldout_prompts: int = 32    # held-out sequences (from held-out files / topics) for evaluation
     max_prompt_tokens: int = 128     # longer prompts are cut to their first max_prompt_tokens tokens
@@ -76,6 +82,8 @@ class DataConfig:
     # Not part of the content key: the dtypes give the same answers up to near-ties, so a rerun in another dtype
     # keeps the shards it has (data.json's last_run says which dtype answered)
     dtype: Literal["auto", "float32", "bfloat16"] = "float32"  # while answering; auto: bfloat16 on GPU, AVX512_BF16 CPU
+    # drop prompts that share a function with HumanEval (the bench's code suite, never trained on); fetches it
+    exclude_humaneval: bool = False
 
     def __post_init__(self) -> None:
         _name(self.name, "name")
@@ -136,9 +144,14 @@ class OptimConfig:
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
     min_lr_ratio: float = 0.1        # cosine / linear decay to lr * min_lr_ratio at the last step
     grad_clip: float = 1.0           # max gradient norm; 0 = off
+    # lr of the drafter's own LM head (parameters named lm_head.*: EAGLE-3's, DFlash's or Medusa's draft-vocabulary
+    # head) as a multiple of lr; 0 freezes it at its initial weights (the target's readout rows)
+    head_lr_multiplier: float = 1.0
 
     def __post_init__(self) -> None:
         require(self.lr > 0, "optim.lr", self.lr, "must be > 0")
+        require(self.head_lr_multiplier >= 0, "optim.head_lr_multiplier", self.head_lr_multiplier,
+                "must be >= 0 (0 = a frozen head)")
         require(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, "must be >= 0")
         require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "optim.betas", self.betas,
                 "must be two numbers in [0, 1)")
@@ -155,11 +168,18 @@ class LoopConfig:
     batch_size: int = 4              # sequences per worker per step
     max_len: int = 256               # tokens per sequence; longer sequences are cut
     max_steps: int | None = None     # stop after this many steps in total (null = all epochs)
+    # an epoch is at most this many steps (a fresh draw of the data each time; null = the whole data set): a sweep's
+    # rungs (one report per epoch) then stay short on a large data set
+    epoch_steps: int | None = None
     seed: int = 0
     eval_every: int = 20             # steps between held-out evaluations (acc_j, simulated tau)
     eval_sequences: int = 16         # held-out sequences in the evaluation batch
     log_every: int = 5               # steps between logged training losses
     checkpoint_every: int | None = None  # checkpoint every N steps too (always at each epoch end)
+    # held-out evaluation per suite: {label: data set}, each data set's held-out split (its first eval_sequences
+    # rows) evaluated apart (heldout_<label>_acc_1, ...) and the mean over labels as heldout_acc_1, ...; {} = the
+    # training data's own held-out split, unlabelled
+    heldout_data: dict[str, str] = field(default_factory=dict)
     # reuse target features across epochs: "memory" per worker (each worker then keeps its share of the data and
     # reshuffles only within it), "disk" under <data>/features/ (shared by the workers, global reshuffling; read
     # from the files each step, so a worker's memory stays flat however large the data set)
@@ -178,13 +198,18 @@ class LoopConfig:
     def __post_init__(self) -> None:
         for key in ("num_epochs", "batch_size", "max_len", "eval_every", "eval_sequences", "log_every"):
             require(getattr(self, key) >= 1, f"train.{key}", getattr(self, key), "must be >= 1")
-        require(self.max_steps is None or self.max_steps >= 1, "train.max_steps", self.max_steps,
-                "must be >= 1 or null")
+        for key in ("max_steps", "epoch_steps"):
+            require(getattr(self, key) is None or getattr(self, key) >= 1, f"train.{key}", getattr(self, key),
+                    "must be >= 1 or null")
         require(self.checkpoint_every is None or self.checkpoint_every >= 1, "train.checkpoint_every",
                 self.checkpoint_every, "must be >= 1 or null")
         for key in ("fail_at_step", "hold_at_step"):
             require(getattr(self, key) is None or getattr(self, key) >= 1, f"train.{key}", getattr(self, key),
                     "must be >= 1 or null")
+        for label, data in self.heldout_data.items():
+            require(bool(label) and label.isidentifier(), "train.heldout_data", label,
+                    "labels name metrics (heldout_<label>_acc_1): use letters, digits and _")
+            require(isinstance(data, str) and bool(data), f"train.heldout_data.{label}", data, "must name a data set")
 
 
 PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]  # Ray's placement group strategies
@@ -213,15 +238,19 @@ class ScalingSection:
 class MeasureConfig:
     """tau measured at each epoch end by running eyas generate (greedy) with the drafter on held-out prompts."""
 
-    num_prompts: int = 4             # 0 = skip the measurement
+    num_prompts: int = 4             # per suite; 0 = skip the measurement
     max_new_tokens: int = 32
+    # held-out prompts: a suite of MEASURE_SUITES or several joined by commas (docstring,chat): tau_<suite> each,
+    # and tau over all of them
     suite: str = "all"
     method: str | None = None        # registry method (eagle2 for an eagle1 drafter...); null = the family's own
     tree: dict[str, Any] = field(default_factory=dict)  # tree options over the method's defaults
 
     def __post_init__(self) -> None:
         require(self.num_prompts >= 0, "measure.num_prompts", self.num_prompts, "must be >= 0")
-        require(self.suite in SUITES, "measure.suite", self.suite, f"must be one of {list(SUITES)}")
+        names = suite_names(self.suite)
+        require(bool(names) and all(n in MEASURE_SUITES for n in names), "measure.suite", self.suite,
+                f"must be one or more of {list(MEASURE_SUITES)}, joined by commas")
         require(self.max_new_tokens >= 1, "measure.max_new_tokens", self.max_new_tokens, "must be >= 1")
 
 

@@ -12,7 +12,6 @@ token gives a training-time estimate of tau. E.g. acc = [0.8, 0.5, 0.5] -> 0.8 +
 from __future__ import annotations
 
 import json
-import math
 import re
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -25,6 +24,7 @@ from eyas.decoding.stats import SpecStats
 from eyas.drafters import registry
 from eyas.models.features import TargetFeatures, TrainBatch
 from eyas.train.config import OptimConfig, TrainConfig, data_path, drafter_path
+from eyas.train.optim import build_optimizer, build_scheduler
 from eyas.train.data import read_rows, vocab_counts
 
 ACC_KEY = re.compile(r"^acc_(\d+)$")
@@ -75,39 +75,6 @@ class LossModule(nn.Module):
     def forward(self, batch: TrainBatch, features: TargetFeatures):
         with autocast(self.precision, batch.input_ids_BT.device):
             return self.drafter.training_loss(batch, features)
-
-
-def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
-    return [p for p in model.parameters() if p.requires_grad]
-
-
-def build_optimizer(model: nn.Module, optim: OptimConfig) -> torch.optim.AdamW:
-    """AdamW over the trainable parameters; matrices decay, norms and biases (1-D) do not."""
-    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    if not params:
-        raise ValueError(f"{type(model).__name__} has no trainable parameters")
-    decay = [p for _, p in params if p.ndim >= 2]
-    no_decay = [p for _, p in params if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": optim.weight_decay}]
-    if no_decay:
-        groups.append({"params": no_decay, "weight_decay": 0.0})
-    return torch.optim.AdamW(groups, lr=optim.lr, betas=tuple(optim.betas))
-
-
-def lr_factor(step: int, optim: OptimConfig, total_steps: int) -> float:
-    """Multiplier of ``optim.lr`` before update ``step`` (from 0): linear warmup, then the decay schedule."""
-    if step < optim.warmup_steps:
-        return (step + 1) / optim.warmup_steps
-    if optim.schedule == "constant":
-        return 1.0
-    progress = min(1.0, (step - optim.warmup_steps) / max(1, total_steps - optim.warmup_steps))
-    shape = 0.5 * (1 + math.cos(math.pi * progress)) if optim.schedule == "cosine" else 1.0 - progress
-    return optim.min_lr_ratio + (1 - optim.min_lr_ratio) * shape
-
-
-def build_scheduler(optimizer: torch.optim.Optimizer, optim: OptimConfig, total_steps: int
-                    ) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, optim, total_steps))
 
 
 def as_floats(metrics: Mapping[str, Any]) -> dict[str, float]:

@@ -9,7 +9,7 @@ special ids come from that tokenizer, never from eyas's own (0/1/2 are other tok
 
 The library's other configs are not reused here on purpose: ``eyas.models.config.ModelConfig`` describes a loaded
 decoder (vocab, head dim, model type) where this ``ModelConfig`` is what to build (the vocabulary comes from the
-tokenizer), and the drafter schedule (``eyas.train.step.build_scheduler``) has no wall-time budget, which ``lr_at``
+tokenizer), and the drafter schedule (``eyas.train.optim.build_scheduler``) has no wall-time budget, which ``lr_at``
 follows (``max_minutes``).
 
 Shape legend: B batch (sequences), T tokens per sequence, V vocab, N tokens of a packed stream, W eval windows.

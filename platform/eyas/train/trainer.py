@@ -10,15 +10,17 @@ Shape legend: docs/SHAPES.md.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
-from eyas import corpus
+from eyas import corpus, datasets
 from eyas.config import ConfigError
 from eyas.decoding.generate import generate
+from eyas.decoding.stats import SpecStats
 from eyas.decoding.tree import MAX_TREE_NODES
 from eyas.drafters import registry
 from eyas.methods import wrap_model
@@ -26,7 +28,7 @@ from eyas.models import load_target, load_tokenizer
 from eyas.models.decoder import Decoder
 from eyas.models.dtypes import torch_dtype
 from eyas.models.features import TrainBatch
-from eyas.train.config import TrainConfig
+from eyas.train.config import TrainConfig, data_path, suite_names
 from eyas.train.data import SequenceDataset, to_device
 from eyas.train.feature_cache import FeatureCache, open_feature_dir
 from eyas.train.step import build_drafter, evaluate, make_strategy, measure_tau, resolve_precision
@@ -39,8 +41,8 @@ class Inputs:
     target: Decoder
     tokenizer: Any
     data: SequenceDataset
-    heldout: SequenceDataset | None
-    prompts: list[list[int]]
+    heldout: SequenceDataset | dict[str, SequenceDataset] | None  # a dict: one held-out split per suite label
+    prompts: dict[str, list[list[int]]]  # tau prompts per measure suite
     eos_token_ids: list[int]
 
 
@@ -53,52 +55,72 @@ def load_inputs(cfg: TrainConfig, target_dir: str | Path, data_dir: str | Path, 
     tokenizer.model_max_length = 10**9  # long held-out prompts are cut below, not warned about
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     data = SequenceDataset(data_dir, "train", cfg.train.max_len, pad_id)
-    heldout_data = None
-    if heldout and any((Path(data_dir) / "heldout").glob("shard-*.parquet")):
+    heldout_data: SequenceDataset | dict[str, SequenceDataset] | None = None
+    if heldout and cfg.train.heldout_data:
+        heldout_data = {label: SequenceDataset(data_path(name), "heldout", cfg.train.max_len, pad_id,
+                                               limit=cfg.train.eval_sequences)
+                        for label, name in cfg.train.heldout_data.items()}
+    elif heldout and any((Path(data_dir) / "heldout").glob("shard-*.parquet")):
         heldout_data = SequenceDataset(data_dir, "heldout", cfg.train.max_len, pad_id, limit=cfg.train.eval_sequences)
     elif heldout:
         print(f"[train] {data_dir}/heldout has no shards: held-out evaluation is off "
               "(set num_heldout_prompts > 0 in the data config)", flush=True)
-    prompt_ids = heldout_prompts(cfg, tokenizer, target.config.max_position_embeddings) if prompts else []
+    prompt_ids = heldout_prompts(cfg, tokenizer, target.config.max_position_embeddings) if prompts else {}
     eos = set(target.config.eos_token_ids)
     if tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)
     return Inputs(target, tokenizer, data, heldout_data, prompt_ids, sorted(eos))
 
 
-def heldout_prompts(cfg: TrainConfig, tokenizer, max_positions: int) -> list[list[int]]:
-    """``measure.num_prompts`` held-out prompts, cut so prompt + max_new_tokens + a draft tree fit the context."""
+def heldout_prompts(cfg: TrainConfig, tokenizer, max_positions: int) -> dict[str, list[list[int]]]:
+    """``measure.num_prompts`` held-out prompts of each ``measure.suite``, cut so prompt + max_new_tokens + a draft
+    tree fit the context ({} when num_prompts is 0). Chat prompts (held-out ShareGPT in the target's chat template)
+    that do not fit are skipped, not cut: a cut one would lose the assistant header."""
     measure = cfg.measure
+    if not measure.num_prompts:
+        return {}
     room = max_positions - measure.max_new_tokens - MAX_TREE_NODES
-    if measure.num_prompts and room < 1:
+    if room < 1:
         raise ConfigError(f"measure.max_new_tokens={measure.max_new_tokens} leaves no room for a prompt in the "
                           f"target's context of {max_positions} tokens")
-    texts = corpus.heldout_prompts(measure.suite, measure.num_prompts) if measure.num_prompts else []
-    return [tokenizer(text).input_ids[:room] for text in texts]
+    out = {}
+    for suite in suite_names(measure.suite):
+        if suite == "chat":
+            out[suite] = [ids for _, ids in datasets.chat_prompt_ids("heldout", measure.num_prompts, tokenizer, room)]
+        else:
+            out[suite] = [tokenizer(text).input_ids[:room]
+                          for text in corpus.heldout_prompts(suite, measure.num_prompts)]
+    return out
 
 
 class Trainer:
     """One rank's drafter training: drafter, strategy, feature cache, step counter and evaluation inputs.
 
     ``strategy`` defaults to ``cfg.scaling.strategy``; ``feature_cache`` to ``cfg.train.feature_cache`` ("disk"
-    needs ``feature_dir``, the data set's feature directory). ``heldout`` and ``prompts`` are given to the rank
-    that evaluates. ``target_dir`` names the target in saved drafters.
+    needs ``feature_dir``, the data set's feature directory). ``heldout`` (one split, or one per suite label) and
+    ``prompts`` (a list, or a list per measure suite) are given to the rank that evaluates. ``target_dir`` names
+    the target in saved drafters.
     """
 
     def __init__(self, cfg: TrainConfig, target: Decoder, data: SequenceDataset,
-                 heldout: SequenceDataset | None = None, *, prompts: Sequence[list[int]] = (),
+                 heldout: SequenceDataset | Mapping[str, SequenceDataset] | None = None, *,
+                 prompts: Sequence[list[int]] | Mapping[str, Sequence[list[int]]] = (),
                  eos_token_ids: Sequence[int] = (), target_dir: str | Path | None = None,
                  rank: int = 0, world_size: int = 1, strategy: str | None = None,
                  feature_cache: str | None = None, feature_dir: Path | None = None) -> None:
         self.cfg, self.target, self.data = cfg, target, data
         self.rank, self.world_size, self.device = rank, world_size, target.device
         self.target_dir = str(target_dir) if target_dir is not None else None
-        self.prompts, self.eos_token_ids = list(prompts), list(eos_token_ids)
+        self.prompts = ({suite: list(p) for suite, p in prompts.items() if p} if isinstance(prompts, Mapping)
+                        else ({cfg.measure.suite: list(prompts)} if prompts else {}))
+        self.eos_token_ids = list(eos_token_ids)
         train = cfg.train
         torch.manual_seed(train.seed)  # the same initial drafter on every rank
         self.drafter = build_drafter(cfg, target, data.rows)
         self.taps = tuple(self.drafter.target_taps)
         self.steps_per_epoch = data.num_batches(world_size, train.batch_size)
+        if train.epoch_steps is not None:
+            self.steps_per_epoch = min(self.steps_per_epoch, train.epoch_steps)
         self.total_steps = train.num_epochs * self.steps_per_epoch
         if train.max_steps is not None:
             self.total_steps = min(self.total_steps, train.max_steps)
@@ -110,9 +132,10 @@ class Trainer:
         self.feature_dir = Path(feature_dir) if mode == "disk" and feature_dir is not None else None
         self.target_copies: dict[str, Decoder] = {}  # the target in a feature_dtype of its own, loaded on first use
         self.features = self._feature_cache(mode)
-        self.heldout = self._heldout_batches(heldout) if heldout is not None else []
+        heldout_sets = ({} if heldout is None else dict(heldout) if isinstance(heldout, Mapping) else {"": heldout})
+        self.heldout = {label: self._heldout_batches(split) for label, split in heldout_sets.items()}
         self.step = 0
-        self.vanilla: list[list[int]] | None = None  # plain greedy continuations of the prompts, made once
+        self.vanilla: dict[str, list[list[int]]] | None = None  # plain greedy continuations per suite, made once
 
     def _feature_cache(self, mode: str) -> FeatureCache:
         """Disk: ``feature_dir/<key>/``, the key naming the target's weights, the taps and the forward's dtype by
@@ -159,11 +182,12 @@ class Trainer:
         return self.step >= self.total_steps
 
     def batches(self, epoch: int, start: int = 0) -> Iterator[TrainBatch]:
-        """This rank's batches of ``epoch`` from batch ``start`` on; a memory feature cache keeps each rank's
-        sequences fixed across epochs (SequenceDataset.epoch_indices)."""
+        """This rank's batches of ``epoch`` from batch ``start`` up to ``steps_per_epoch``; a memory feature cache
+        keeps each rank's sequences fixed across epochs (SequenceDataset.epoch_indices)."""
         train = self.cfg.train
-        for _, batch in self.data.batches(epoch, train.seed, self.rank, self.world_size, train.batch_size, start,
-                                          fixed_ranks=self.features.mode == "memory"):
+        batches = self.data.batches(epoch, train.seed, self.rank, self.world_size, train.batch_size, start,
+                                    fixed_ranks=self.features.mode == "memory")
+        for _, batch in itertools.islice(batches, max(0, self.steps_per_epoch - start)):
             yield batch
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
@@ -177,10 +201,17 @@ class Trainer:
         return metrics
 
     def evaluate_heldout(self) -> dict[str, float]:
-        """Held-out loss, acc_j and simulated acceptance, prefixed ``heldout_`` (empty without held-out data)."""
-        if not self.heldout:
-            return {}
-        return {f"heldout_{k}": v for k, v in evaluate(self.drafter, self.heldout, self.precision).items()}
+        """Held-out loss, acc_j and simulated acceptance, prefixed ``heldout_`` (empty without held-out data); with
+        one split per suite label, each as ``heldout_<label>_<key>`` and their mean (suites weighted equally) as
+        ``heldout_<key>``."""
+        per_label = {label: evaluate(self.drafter, batches, self.precision)
+                     for label, batches in self.heldout.items() if batches}
+        if list(per_label) == [""]:
+            return {f"heldout_{k}": v for k, v in per_label[""].items()}
+        out = {f"heldout_{label}_{k}": v for label, metrics in per_label.items() for k, v in metrics.items()}
+        keys = set.intersection(*(set(m) for m in per_label.values())) if per_label else set()
+        out.update({f"heldout_{k}": sum(m[k] for m in per_label.values()) / len(per_label) for k in sorted(keys)})
+        return out
 
     def spec_drafter(self, where: str = "measure.tree.") -> Any:
         """The live drafter model as the speculative loop drafts with it (``measure.method`` and ``.tree``); the
@@ -199,21 +230,28 @@ class Trainer:
 
     def measure(self) -> tuple[dict[str, float], Any]:
         """tau of the live drafter on the held-out prompts (greedy eyas generate) and whether its output equals
-        plain greedy decoding: (metrics, SpecStats); ({}, None) without prompts."""
+        plain greedy decoding: (metrics, SpecStats over every suite); ({}, None) without prompts. With more than one
+        measure suite, each suite's tau as ``tau_<suite>`` too."""
         if not self.prompts:
             return {}, None
         max_new = self.cfg.measure.max_new_tokens
-        with self.evaluating():
-            stats, outputs = measure_tau(self.target, self.spec_drafter(), self.prompts, max_new,
-                                         self.eos_token_ids)
+        merged, identical, count, metrics = SpecStats(), 0, 0, {}
         if self.vanilla is None:  # speculative output must equal plain greedy decoding token for token
-            self.vanilla = [generate(self.target, p, max_new, eos_token_ids=self.eos_token_ids).token_ids
-                            for p in self.prompts]
-        metrics = {"tau": stats.tau or 0.0,
-                   "draft_nodes_per_cycle": stats.num_draft_nodes / max(stats.cycles, 1),
-                   "greedy_identical": sum(a == b for a, b in zip(outputs, self.vanilla)) / len(outputs),
-                   **{f"accept_depth_{d + 1}": rate for d, rate in enumerate(stats.per_depth_accept)}}
-        return metrics, stats
+            self.vanilla = {suite: [generate(self.target, p, max_new, eos_token_ids=self.eos_token_ids).token_ids
+                                    for p in prompts] for suite, prompts in self.prompts.items()}
+        for suite, prompts in self.prompts.items():
+            with self.evaluating():
+                stats, outputs = measure_tau(self.target, self.spec_drafter(), prompts, max_new, self.eos_token_ids)
+            merged = merged.merge(stats)
+            identical += sum(a == b for a, b in zip(outputs, self.vanilla[suite]))
+            count += len(outputs)
+            if len(self.prompts) > 1:
+                metrics[f"tau_{suite}"] = stats.tau or 0.0
+        metrics.update({"tau": merged.tau or 0.0,
+                        "draft_nodes_per_cycle": merged.num_draft_nodes / max(merged.cycles, 1),
+                        "greedy_identical": identical / count,
+                        **{f"accept_depth_{d + 1}": rate for d, rate in enumerate(merged.per_depth_accept)}})
+        return metrics, merged
 
     def save(self, directory: str | Path) -> Path:
         """The drafter as a registry checkpoint (``eyas.methods.load_drafter`` reads it)."""

@@ -33,7 +33,10 @@ def test_times_the_steps_after_the_first_and_writes_the_report(random_checkpoint
     later = report["samples"][1:]
     assert report["total_s"]["min"] == min(s["total_s"] for s in later)
     assert all(s["loss"] == s["loss"] for s in report["samples"])  # finite numbers, not NaN
-    assert f"{family} on" in capsys.readouterr().out
+    assert report["supervised_positions"] == 2 * 12  # the response halves of 2 rows of 24 tokens
+    assert report["positions_per_s"] == pytest.approx(24 / report["total_s"]["median"])
+    said = capsys.readouterr().out
+    assert f"{family} on" in said and "supervised positions/s" in said
 
 
 def test_bad_input_fails_clearly_and_writes_nothing(random_checkpoint, tmp_path, capsys):

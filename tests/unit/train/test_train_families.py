@@ -13,7 +13,8 @@ from eyas.decoding.generate import generate
 from eyas.train.config import OptimConfig
 from eyas.train.data import collate, response_row, token_counts
 from eyas.models.features import target_features
-from eyas.train.step import LossModule, build_optimizer, build_scheduler, evaluate, train_step
+from eyas.train.optim import build_optimizer, build_scheduler
+from eyas.train.step import LossModule, evaluate, train_step
 
 SMALL = {  # fields over each family's defaults, sized for a 6-layer hidden-32 target
     "eagle1": {"metric_steps": 3},

@@ -15,8 +15,8 @@ from eyas.decoding.generate import generate
 from eyas.train.config import DataConfig, OptimConfig, TrainConfig
 from eyas.train.data import collate, response_row
 from eyas.models.features import TrainBatch, target_features
-from eyas.train.step import (LossModule, acceptance_curve, build_optimizer, build_scheduler, evaluate,
-                             lr_factor, simulated_accept_length, train_step)
+from eyas.train.optim import build_optimizer, build_scheduler, lr_factor
+from eyas.train.step import LossModule, acceptance_curve, evaluate, simulated_accept_length, train_step
 
 REPO = Path(__file__).resolve().parents[3]
 

@@ -138,3 +138,45 @@ def test_a_missing_vocab_data_set_fails_before_ray_starts(data_dir, tmp_path, mo
     assert check_inputs(cfg) == (target_dir, data_dir)
     with pytest.raises(FileNotFoundError, match="drafter.vocab_data 'data-code': .*data-code/train holds no shards"):
         check_inputs(replace(cfg, drafter=replace(cfg.drafter, vocab_data=("data-code",))))
+
+
+def test_heldout_and_tau_are_reported_per_suite(data_dir):
+    """``train.heldout_data`` / ``measure.suite: a,b``: each suite's held-out split and tau prompts are evaluated
+    apart (heldout_<label>_*, tau_<suite>) and summarised over the suites (heldout_* the mean, tau over all)."""
+    cfg = config("eagle3", Path("unused-target"), data_dir)
+    target = build_target()
+    data = SequenceDataset(data_dir, "train", cfg.train.max_len)
+    heldout = {"code": SequenceDataset(data_dir, "heldout", cfg.train.max_len),
+               "chat": SequenceDataset(data_dir, "train", cfg.train.max_len, limit=3)}
+    trainer = Trainer(cfg, target, data, heldout, prompts={"code": PROMPTS[:1], "chat": PROMPTS[1:]})
+    trainer.train_step(next(trainer.batches(0)))
+    metrics = trainer.evaluate_heldout()
+    alone = {label: Trainer(cfg, target, data, split) for label, split in heldout.items()}
+    for label, other in alone.items():  # the same weights: start both from the trained drafter
+        other.drafter.load_state_dict(trainer.drafter.state_dict())
+        for key, value in other.evaluate_heldout().items():
+            assert metrics[key.replace("heldout_", f"heldout_{label}_")] == pytest.approx(value)
+    assert metrics["heldout_code_acc_1"] != metrics["heldout_chat_acc_1"]
+    assert metrics["heldout_acc_1"] == pytest.approx((metrics["heldout_code_acc_1"] + metrics["heldout_chat_acc_1"]) / 2)
+    measured, stats = trainer.measure()
+    code_stats, _ = measure_tau(target, trainer.spec_drafter(), PROMPTS[:1], cfg.measure.max_new_tokens)
+    assert measured["tau_code"] == pytest.approx(code_stats.tau) and "tau_chat" in measured
+    assert measured["greedy_identical"] == 1.0 and stats.cycles >= code_stats.cycles
+
+
+def test_epoch_steps_caps_an_epoch(data_dir):
+    """``train.epoch_steps``: an epoch is its first N batches (a new draw each epoch), so a sweep's rung is short."""
+    from dataclasses import replace
+
+    import torch
+
+    cfg = config("eagle3", Path("unused-target"), data_dir)
+    full = Trainer(cfg, build_target(), SequenceDataset(data_dir, "train", cfg.train.max_len))
+    capped_cfg = replace(cfg, train=replace(cfg.train, epoch_steps=2))
+    capped = Trainer(capped_cfg, build_target(), SequenceDataset(data_dir, "train", cfg.train.max_len))
+    assert full.steps_per_epoch == 3 and capped.steps_per_epoch == 2
+    assert capped.total_steps == 2 * cfg.train.num_epochs
+    first = [b.input_ids_BT for b in full.batches(1)]
+    kept = [b.input_ids_BT for b in capped.batches(1)]
+    assert len(kept) == 2 and all(torch.equal(a, b) for a, b in zip(kept, first))
+    assert len(list(capped.batches(1, start=1))) == 1 and not list(capped.batches(1, start=2))

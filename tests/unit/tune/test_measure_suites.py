@@ -11,7 +11,7 @@ from tune.measure import heldout_prompt_ids
 
 
 def test_measure_takes_the_bench_suites():
-    assert set(MEASURE_SUITES) == {"all", "code", "prose", "humaneval", "chat"}
+    assert set(MEASURE_SUITES) == {"all", "code", "docstring", "prose", "humaneval", "chat"}
     assert MeasureConfig(suite="humaneval").suite == "humaneval"
     with pytest.raises(ValueError, match="measure.suite='mtbench': must be one of"):
         MeasureConfig(suite="mtbench")
