@@ -49,13 +49,13 @@ DRAFTER_TYPE = "dflash2"
 @dataclass(frozen=True)
 class DFlash2Config(DFlashConfig):
     """DFlash's fields (dflash.DFlashConfig) with DFlash2's defaults (B = 8 so K = 7, gamma 4) and its modules'."""
-    block_size: int = 8
-    loss_decay: float = 4.0
+    block_size: int = 8              # G: the root + K = G-1 drafted slots
+    loss_decay: float = 4.0          # gamma of the decayed block CE (4 for B = 8)
     conv_kernel_size: int = 2        # W: taps of the dynamic convolution (the token and the one before it)
     conv_group_size: int = 16        # channels sharing one predicted kernel offset
-    selector_rank: int = 256         # r
+    selector_rank: int = 256         # r: width of the selector codebooks and hidden projection
     selector_top_k: int = 16         # C: unary candidates per slot
-    selector_loss_alpha: float = 1.0
+    selector_loss_alpha: float = 1.0  # weight of the selector CE added to the DFlash loss
 
     def __post_init__(self) -> None:
         super().__post_init__()

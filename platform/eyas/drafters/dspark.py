@@ -46,8 +46,8 @@ class DSparkConfig(DFlashConfig):
     """DFlash's fields (dflash.DFlashConfig) with DSpark's defaults (B = 8, gamma 4) and the two heads'."""
     block_size: int = 8                  # G: all G slots draft (sample_from_anchor)
     loss_decay: float = 4.0              # w_k = exp(-k/gamma), k = 0..G-1
-    markov_rank: int = 256               # r
-    markov_head_type: str = "vanilla"
+    markov_rank: int = 256               # r: width of the Markov embedding (markov_w1) and its readout
+    markov_head_type: str = "vanilla"    # how the previous token biases the logits: vanilla = w2(w1(prev))
     confidence_loss_alpha: float = 1.0  # alpha of the confidence BCE; 0 trains the head not at all
     verify_threshold: float = 0.0        # cut the chain where the confidence product drops below it; 0: whole block
 
