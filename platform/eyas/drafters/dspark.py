@@ -68,8 +68,8 @@ class MarkovHead(nn.Module):
     def __init__(self, vocab_size: int, rank: int, num_outputs: int) -> None:
         super().__init__()
         self.markov_w1 = nn.Embedding(vocab_size, rank)
+        nn.init.normal_(self.markov_w1.weight, std=0.01)  # a small bias at the start, as speculators' DSpark
         self.markov_w2 = nn.Linear(rank, num_outputs, bias=False)
-        nn.init.zeros_(self.markov_w2.weight)  # starts as DFlash's logits; the embedding side learns first
 
     def forward(self, embedded_r: torch.Tensor) -> torch.Tensor:
         return linear(self.markov_w2, embedded_r)
