@@ -35,6 +35,8 @@ SECTIONS = (
     ("drafter.config for eagle1", "eyas.drafters.eagle1:Eagle1Config"),
     ("drafter.config for eagle3", "eyas.drafters.eagle3:Eagle3Config"),
     ("drafter.config for dflash", "eyas.drafters.dflash:DFlashConfig"),
+    ("drafter.config for dspark", "eyas.drafters.dspark:DSparkConfig"),
+    ("drafter.config for dflash2", "eyas.drafters.dflash2:DFlash2Config"),
     ("drafter.config for medusa", "eyas.drafters.medusa:MedusaConfig"),
     ("tune/configs/*.yaml (tune.sweep)", "tune.config:SweepConfig"),
     ("serving/configs/*.yaml: applications[].args", "eyas_ray.serve_config:ServeArgs"),
@@ -48,7 +50,16 @@ def load(spec: str):
 
 
 def field_comments(cls) -> dict[str, str]:
-    """Trailing ``# comments`` on the field lines of a dataclass body."""
+    """Trailing ``# comments`` on the field lines of a dataclass body and of the dataclasses it extends (a family
+    config over DFlash's), the nearest class's comment first."""
+    comments: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(klass):
+            comments.update(own_field_comments(klass))
+    return comments
+
+
+def own_field_comments(cls) -> dict[str, str]:
     comments: dict[str, str] = {}
     try:
         source = inspect.getsource(cls)

@@ -208,12 +208,15 @@ METHODS: dict[str, Method] = {
     "medusa": _trained_method("medusa", TreeSpec(mode="static")),
     "dflash": _trained_method("dflash", TreeSpec(mode="block")),
     "dflash-ddtree": _trained_method("dflash", TreeSpec(mode="ddtree")),
+    "dspark": _trained_method("dspark", TreeSpec(mode="block")),
+    "dflash2": _trained_method("dflash2", TreeSpec(mode="block")),
     # a retrieval proposer and a learned drafter in one tree under one node budget (drafters/hybrid.py)
     "hybrid": Method(None, None, ("proposers", "drafter", "draft_model", "num_draft", "max_matches", "datastore")
                      + TREE_SETTINGS, _hybrid, hybrid_parts),
 }
 # a family's own method: what a checkpoint of that family runs when no method is named
-FAMILY_METHOD = {"eagle1": "eagle1", "eagle3": "eagle3", "medusa": "medusa", "dflash": "dflash"}
+FAMILY_METHOD = {"eagle1": "eagle1", "eagle3": "eagle3", "medusa": "medusa", "dflash": "dflash",
+                 "dspark": "dspark", "dflash2": "dflash2"}
 
 
 def drafter_factory(target: Decoder, spec: SpecConfig) -> DrafterFactory | None:

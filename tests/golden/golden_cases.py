@@ -44,6 +44,10 @@ FAMILY_SETUP: dict[str, tuple[dict[str, Any], int]] = {
     "medusa": ({"num_heads": 3}, 25),
     "dflash": ({"num_layers": 2, "block_size": 4, "num_taps": 3, "num_anchors": 16, "loss_decay": 4.0,
                 "mask_token_id": VOCAB - 1}, 40),
+    "dspark": ({"num_layers": 2, "block_size": 4, "num_taps": 3, "num_anchors": 16, "mask_token_id": VOCAB - 1,
+                "markov_rank": 16}, 40),
+    "dflash2": ({"num_layers": 2, "block_size": 4, "num_taps": 3, "num_anchors": 16, "mask_token_id": VOCAB - 1,
+                 "selector_rank": 16, "selector_top_k": 8}, 40),
 }
 
 # case name -> (method, tree options or None for the method's default)
@@ -63,6 +67,9 @@ TRAINED_CASES: dict[str, tuple[str, dict[str, Any] | None]] = {
     "medusa/best-first": ("medusa", {"mode": "best-first", "depth": 3, "top_k": 3, "num_nodes": 12}),
     "dflash/block": ("dflash", None),
     "dflash-ddtree/ddtree": ("dflash-ddtree", {"mode": "ddtree", "num_nodes": 12, "top_k": 3}),
+    "dspark/block": ("dspark", None),
+    "dspark/block-3": ("dspark", {"mode": "block", "depth": 3}),
+    "dflash2/block": ("dflash2", None),
 }
 # case name -> (the learned proposer beside ngram, hybrid settings)
 HYBRID_CASES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -71,7 +78,7 @@ HYBRID_CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "hybrid/ngram+dflash": ("dflash", {"num_nodes": 6}),
 }
 FAMILY_OF = {"eagle1": "eagle1", "eagle2": "eagle1", "eagle3": "eagle3", "medusa": "medusa", "dflash": "dflash",
-             "dflash-ddtree": "dflash"}
+             "dflash-ddtree": "dflash", "dspark": "dspark", "dflash2": "dflash2"}
 
 
 def build_target(seed: int = 0) -> Decoder:
@@ -120,7 +127,7 @@ def train_family(drafter_type: str, target: Decoder, batch: TrainBatch) -> torch
     generator = torch.Generator().manual_seed(0)
     model.train()
     for _ in range(num_steps):
-        loss, _ = (model.training_loss(batch, features, generator) if drafter_type == "dflash"
+        loss, _ = (model.training_loss(batch, features, generator) if drafter_type in ("dflash", "dspark", "dflash2")
                    else model.training_loss(batch, features))
         optimizer.zero_grad()
         loss.backward()

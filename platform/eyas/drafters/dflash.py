@@ -184,7 +184,7 @@ class DFlashModel(FrozenReadout, InferencePacking, nn.Module):
         layer_config = replace(target_config, num_layers=config.num_layers)
         self.fc = nn.Linear(config.num_taps * E, E, bias=False)
         self.hidden_norm = RMSNorm(E, target_config.rms_norm_eps)
-        self.layers = nn.ModuleList(DFlashLayer(layer_config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(self.make_layer(layer_config) for _ in range(config.num_layers))
         self.norm = RMSNorm(E, target_config.rms_norm_eps)
         if config.mask_token_id is None:
             self.mask_embedding = nn.Parameter(target.embed_tokens.weight.detach().float().std() * torch.randn(E))
@@ -194,6 +194,10 @@ class DFlashModel(FrozenReadout, InferencePacking, nn.Module):
         self.to(device=target.device, dtype=target.dtype)
         # float32 RoPE frequencies whatever the weights' dtype (like the target's)
         self.register_buffer("inv_freq", rope_inv_freq(target_config).to(target.device), persistent=False)
+
+    def make_layer(self, layer_config: ModelConfig) -> nn.Module:
+        """One drafter layer (DFlash2 wraps its sublayers in dynamic convolutions)."""
+        return DFlashLayer(layer_config)
 
     def init_fresh(self, target: Decoder) -> None:
         """A new drafter's start (registry.build_model; never a checkpoint's, whose weights are its own):
@@ -214,7 +218,9 @@ class DFlashModel(FrozenReadout, InferencePacking, nn.Module):
                              f"(it has {len(target.layers)}, tensor_parallel_size={target.tp.size})")
         copied = target.layers[len(target.layers) - num_layers:]
         for layer, source in zip(self.layers, copied):
-            layer.load_state_dict(source.state_dict())
+            missing, unexpected = layer.load_state_dict(source.state_dict(), strict=False)
+            own = getattr(layer, "OWN_MODULES", ())  # a DFlash2 layer's convolutions keep their identity start
+            assert not unexpected and all(name.split(".")[0] in own for name in missing), (missing, unexpected)
         self.fc.weight.zero_()
         self.fc.weight[:, (self.config.num_taps - 1) * E:] = torch.eye(E)
         self.hidden_norm.load_state_dict(copied[0].input_layernorm.state_dict())
@@ -222,6 +228,11 @@ class DFlashModel(FrozenReadout, InferencePacking, nn.Module):
     @property
     def block_size(self) -> int:
         return self.config.block_size
+
+    @property
+    def num_drafted(self) -> int:
+        """Tokens one block drafts: slots 1..G-1 predict their own positions (DSpark's slots 0..G-1 the next)."""
+        return self.config.block_size - 1
 
     def fuse(self, taps: dict[int, torch.Tensor]) -> torch.Tensor:
         """The context feature: concat the target taps [..., T, E] -> Linear(num_taps*E -> E) -> RMSNorm."""
@@ -294,9 +305,11 @@ class DFlashDrafter:
                    Scores use softmax(logits / T) (T = 1 when greedy).
     """
 
+    TREE_MODES = BLOCK_MODES
+
     def __init__(self, model: DFlashModel, tree: TreeSpec = TreeSpec(mode="block"), name: str | None = None):
-        tree.require_mode(BLOCK_MODES, "DFlash")
-        whole = model.block_size - 1
+        tree.require_mode(self.TREE_MODES, type(model).__name__.removesuffix("Model"))
+        whole = model.num_drafted
         require(tree.depth is None or tree.depth <= whole, "tree.depth", tree.depth,
                 f"a block of block_size={model.block_size} drafts at most {whole} positions")
         self.model, self.tree = model, tree
@@ -334,22 +347,29 @@ class DFlashDrafter:
         self._commit_features(taps)
 
     @torch.inference_mode()
-    def draft_logits(self, root_token: int) -> torch.Tensor:
-        """[K, X]: the logits (over the draft vocabulary, X = V without one) of block positions 1..K (K =
-        ``self.depth`` <= G-1) after the committed context. The whole block still runs through the drafter layers
-        (its positions attend to each other)."""
+    def draft_states(self, root_token: int) -> torch.Tensor:
+        """[G, E]: the final-normed drafter states of the block [root, MASK x (G-1)] after the committed context,
+        one forward (the block's positions attend to each other)."""
         G, start = self.model.block_size, self.context.lengths[0]
         x_1GE = self.model.embed_block(torch.tensor([root_token], device=self.device))
         positions_1G = torch.arange(start, start + G, device=self.device)[None]
-        hidden_1GE = self.model.block_hidden(x_1GE, positions_1G, self.context.layer_views(start), mask_BQS=None)
-        return self.model.logits(hidden_1GE[0, 1:1 + self.depth]).float()
+        return self.model.block_hidden(x_1GE, positions_1G, self.context.layer_views(start), mask_BQS=None)[0]
+
+    @torch.inference_mode()
+    def draft_logits(self, root_token: int) -> torch.Tensor:
+        """[K, X]: the logits (over the draft vocabulary, X = V without one) of block positions 1..K (K =
+        ``self.depth`` <= G-1) after the committed context. The whole block still runs through the drafter layers."""
+        return self.model.logits(self.draft_states(root_token)[1:1 + self.depth]).float()
+
+    def check_context(self, context_ids: list[int]) -> None:
+        if len(context_ids) - 1 != self.context.lengths[0]:
+            raise RuntimeError(f"{self.name} holds features of {self.context.lengths[0]} committed positions but "
+                               f"the context has {len(context_ids) - 1} before the root: call begin() and commit() "
+                               "every cycle")
 
     def propose(self, root_token: int, context_ids: list[int], temperature: float,
                 generator: torch.Generator | None) -> DraftTree:
-        if len(context_ids) - 1 != self.context.lengths[0]:
-            raise RuntimeError(f"DFlash holds features of {self.context.lengths[0]} committed positions but the "
-                               f"context has {len(context_ids) - 1} before the root: call begin() and commit() "
-                               "every cycle")
+        self.check_context(context_ids)
         logits_KX = self.draft_logits(root_token)
         probs_KV = self.model.draft_probs(logits_KX / (temperature if temperature > 0 else 1.0))
         if self.tree.mode == "ddtree":

@@ -16,6 +16,7 @@ which the target has not run yet, so the drafter has features for positions < a 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -78,34 +79,61 @@ def block_loss(model, batch: TrainBatch, features: TargetFeatures, generator: to
     Cost note: logits are materialised for all A*(G-1) block slots ([B, A, G-1, X]); lower num_anchors for large
     vocabularies, or give the drafter a draft vocabulary.
     """
-    input_ids_BT = batch.input_ids_BT
-    B, T = input_ids_BT.shape
-    G = model.block_size
     anchors_BA, anchor_valid_BA = draw_anchors(batch.loss_mask_BT, batch.valid_BT, model.config.num_anchors,
                                                generator)
-    logits_BAKX = block_logits(model, input_ids_BT, batch.valid_BT, features.taps, anchors_BA).float()
+    logits_BAKX = block_logits(model, batch.input_ids_BT, batch.valid_BT, features.taps, anchors_BA).float()
+    targets = block_targets(model, batch, anchors_BA, anchor_valid_BA)
+    loss, ce_BAK = decayed_ce(logits_BAKX, targets, model.config.loss_decay)
+    return loss, block_metrics(logits_BAKX.detach(), targets.labels_BAK, targets.mask_BAK,
+                               ce_BAK.detach() * targets.in_vocab_BAK, loss.detach(), anchor_valid_BA,
+                               targets.in_vocab_BAK)
 
-    positions_BAG = anchors_BA[..., None] + torch.arange(G, device=input_ids_BT.device)
-    label_pos_BAK = positions_BAG[..., 1:]
+
+@dataclass(frozen=True)
+class BlockTargets:
+    """What the K drafting slots of every block must predict: drafting slot k (DFlash: block slot k+1; DSpark: slot
+    k) is scored against the token at a+1+k."""
+    label_pos_BAK: torch.Tensor  # a+1+k
+    labels_BAK: torch.Tensor     # those tokens as draft-vocabulary indices (-1 outside it)
+    mask_BAK: torch.Tensor       # in the sequence, a learnable response token, a real anchor
+    in_vocab_BAK: torch.Tensor   # mask_BAK and inside the draft vocabulary: the slots that learn
+
+
+def block_targets(model, batch: TrainBatch, anchors_BA: torch.Tensor, anchor_valid_BA: torch.Tensor
+                  ) -> BlockTargets:
+    input_ids_BT = batch.input_ids_BT
+    B, T = input_ids_BT.shape
+    K = model.num_drafted
+    label_pos_BAK = anchors_BA[..., None] + 1 + torch.arange(K, device=input_ids_BT.device)
     in_range_BAK = label_pos_BAK < T
     flat_pos_BR = label_pos_BAK.clamp(max=T - 1).reshape(B, -1)
     labels_BAK = model.t2d[input_ids_BT.gather(1, flat_pos_BR).view_as(label_pos_BAK)]  # -1: outside the vocab
     learnable_BT = batch.loss_mask_BT.bool() & batch.valid_BT.bool()
     mask_BAK = in_range_BAK & anchor_valid_BA[..., None] & learnable_BT.gather(1, flat_pos_BR).view_as(in_range_BAK)
-    in_vocab_BAK = mask_BAK & (labels_BAK >= 0)  # learned; outside the draft vocabulary: a miss in the metrics
+    return BlockTargets(label_pos_BAK, labels_BAK, mask_BAK, mask_BAK & (labels_BAK >= 0))
 
-    ce_BAK = F.cross_entropy(logits_BAKX.flatten(0, 2), labels_BAK.clamp(min=0).flatten(),
-                             reduction="none").view_as(mask_BAK)
-    weight_BAK = position_weights(G, model.config.loss_decay).to(ce_BAK.device) * in_vocab_BAK
-    loss = (ce_BAK * weight_BAK).sum() / weight_BAK.sum().clamp(min=1e-6)
-    return loss, block_metrics(logits_BAKX.detach(), labels_BAK, mask_BAK, ce_BAK.detach() * in_vocab_BAK,
-                               loss.detach(), anchor_valid_BA, in_vocab_BAK)
+
+def decayed_ce(logits_BAKX: torch.Tensor, targets: BlockTargets, loss_decay: float
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum_k w_k CE_k / sum_k w_k over the learning slots, ce_BAK): w_k = exp(-k/gamma) for drafting slot k."""
+    ce_BAK = F.cross_entropy(logits_BAKX.flatten(0, 2), targets.labels_BAK.clamp(min=0).flatten(),
+                             reduction="none").view_as(targets.mask_BAK)
+    K = logits_BAKX.shape[2]
+    weight_BAK = position_weights(K + 1, loss_decay).to(ce_BAK.device) * targets.in_vocab_BAK
+    return (ce_BAK * weight_BAK).sum() / weight_BAK.sum().clamp(min=1e-6), ce_BAK
 
 
 def block_logits(model, input_ids_BT: torch.Tensor, valid_BT: torch.Tensor, taps: dict[int, torch.Tensor],
                  anchors_BA: torch.Tensor) -> torch.Tensor:
     """logits_BAKX of block slots k = 1..G-1 for every anchor (over the draft vocabulary: X = V without one), all
     blocks in one forward (anchor_block_mask)."""
+    return model.logits(block_states(model, input_ids_BT, valid_BT, taps, anchors_BA)[:, :, 1:])
+
+
+def block_states(model, input_ids_BT: torch.Tensor, valid_BT: torch.Tensor, taps: dict[int, torch.Tensor],
+                 anchors_BA: torch.Tensor) -> torch.Tensor:
+    """hidden_BAGE: the final-normed drafter states of every slot of every anchor's block (slot 0 the anchor), all
+    blocks in one forward (anchor_block_mask). DFlash reads slots 1..G-1; DSpark reads all G."""
     B, T = input_ids_BT.shape
     A, G, E = anchors_BA.shape[1], model.block_size, model.target_config.hidden_size
     positions_BQ = (anchors_BA[..., None] + torch.arange(G, device=input_ids_BT.device)).reshape(B, A * G)
@@ -113,7 +141,7 @@ def block_logits(model, input_ids_BT: torch.Tensor, valid_BT: torch.Tensor, taps
     context_kv = model.context_kv(features_BTE, torch.arange(T, device=input_ids_BT.device).expand(B, T))
     x_BQE = model.embed_block(input_ids_BT.gather(1, anchors_BA)).reshape(B, A * G, E)
     hidden_BQE = model.block_hidden(x_BQE, positions_BQ, context_kv, anchor_block_mask(anchors_BA, valid_BT, G))
-    return model.logits(hidden_BQE.view(B, A, G, E)[:, :, 1:])
+    return hidden_BQE.view(B, A, G, E)
 
 
 @torch.no_grad()

@@ -26,6 +26,8 @@ from safetensors.torch import save_file
 
 from eyas.config import ConfigError, from_dict, resolve_path, to_dict
 from eyas.drafters.dflash import DFlashConfig, DFlashModel, make_dflash_drafter
+from eyas.drafters.dflash2 import DFlash2Config, DFlash2Model, make_dflash2_drafter
+from eyas.drafters.dspark import DSparkConfig, DSparkModel, make_dspark_drafter
 from eyas.drafters.eagle_drafter import EagleDrafter
 from eyas.drafters.eagle1 import Eagle1Config, Eagle1Model
 from eyas.drafters.eagle3 import Eagle3Config, Eagle3Model
@@ -62,6 +64,8 @@ FAMILIES: dict[str, Family] = {
     "eagle3": Family(Eagle3Config, Eagle3Model, _eagle_drafter, EXPAND_MODES),
     "medusa": Family(MedusaConfig, MedusaModel, _medusa_drafter, EXPAND_MODES),
     "dflash": Family(DFlashConfig, DFlashModel, make_dflash_drafter, BLOCK_MODES),
+    "dspark": Family(DSparkConfig, DSparkModel, make_dspark_drafter, ("block",)),
+    "dflash2": Family(DFlash2Config, DFlash2Model, make_dflash2_drafter, ("block",)),
 }
 
 def family(drafter_type: str) -> Family:

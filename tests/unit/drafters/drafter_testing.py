@@ -74,3 +74,39 @@ def assert_greedy_identity(target: Decoder, drafter, prompts: list[list[int]], e
         assert result.token_ids == want, f"prompt {prompt}: {result.token_ids} != vanilla {want}"
         accepted += sum(result.stats.accepted_per_cycle)
     return accepted
+
+
+@torch.no_grad()
+def exact_two_token_probs(target: Decoder, prompt: list[int], temperature: float) -> dict[tuple[int, int], float]:
+    """The target's exact probability of every first two sampled tokens (x1, x2) after ``prompt``."""
+    def next_probs(ids: list[int]) -> torch.Tensor:
+        cache = target.new_cache(1, len(ids))
+        logits_1TV, _ = target(torch.tensor([ids]), torch.arange(len(ids))[None], cache)
+        return (logits_1TV[0, -1].double() / temperature).softmax(-1)
+    first_V = next_probs(prompt)
+    return {(x1, x2): float(first_V[x1] * p2) for x1 in range(len(first_V)) if first_V[x1] > 1e-6
+            for x2, p2 in enumerate(next_probs(prompt + [x1]).tolist())}
+
+
+def sampled_two_token_pvalue(target: Decoder, make_drafter, prompt: list[int], num_trials: int,
+                             temperature: float = 1.0) -> float:
+    """Chi-square p-value of the first two tokens of ``num_trials`` seeded speculative runs against the target's
+    exact distribution (cells expecting < 5 merged): small when the drafter's q rows make verification lossy."""
+    from scipy.stats import chisquare
+
+    from eyas.decoding.generate import SamplingParams
+
+    exact = exact_two_token_probs(target, prompt, temperature)
+    counts: dict[tuple[int, int], int] = {}
+    for seed in range(num_trials):
+        ids = generate(target, prompt, 2, drafter=make_drafter(),
+                       sampling=SamplingParams(temperature=temperature, seed=seed)).token_ids
+        counts[tuple(ids)] = counts.get(tuple(ids), 0) + 1
+    cells = sorted(set(exact) | set(counts), key=lambda c: -exact.get(c, 0.0))
+    big = [c for c in cells if exact.get(c, 0.0) * num_trials >= 5]
+    small = [c for c in cells if c not in set(big)]
+    merged = [small] if small else []
+    f_exp = [exact[c] * num_trials for c in big] + [sum(exact.get(c, 0.0) for c in m) * num_trials for m in merged]
+    f_obs = [counts.get(c, 0) for c in big] + [sum(counts.get(c, 0) for c in m) for m in merged]
+    scale = sum(f_obs) / sum(f_exp)
+    return float(chisquare(f_obs, [e * scale for e in f_exp]).pvalue)

@@ -189,7 +189,7 @@ def test_checkpoint_resume_continues_exactly(strategy, process_group, tmp_path, 
 
 
 CONFIGS = REPO / "jobs" / "configs"
-FAMILY_PREFIXES = ("eagle1-", "eagle3-", "medusa-", "dflash-")
+FAMILY_PREFIXES = ("eagle1-", "eagle3-", "medusa-", "dflash-", "dspark-", "dflash2-")
 DRAFTER_CONFIGS = sorted(p for p in CONFIGS.rglob("*.yaml")
                          if p.parent.name == "presets" or p.name.startswith(FAMILY_PREFIXES))
 
