@@ -10,7 +10,7 @@ import pytest
 
 from eyas.config import ConfigError
 from eyas.decoding.tp import free_port
-from jobs.peers import vllm
+from jobs.peers import server, vllm
 
 # a stand-in server: answers /health with 200 once it has slept a moment, like an engine warming up
 FAKE_SERVER = """
@@ -83,16 +83,16 @@ def test_running_waits_for_health_and_always_stops_the_server(tmp_path):
     cmd = [sys.executable, "-c", FAKE_SERVER, str(port)]
     base_url = f"http://127.0.0.1:{port}"
     with pytest.raises(KeyError):  # the body fails: the server is stopped all the same
-        with vllm.running(cmd, dict(os.environ), base_url, "fake", timeout_s=30, log_path=tmp_path / "log") as url:
-            assert url == base_url and vllm.healthy(url)
+        with server.running(cmd, dict(os.environ), base_url, "fake", timeout_s=30, log_path=tmp_path / "log") as url:
+            assert url == base_url and server.healthy(url)
             raise KeyError("boom")
-    assert not vllm.healthy(base_url)
+    assert not server.healthy(base_url)
     assert "serving" in (tmp_path / "log").read_text()
 
 
 def test_a_server_that_dies_reports_its_log(tmp_path):
     cmd = [sys.executable, "-c", "print('bad flag --frobnicate'); raise SystemExit(3)"]
     with pytest.raises(RuntimeError, match=r"(?s)exited with code 3.*bad flag --frobnicate"):
-        with vllm.running(cmd, dict(os.environ), f"http://127.0.0.1:{free_port()}", "fake", timeout_s=30,
+        with server.running(cmd, dict(os.environ), f"http://127.0.0.1:{free_port()}", "fake", timeout_s=30,
                           log_path=tmp_path / "log"):
             pass
