@@ -53,6 +53,21 @@ tools-vllm:
 	@test -e /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 || echo "note: vLLM's CPU docs preload tcmalloc; \
 	  it is not installed (Debian: apt-get install libtcmalloc-minimal4); jobs.peers runs vLLM without it"
 
+# Acceptance parity of one eyas EAGLE-3 drafter on the peer engines (jobs.peers.parity: per-position acceptance
+# within 0.05 of eyas's, speculative output equal to each engine's vanilla, float32). A developer runs it before
+# resolving peer-engine work; CI does not: vLLM's install (~5 min) and its two engine start-ups (2-3 min each, for
+# torch.compile, on 2 cores) do not fit CI's budget. Needs the target (python -m jobs.fetch_target smollm2-135m)
+# and a drafter: python -m jobs.generate_data --config jobs/configs/data-smollm2.yaml, then python -m
+# jobs.train_drafter --config jobs/configs/eagle3-smollm2-135m.yaml (or PEER_DRAFTER=models:/NAME@ALIAS).
+PEER_HOME := $(or $(EYAS_HOME),$(HOME)/.cache/eyas)
+PEER_TARGET ?= $(PEER_HOME)/targets/smollm2-135m
+PEER_DRAFTER ?= $(PEER_HOME)/drafters/eagle3-smollm2-135m
+PEER_ENGINES ?= eyas,vllm
+
+peer-check: setup tools-vllm
+	$(BIN)/python -m jobs.peers.parity --target $(PEER_TARGET) --drafter $(PEER_DRAFTER) --engines $(PEER_ENGINES) \
+		--out peer-check.json
+
 # Two pytest workers: the integration tests (tests/integration, one unit of work: one Ray, MLflow or Serve at a time,
 # in file order) spend much of their time waiting on Ray's start-ups, and the unit tests fill that time on the
 # other worker (tests/conftest.py). TEST_WORKERS=0 runs everything in one process.
