@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import urllib.error
 import urllib.request
 from typing import Any
 
@@ -52,6 +53,15 @@ def metrics_root(base: str) -> str:
     """vLLM's /metrics lives at the server's root, also when the API is served under a route prefix."""
     scheme, _, rest = base.partition("://")
     return f"{scheme}://{rest.split('/', 1)[0]}"
+
+
+def read_vllm_counters(base: str) -> Acceptance | None:
+    """vLLM's spec-decode counters from its /metrics; None where the server has none (vLLM behind Ray Serve LLM
+    exports them through Ray's metrics instead)."""
+    try:
+        return vllm_counters(get_text(f"{metrics_root(base)}/metrics"))
+    except urllib.error.URLError:
+        return None
 
 
 def openai_client(base: str, engine: str, concurrency: int):
@@ -109,13 +119,14 @@ async def run_level(base: str, engine: str, model: str, prompts: list[str], conc
             record = await one_request(client, model, prompts[i % len(prompts)], max_tokens, temperature, seed=i)
             records.append({"index": i, **record})
 
-    before = vllm_counters(get_text(f"{metrics_root(base)}/metrics")) if engine == "vllm" else None
+    before = read_vllm_counters(base) if engine == "vllm" else None
     async with client:
         start = time.perf_counter()
         await asyncio.gather(*[client_loop() for _ in range(concurrency)])
         seconds = time.perf_counter() - start
     if engine == "vllm":
-        accepted = delta(vllm_counters(get_text(f"{metrics_root(base)}/metrics")), before)
+        after = read_vllm_counters(base)
+        accepted = delta(after, before) if after and before else Acceptance(None)
     else:
         accepted = Acceptance()
         for record in records:

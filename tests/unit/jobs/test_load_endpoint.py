@@ -73,6 +73,7 @@ class FakeEngine(BaseHTTPRequestHandler):
     """Streams 4 one-word chunks, then the usage chunk with the engine's own extra fields."""
     protocol_version = "HTTP/1.1"
     engine = "eyas"
+    has_metrics = True
     peers: set = set()
     drafts = 0
 
@@ -89,6 +90,10 @@ class FakeEngine(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         if self.path == "/v1/models":
             self.reply(json.dumps({"data": [{"id": "m", "object": "model", "owned_by": self.engine}]}).encode())
+        elif self.path == "/metrics" and not self.has_metrics:
+            self.send_response(404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
         elif self.path == "/metrics":
             d = type(self).drafts
             self.reply((f'vllm:spec_decode_num_drafts_total{{engine="0"}} {d}.0\n'
@@ -117,8 +122,9 @@ class FakeEngine(BaseHTTPRequestHandler):
 
 @pytest.fixture()
 def fake_server():
-    def start(engine: str) -> str:
-        handler = type("Handler", (FakeEngine,), {"engine": engine, "peers": set(), "drafts": 0})
+    def start(engine: str, has_metrics: bool = True) -> str:
+        handler = type("Handler", (FakeEngine,), {"engine": engine, "peers": set(), "drafts": 0,
+                                                  "has_metrics": has_metrics})
         server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
         threading.Thread(target=server.serve_forever, daemon=True).start()
         servers.append(server)
@@ -147,6 +153,11 @@ def test_load_reports_each_engines_acceptance(fake_server, engine):
             assert row["tau"] == pytest.approx(2.0) and row["acceptance_per_position"] == pytest.approx([1.0, 0.0])
     if engine == "llamacpp":  # a connection per request: 2 warm-up + 8 requests, each from its own client port
         assert len(fake_server.handler.peers) == 10
+
+
+def test_vllm_without_metrics_reports_no_acceptance(fake_server):
+    _, [row] = measure(fake_server("vllm", has_metrics=False), ["p"], [1], 2, 4, 0.0)  # e.g. behind Ray Serve LLM
+    assert row["new_tokens"] == 8 and row["acceptance"] is None and row["tau"] is None
 
 
 def test_endpoint_cli_writes_the_report(fake_server, tmp_path, capsys):
