@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     found = checks(results, args.tolerance)
     report = {"commit": git_commit(), "machine": machine(),
-              "config": {k: v for k, v in vars(args).items()}, "prompt_tokens": [len(p) for p in run.prompt_ids],
+              "config": vars(args), "prompt_tokens": [len(p) for p in run.prompt_ids],
               "engines": {name: {**r.acceptance.summary(), "vanilla_equals_eyas": [
                   t == e for t, e in zip(r.vanilla, results["eyas"].vanilla)], "texts": {
                       "vanilla": r.vanilla, "spec": r.spec}} for name, r in results.items()},
