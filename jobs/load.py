@@ -4,6 +4,16 @@
         [--concurrency 1,4,8] [--requests-per-level N] [--max-tokens N] [--suite code|prose|all]
         [--max-prompt-chars N] [--temperature T] [--baseline replica|twin] [--out load.json]
     python -m jobs.load --soak MINUTES [--soak-concurrency N] [--max-rss-growth-mb MB] [--config ...] [--out soak.json]
+    python -m jobs.load --endpoint URL [--engine eyas|vllm|llamacpp|other] [--model NAME] [--concurrency 1,4,8]
+        [--requests-per-level N] [--max-tokens N] [--suite ...|--prompts-file FILE.jsonl] [--label NAME] [--out ...]
+
+``--endpoint URL`` loads a server that is already running instead, any OpenAI-compatible one (eyas's, vLLM's,
+llama-server; jobs.peers.endpoint), with the ``openai`` client: per concurrency level tokens/s, p50/p99 latency and
+time to first token, and acceptance where the engine reports it (eyas's ``spec`` field, vLLM's
+``vllm:spec_decode_*`` counters at /metrics, llama-server's ``timings``: jobs.peers.acceptance). URL is the server
+(``http://127.0.0.1:8000``, or with its route, ``.../spec``; a trailing ``/v1`` is fine). It writes
+``{"commit", "machine", "config", "results": [...]}`` too, one row per level; ``--label`` names the run in the
+rows (e.g. ``vllm-eagle3``), so reports of several engines concatenate into one side-by-side table.
 
 Measures the config's application (``spec``) against vanilla decoding, each on exactly one replica (autoscaling
 off, so both numbers are per replica). ``--baseline`` says what vanilla is:
@@ -61,6 +71,7 @@ from eyas_ray.cluster import init_ray
 from eyas_ray.deploy import run_config
 from eyas_ray.serve_config import LiveSettings, ServeArgs
 from jobs.bench import git_commit, machine
+from jobs.peers.endpoint import ENGINES, measure, print_rows
 from jobs.soak import percentile, print_report, soak
 
 MODES = ("spec", "vanilla")
@@ -216,11 +227,18 @@ def main(argv: list[str] | None = None) -> int:
                              "application beside it (twin)")
     parser.add_argument("--out", help="the report (default: load.json, or soak.json with --soak)")
     parser.add_argument("--soak", type=float, metavar="MINUTES", help="run the mixed soak this long instead")
+    parser.add_argument("--endpoint", metavar="URL", help="load this running OpenAI-compatible server instead")
+    parser.add_argument("--engine", choices=ENGINES, help="with --endpoint: the engine (default: /v1/models' owned_by)")
+    parser.add_argument("--model", help="with --endpoint: the model name (default: the first of /v1/models)")
+    parser.add_argument("--label", help="with --endpoint: the run's name in the report's rows (default: the engine)")
+    parser.add_argument("--prompts-file", help="with --endpoint: one {\"prompt\": ...} JSON object a line")
     parser.add_argument("--soak-concurrency", type=int, default=6, help="closed-loop clients in the soak")
     parser.add_argument("--max-rss-growth-mb", type=float, default=256.0,
                         help="fail the soak when the replica's and workers' RSS grows more than this")
     args = parser.parse_args(argv)
     args.out = args.out or ("soak.json" if args.soak is not None else "load.json")
+    if args.endpoint:
+        return run_endpoint(args)
     try:
         levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
         if args.soak is not None and not (args.soak > 0 and args.soak_concurrency >= 1):
@@ -313,6 +331,49 @@ def run_soak(args: argparse.Namespace, path: Path, config: dict[str, Any], base_
     print_report(result)
     print(f"[load] wrote {out}; soak {'passed' if result['ok'] else 'FAILED'}")
     return 0 if result["ok"] else 1
+
+
+def endpoint_prompts(args: argparse.Namespace) -> list[str]:
+    """--prompts-file's prompts, else the held-out corpus suite's; each cut to --max-prompt-chars."""
+    if args.prompts_file:
+        path = Path(args.prompts_file)
+        if not path.is_file():
+            raise ConfigError(f"--prompts-file {path}: file does not exist")
+        prompts = [json.loads(line)["prompt"] for line in path.read_text().splitlines() if line.strip()]
+        if not prompts:
+            raise ConfigError(f"--prompts-file {path}: no prompts (one {{\"prompt\": ...}} a line)")
+        prompts = prompts[:args.num_prompts]
+    else:
+        prompts = corpus.heldout_prompts(args.suite, args.num_prompts)
+    return [p[-args.max_prompt_chars:] for p in prompts]
+
+
+def run_endpoint(args: argparse.Namespace) -> int:
+    """--endpoint: load a running server (no Ray), write the report, print the table."""
+    try:
+        levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
+        if not levels or min(levels) < 1:
+            raise ConfigError(f"--concurrency {args.concurrency!r}: give positive integers like 1,4,8")
+        writable_path(args.out)
+        prompts = endpoint_prompts(args)
+    except (ConfigError, ValueError, KeyError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    server, rows = measure(args.endpoint, prompts, levels, args.requests_per_level, args.max_tokens,
+                           args.temperature, args.engine, args.model)
+    for row in rows:
+        row["label"] = args.label or server["engine"]
+        row.pop("texts")
+    report = {"commit": git_commit(), "machine": machine(),
+              "config": {**server, "concurrency": levels, "requests_per_level": args.requests_per_level,
+                         "max_tokens": args.max_tokens, "temperature": args.temperature,
+                         "prompts": args.prompts_file or args.suite, "num_prompts": len(prompts),
+                         "max_prompt_chars": args.max_prompt_chars},
+              "results": rows}
+    write_text_atomic(Path(args.out), json.dumps(report, indent=2))
+    print_rows(rows)
+    print(f"[load] wrote {args.out}")
+    return 0
 
 
 if __name__ == "__main__":
