@@ -58,10 +58,14 @@ $(LLAMACPP)/.eyas-installed: jobs/peers/ggml_isa.py | $(BIN)/python
 
 tools-llamacpp: $(LLAMACPP)/.eyas-installed
 
-# The peer engines' end-to-end checks (slow, need the tool builds): run before resolving the peer issues. Each engine
-# is its own prerequisite, so one can run alone.
+# The peer engines' end-to-end checks (slow, need the tool builds and a trained EAGLE-3 of the smollm2 target, see
+# jobs/configs/eagle3-smollm2-135m.yaml): run before resolving the peer issues. Each engine is its own prerequisite.
+# llama.cpp: the drafter through jobs.export --to gguf, llama-server drafting with it (the openai client answered),
+# per-depth acceptance within 0.05 of eyas's and greedy output equal to vanilla in both (jobs.peers.llamacpp_parity).
+PEER_DRAFTER ?= $(or $(EYAS_HOME),$(HOME)/.cache/eyas)/drafters/eagle3-smollm2-135m
+
 peer-check-llamacpp: setup tools-llamacpp
-	$(BIN)/python -m pytest -q tests/peers/test_llamacpp_peer.py
+	flock $(CPU_LOCK) $(BIN)/python -m jobs.peers.llamacpp_parity --drafter $(PEER_DRAFTER) --out parity_llamacpp.json
 
 peer-check: peer-check-llamacpp
 
