@@ -2,7 +2,7 @@
 
     python -m jobs.bench_peers [--engines eyas,llamacpp,vllm] [--dtypes bfloat16,float32,q8_0] [--threads 1,2]
         [--suite humaneval,chat] [--num-prompts 8] [--max-new-tokens 128] [--target PATH] [--gguf-dir DIR]
-        [--out bench_peers.json] [--report bench_peers.md]
+        [--out bench_peers.json] [--report bench_peers.md] [--lock /tmp/eyas-cpu.lock]
     python -m jobs.bench_peers --from bench_peers.json --report bench_peers.md
 
 Prompts are jobs.bench's (eyas.datasets suites, chat prompts in the target's chat template), tokenized once by the
@@ -25,6 +25,8 @@ also records the CPU (model, ISA flags), the commit and the load average before 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import os
 import sys
@@ -265,6 +267,21 @@ def run_vllm(vllm, target_path: str, dtype: str, threads: int, prompts: Prompts,
 
 # -- the run -------------------------------------------------------------------------------------------------------
 
+@contextlib.contextmanager
+def cpu_lock(path: str | None):
+    """Hold ``path``'s exclusive flock for one measurement (None: no lock). On a shared machine each engine is then
+    timed while the other lock-takers wait, and none of them waits for the whole run."""
+    if path is None:
+        yield
+        return
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def parse_list(text: str, known: tuple[str, ...] | None, flag: str) -> list[str]:
     items = [x.strip() for x in text.split(",") if x.strip()]
     if not items:
@@ -328,7 +345,8 @@ def run(args: argparse.Namespace) -> dict:
     measured: list[Measurement] = []
     for engine, dtype, t in plan(engines, dtypes, threads):
         print(f"[bench_peers] {ENGINE_NAMES[engine]} {dtype} {t} thread(s)", file=sys.stderr, flush=True)
-        measured.append(runners[engine](dtype, t))
+        with cpu_lock(args.lock):
+            measured.append(runners[engine](dtype, t))
         print(f"[bench_peers]   {measured[-1].new_tokens / measured[-1].seconds:.1f} tok/s", file=sys.stderr,
               flush=True)
     references = {m.dtype: m.outputs for m in measured if m.engine == "eyas"}
@@ -356,6 +374,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gguf-dir", default=str(eyas_home() / "gguf"), help="where the target's GGUFs are cached")
     parser.add_argument("--out", default="bench_peers.json")
     parser.add_argument("--report", help="write the Markdown tables here too")
+    parser.add_argument("--lock", metavar="FILE", help="take this flock for each measurement (a shared machine's "
+                        "CPU lock), not for the whole run")
     parser.add_argument("--from", dest="source", metavar="JSON", help="render this bench_peers.json; measure nothing")
     args = parser.parse_args(argv)
     args.prompts_file = None  # jobs.bench.load_prompts' other source

@@ -199,3 +199,10 @@ def per_depth_accept(steps: list[tuple[int, int]], depth: int) -> list[float]:
         offered = [accepted for accepted, drafted in steps if drafted >= d and accepted >= d - 1]
         rates.append(sum(a >= d for a in offered) / len(offered) if offered else 0.0)
     return rates
+
+
+def accepted_per_position(steps: list[tuple[int, int]]) -> list[int]:
+    """Per draft position k (0-based), the steps whose k-th drafted token was accepted: the unconditional counts
+    that jobs.peers.acceptance (vLLM's definition) divides by the number of steps."""
+    width = max((drafted for _, drafted in steps), default=0)
+    return [sum(accepted > k for accepted, _ in steps) for k in range(width)]

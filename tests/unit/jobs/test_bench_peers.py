@@ -95,3 +95,17 @@ def test_bad_lists_are_errors_naming_the_flag():
         bench_peers.parse_threads("1,two")
     with pytest.raises(ConfigError, match=">= 1"):
         bench_peers.parse_threads("0")
+
+
+def test_cpu_lock_is_exclusive_while_held(tmp_path):
+    import fcntl
+
+    lock = tmp_path / "cpu.lock"
+    with bench_peers.cpu_lock(str(lock)):
+        with open(lock) as other:
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    with open(lock) as other:
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released after the block
+    with bench_peers.cpu_lock(None):
+        pass

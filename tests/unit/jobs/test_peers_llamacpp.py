@@ -150,3 +150,8 @@ def test_parity_verdict_needs_close_acceptance_and_lossless_output():
     assert not verdict(eyas, EngineRun([0.50, 0.30, 0.30], same, same), 0.05)["passed"]  # depth 2 off by 0.1
     lossy = EngineRun([0.50, 0.40, 0.30], [[1, 2], [4]], same)
     assert lossy.same_as_vanilla == 0.5 and not verdict(eyas, lossy, 0.05)["passed"]
+
+
+def test_accepted_per_position_counts_steps_unconditionally():
+    assert llamacpp.accepted_per_position(llamacpp.draft_steps(TRACE_LOG)) == [3, 2, 1]
+    assert llamacpp.accepted_per_position([]) == []
