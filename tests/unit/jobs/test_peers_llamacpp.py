@@ -105,7 +105,8 @@ def test_convert_command_for_a_target_and_for_a_drafter(fake_build):
 
 def test_the_converter_reads_the_bundled_gguf_package_first(fake_build, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", "/elsewhere")
-    assert llamacpp.converter_env()["PYTHONPATH"].split(":") == [str(fake_build / "src/gguf-py"), "/elsewhere"]
+    assert llamacpp.converter_env()["PYTHONPATH"].split(":") == [str(fake_build / "src/gguf-py"),
+                                                                    str(fake_build / "pylib"), "/elsewhere"]
 
 
 def test_convert_refuses_a_directory_without_config(fake_build, tmp_path):
