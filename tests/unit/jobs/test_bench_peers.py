@@ -1,12 +1,17 @@
-"""jobs.bench_peers' summary and tables: best thread count per engine and dtype, eyas over each peer."""
+"""jobs.bench_peers and its report: best thread count per engine and dtype, eyas over each peer, the tables, the
+lock per measurement, and the vLLM runner against a fake /v1/completions."""
 from __future__ import annotations
 
+import contextlib
+import http.server
 import json
+import threading
+import types
 
 import pytest
 
 from eyas.config import ConfigError
-from jobs import bench_peers
+from jobs import bench_peers, bench_peers_report
 
 
 def row(engine: str, dtype: str, threads: int, tps: float, same: float | None = None) -> dict:
@@ -27,19 +32,20 @@ ROWS = [row("eyas", "bfloat16", 1, 24.6), row("eyas", "bfloat16", 2, 19.6),
 def report(rows=ROWS) -> dict:
     return {"commit": "abc1234", "machine": {"cpu_model": "AMD EPYC", "num_cpus": 2, "isa": ["avx2", "avx512f"],
                                              "load_start": [1.0, 1.0, 1.0]},
-            "config": {"target": "/x/smollm2-135m", "suites": ["humaneval", "chat"], "num_prompts": 8,
+            "config": {"target": "/x/smollm2-135m", "engines": ["eyas", "llamacpp", "vllm"],
+                       "suites": ["humaneval", "chat"], "num_prompts": 8,
                        "max_new_tokens": 128, "command": "python -m jobs.bench_peers"},
-            "results": rows, "summary": bench_peers.summary(rows)}
+            "results": rows, "summary": bench_peers_report.summary(rows)}
 
 
 def test_each_engine_is_taken_at_its_best_thread_count():
-    best = bench_peers.best_rows(ROWS)
+    best = bench_peers_report.best_rows(ROWS)
     assert best[("eyas", "bfloat16")]["threads"] == 1  # 2 threads were slower
     assert best[("llamacpp", "bfloat16")]["threads"] == 2
 
 
 def test_eyas_over_each_peer_at_their_best():
-    by_dtype = {entry["dtype"]: entry for entry in bench_peers.summary(ROWS)}
+    by_dtype = {entry["dtype"]: entry for entry in bench_peers_report.summary(ROWS)}
     assert list(by_dtype) == ["bfloat16", "float32", "q8_0"]
     assert by_dtype["bfloat16"]["eyas_over"] == {"llamacpp": round(24.6 / 51.8, 3), "vllm": round(24.6 / 35.7, 3)}
     assert by_dtype["float32"]["eyas_over"] == {"llamacpp": round(17.7 / 35.0, 3)}
@@ -49,7 +55,7 @@ def test_eyas_over_each_peer_at_their_best():
 
 
 def test_summary_table_shows_best_tokens_threads_and_ratios():
-    lines = bench_peers.summary_table(report()).splitlines()
+    lines = bench_peers_report.summary_table(report()).splitlines()
     assert lines[0] == ("| dtype | eyas tok/s (threads) | llama.cpp tok/s (threads) | vLLM tok/s (threads) | "
                         "eyas / llama.cpp | eyas / vLLM |")
     assert lines[2] == "| bfloat16 | 24.6 (1t) | 51.8 (2t) | 35.7 (2t) | 0.47x | 0.69x |"
@@ -59,11 +65,11 @@ def test_summary_table_shows_best_tokens_threads_and_ratios():
 
 def test_an_engine_left_out_has_no_column():
     rows = [r for r in ROWS if r["engine"] != "vllm"]
-    assert "vLLM" not in bench_peers.summary_table(report(rows))
+    assert "vLLM" not in bench_peers_report.summary_table(report(rows))
 
 
 def test_detail_table_and_page_carry_every_row_and_the_run(tmp_path):
-    page = bench_peers.markdown(report())
+    page = bench_peers_report.markdown(report())
     assert "| llama.cpp | float32 | 2 | 35.0 | 35.0 | 35.0 | 31.5 | 0.50 | t |" in page
     assert "commit abc1234" in page and "AMD EPYC" in page and "load before each measurement 1.50-1.50" in page
     path = tmp_path / "bench_peers.json"
@@ -109,3 +115,53 @@ def test_cpu_lock_is_exclusive_while_held(tmp_path):
         fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released after the block
     with bench_peers.cpu_lock(None):
         pass
+
+
+class FakeCompletions(http.server.BaseHTTPRequestHandler):
+    """/v1/completions as vLLM answers it with return_token_ids: the prompt's ids reversed, cut to max_tokens."""
+    answer_token_ids = True
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        assert self.path == "/v1/completions" and body["temperature"] == 0.0 and body["model"] == "target"
+        choice = {"text": "x"}
+        if self.answer_token_ids:
+            choice["token_ids"] = body["prompt"][::-1][: body["max_tokens"]]
+        data = json.dumps({"choices": [choice], "usage": {"completion_tokens": 2}}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def fake_vllm():
+    server = http.server.HTTPServer(("127.0.0.1", 0), FakeCompletions)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{server.server_port}"
+
+    @contextlib.contextmanager
+    def vllm_server(model_dir, dtype, threads):
+        yield url
+
+    yield types.SimpleNamespace(SERVED_NAME="target", vllm_server=vllm_server)
+    server.shutdown()
+    FakeCompletions.answer_token_ids = True
+
+
+def test_vllm_is_timed_by_http_wall_time_on_the_same_prompt_ids(fake_vllm):
+    prompts = {"chat": [[1, 2, 3], [4, 5]], "humaneval": [[6, 7, 8, 9]]}
+    m = bench_peers.run_vllm(fake_vllm, "/target", "float32", 2, prompts, max_new_tokens=2)
+    assert (m.engine, m.dtype, m.threads, m.timing) == ("vllm", "float32", 2, "HTTP wall time")
+    assert m.outputs == [[3, 2], [5, 4], [9, 8]] and m.new_tokens == 6
+    assert m.seconds == m.wall_seconds > 0
+
+
+def test_vllm_without_token_ids_is_an_error_not_a_guess(fake_vllm):
+    FakeCompletions.answer_token_ids = False
+    with fake_vllm.vllm_server("/t", "float32", 1) as url, pytest.raises(RuntimeError, match="return_token_ids"):
+        bench_peers.vllm_complete(url, "target", [1, 2], 2)
