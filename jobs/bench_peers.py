@@ -42,7 +42,7 @@ from eyas.config import ConfigError, eyas_home, resolve_path
 from eyas.decoding.generate import generate
 from eyas.files import write_text_atomic
 from eyas.models import load_target, load_tokenizer, torch_dtype
-from eyas.threads import configure_threads
+from eyas.threads import OPENMP_KNOBS, configure_threads
 from jobs.bench import cpu_model, git_commit, load_prompts
 from jobs.bench_peers_report import DTYPES, ENGINE_DTYPES, ENGINE_NAMES, ENGINES, GGUF_TYPE, markdown, summary
 from jobs.peers import llamacpp
@@ -168,9 +168,21 @@ def vllm_complete(base_url: str, model: str, prompt_ids: list[int], max_new_toke
     return [int(t) for t in tokens], seconds
 
 
+@contextlib.contextmanager
+def without_openmp_policy():
+    """os.environ without the OpenMP variables while a peer starts: eyas.threads' OMP_WAIT_POLICY=PASSIVE is for
+    eyas's own torch (read once, at its import); a peer's OpenMP threads sleeping at every barrier would time the
+    policy, not the engine (llama-server drops them itself: jobs.peers.llamacpp.server_env)."""
+    saved = {k: os.environ.pop(k) for k in OPENMP_KNOBS if k in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
 def run_vllm(vllm, target_path: str, dtype: str, threads: int, prompts: Prompts,
              max_new_tokens: int) -> Measurement:
-    with vllm.vllm_server(target_path, dtype, threads) as base_url:
+    with without_openmp_policy(), vllm.vllm_server(target_path, dtype, threads) as base_url:
         vllm_complete(base_url, vllm.SERVED_NAME, next(iter(prompts.values()))[0], 8)  # warm-up
         result = Measurement("vllm", dtype, threads, "HTTP wall time", load_before=loadavg())
         for suite, suite_prompts in prompts.items():

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Iterator
 
 from eyas.config import ConfigError
+from eyas.threads import OPENMP_KNOBS
 from jobs.peers.server import running
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -143,6 +144,16 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def server_env(trace: bool = False, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """llama-server's environment: this one without the OpenMP variables (eyas.threads sets OMP_WAIT_POLICY=PASSIVE
+    for its own torch; ggml's OpenMP threads meet at a barrier after every op, and sleeping there instead of
+    spinning made 2 threads slower than 1), so the peer runs at its own defaults; LLAMA_TRACE=1 with ``trace``."""
+    env = {k: v for k, v in (os.environ if environ is None else environ).items() if k not in OPENMP_KNOBS}
+    if trace:
+        env["LLAMA_TRACE"] = "1"
+    return env
+
+
 @contextmanager
 def llama_server(model_gguf: str | Path, threads: int, draft_gguf: str | Path | None = None,
                  spec_args: tuple[str, ...] = (), port: int | None = None, log_path: str | Path | None = None,
@@ -151,8 +162,7 @@ def llama_server(model_gguf: str | Path, threads: int, draft_gguf: str | Path | 
     output goes to ``log_path`` (default: a temporary file); ``trace`` logs each verify step's acceptance there."""
     port = port or free_port()
     command = server_command(model_gguf, threads, port, draft_gguf, spec_args)
-    env = dict(os.environ, LLAMA_TRACE="1") if trace else dict(os.environ)
-    with running(command, env, f"http://127.0.0.1:{port}", "llama-server", timeout_s,
+    with running(command, server_env(trace), f"http://127.0.0.1:{port}", "llama-server", timeout_s,
                  Path(log_path) if log_path else None) as base_url:
         yield base_url
 

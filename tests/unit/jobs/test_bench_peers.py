@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import http.server
 import json
+import os
 import threading
 import types
 
@@ -165,3 +166,10 @@ def test_vllm_without_token_ids_is_an_error_not_a_guess(fake_vllm):
     FakeCompletions.answer_token_ids = False
     with fake_vllm.vllm_server("/t", "float32", 1) as url, pytest.raises(RuntimeError, match="return_token_ids"):
         bench_peers.vllm_complete(url, "target", [1, 2], 2)
+
+
+def test_a_peer_starts_without_eyas_openmp_policy(monkeypatch):
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    with bench_peers.without_openmp_policy():
+        assert "OMP_WAIT_POLICY" not in os.environ
+    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"

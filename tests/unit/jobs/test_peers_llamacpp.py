@@ -156,3 +156,10 @@ def test_parity_verdict_needs_close_acceptance_and_lossless_output():
 def test_accepted_per_position_counts_steps_unconditionally():
     assert llamacpp.accepted_per_position(llamacpp.draft_steps(TRACE_LOG)) == [3, 2, 1]
     assert llamacpp.accepted_per_position([]) == []
+
+
+def test_llama_server_runs_without_eyas_openmp_policy():
+    environ = {"OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "1", "GOMP_SPINCOUNT": "0", "KMP_BLOCKTIME": "0",
+               "HOME": "/h"}
+    assert llamacpp.server_env(environ=environ) == {"HOME": "/h"}
+    assert llamacpp.server_env(trace=True, environ=environ) == {"HOME": "/h", "LLAMA_TRACE": "1"}
