@@ -170,9 +170,10 @@ def vllm_complete(base_url: str, model: str, prompt_ids: list[int], max_new_toke
 
 @contextlib.contextmanager
 def without_openmp_policy():
-    """os.environ without the OpenMP variables while a peer starts: eyas.threads' OMP_WAIT_POLICY=PASSIVE is for
-    eyas's own torch (read once, at its import); a peer's OpenMP threads sleeping at every barrier would time the
-    policy, not the engine (llama-server drops them itself: jobs.peers.llamacpp.server_env)."""
+    """os.environ without the OpenMP variables while a peer starts: eyas.threads' OMP_WAIT_POLICY=PASSIVE is eyas's
+    own choice for its torch (read once, at its import); each peer runs at its own defaults (llama-server drops
+    them itself: jobs.peers.llamacpp.server_env). Spinning defaults suffer most when another process competes for
+    the cores, so time the peers on a quiet machine (--lock)."""
     saved = {k: os.environ.pop(k) for k in OPENMP_KNOBS if k in os.environ}
     try:
         yield
