@@ -147,8 +147,9 @@ def free_port() -> int:
 def server_env(trace: bool = False, environ: dict[str, str] | None = None) -> dict[str, str]:
     """llama-server's environment: this one without the OpenMP variables that eyas.threads sets for eyas's own
     torch (OMP_WAIT_POLICY=PASSIVE), so the peer runs at its own defaults, as a user would run it; LLAMA_TRACE=1
-    with ``trace``. The wait policy matters: ggml's threads meet at a barrier after every op, and with another
-    process busy on a 2-core machine llama-bench at 2 threads ran 3.9 tok/s spinning against 65 passive."""
+    with ``trace``. The wait policy matters: ggml's threads meet at a barrier after every op. llama-bench bf16 at 2
+    threads on a quiet 2-core EPYC: 93 tok/s at its default (spinning), 42 passive; with another process busy
+    the other way round (3.9 against 65), so time it on a quiet machine."""
     env = {k: v for k, v in (os.environ if environ is None else environ).items() if k not in OPENMP_KNOBS}
     if trace:
         env["LLAMA_TRACE"] = "1"
