@@ -1,17 +1,24 @@
 """Export a trained drafter to an engine's format.
 
     python -m jobs.export --drafter PATH|models:/NAME@ALIAS --to sglang|vllm|speculators --out DIR [--target PATH]
+    python -m jobs.export --drafter PATH --to gguf --out DRAFTER.gguf [--outtype f32|bf16|f16|q8_0] [--target PATH]
 
 Writes DIR/config.json, DIR/model.safetensors and DIR/README.md (the target it was trained for, its fingerprint,
 how to serve it) atomically; refuses, naming the difference, what the engine cannot run exactly (eyas.interop).
 The drafter is loaded beside its target (default: the target recorded in its checkpoint), so every train/serve
 check (hidden size, vocab, taps, target fingerprint) runs first. When the drafter came from MLflow (models:/ or
 runs:/) the exported directory is logged to that run as artifacts ``export/<format>``.
+
+``--to gguf`` (llama.cpp; EAGLE-3 and DFlash): the vLLM export goes through llama.cpp's own converter
+(convert_hf_to_gguf.py with ``--target-model-dir``, from ``make tools-llamacpp``) into one GGUF file, which
+``llama-server -md DRAFTER.gguf --spec-type draft-eagle3`` drafts with (jobs.peers.llamacpp).
 """
 from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
+from pathlib import Path
 
 from eyas import track
 from eyas.config import ConfigError, resolve_path
@@ -20,15 +27,20 @@ from eyas.interop import FORMATS, write_export
 from eyas.interop.fingerprint import target_fingerprint
 from eyas.methods import resolve_checkpoint
 from eyas.models import CheckpointError, load_target
+from jobs.peers import llamacpp
+
+GGUF = "gguf"  # not an eyas.interop format: the vllm export, then llama.cpp's converter
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m jobs.export", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--drafter", required=True, help="drafter checkpoint directory or models:/NAME@ALIAS")
-    parser.add_argument("--to", required=True, choices=FORMATS, help="the engine format")
-    parser.add_argument("--out", required=True, help="the directory to create (must not exist)")
+    parser.add_argument("--to", required=True, choices=(*FORMATS, GGUF), help="the engine format")
+    parser.add_argument("--out", required=True, help="the directory to create (must not exist); gguf: the file")
     parser.add_argument("--target", help="the target checkpoint (default: the one recorded in the drafter)")
+    parser.add_argument("--outtype", default="f32", choices=llamacpp.GGUF_OUTTYPES,
+                        help="gguf only: the drafter's weight type in the GGUF")
     return parser.parse_args(argv)
 
 
@@ -47,23 +59,44 @@ def drafter_run_id(location: str) -> str | None:
     return client.get_model_version(name, version).run_id
 
 
+def export_gguf(model, out: str | Path, outtype: str, target_ref: str, target_path: Path,
+                fingerprint: dict) -> Path:
+    """The vLLM export in a temporary directory, converted by llama.cpp beside its target into the file ``out``."""
+    llamacpp.converter_script()  # a missing llama.cpp build fails before the export is written
+    if Path(out).exists():
+        raise FileExistsError(f"--out {out} exists; remove it or choose another path")
+    with tempfile.TemporaryDirectory(prefix="eyas-gguf-") as tmp:
+        export_dir = write_export(model, "vllm", Path(tmp) / "vllm", target_ref, fingerprint)
+        return llamacpp.convert_drafter_to_gguf(export_dir, target_path, out, outtype)
+
+
+def export_drafter(drafter: str, to: str, out: str | Path, target: str | None = None,
+                   outtype: str = "f32") -> tuple[str, Path]:
+    """Export ``drafter`` (a directory, models:/ or runs:/) to ``to``'s format at ``out``, after the train/serve
+    checks; returns (the drafter type, the written path)."""
+    path = resolve_checkpoint(drafter, "--drafter")
+    meta = registry.read_meta(path)[1]
+    target_ref = str(target or meta["target"])
+    target_path = resolve_path(target_ref)
+    model = registry.load_model(path, load_target(target_path), target_dir=target_path)
+    fingerprint = meta.get("target_fingerprint") or target_fingerprint(model.target_config, target_path)
+    if to == GGUF:
+        return model.drafter_type, export_gguf(model, out, outtype, target_ref, target_path, fingerprint)
+    return model.drafter_type, write_export(model, to, out, target_ref, fingerprint)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        path = resolve_checkpoint(args.drafter, "--drafter")
-        meta = registry.read_meta(path)[1]
-        target_path = resolve_path(args.target or meta["target"])
-        target = load_target(target_path)
-        model = registry.load_model(path, target, target_dir=target_path)
-        fingerprint = meta.get("target_fingerprint") or target_fingerprint(model.target_config, target_path)
-        out = write_export(model, args.to, args.out, str(args.target or meta["target"]), fingerprint)
+        kind, out = export_drafter(args.drafter, args.to, args.out, args.target, args.outtype)
     except (ConfigError, CheckpointError, FileExistsError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(f"exported {model.drafter_type} drafter to {out} ({args.to} format)")
+    print(f"exported {kind} drafter to {out} ({args.to} format)")
     run_id = drafter_run_id(str(args.drafter))
     if run_id is not None:
-        track.client().log_artifacts(run_id, str(out), f"export/{args.to}")
+        log = track.client().log_artifact if out.is_file() else track.client().log_artifacts
+        log(run_id, str(out), f"export/{args.to}")
         print(f"logged {out} to MLflow run {run_id} as export/{args.to}")
     return 0
 

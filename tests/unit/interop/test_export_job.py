@@ -44,3 +44,13 @@ def test_export_logs_to_the_drafters_run(random_checkpoint, tmp_path, mlflow_uri
     run_id = export.drafter_run_id(uri)
     names = {entry.path for entry in track.client().list_artifacts(run_id, "export/vllm")}
     assert names == {"export/vllm/README.md", "export/vllm/config.json", "export/vllm/model.safetensors"}
+
+
+def test_gguf_export_without_a_llamacpp_build_names_the_make_target(random_checkpoint, tmp_path, monkeypatch,
+                                                                   capsys):
+    # the conversion itself runs in `make peer-check-llamacpp` (tests/peers), where llama.cpp is built
+    _, drafter = trained_drafter(random_checkpoint, tmp_path / "eagle3")
+    monkeypatch.setenv("EYAS_LLAMACPP_DIR", str(tmp_path / "no-build"))
+    assert export.main(["--drafter", str(drafter), "--to", "gguf", "--out", str(tmp_path / "d.gguf")]) == 2
+    assert "make tools-llamacpp" in capsys.readouterr().err
+    assert not (tmp_path / "d.gguf").exists()

@@ -1,0 +1,165 @@
+"""jobs.peers.ggml_isa and jobs.peers.llamacpp without a llama.cpp build: ISA flags from cpuinfo texts, the
+commands, the missing-build error, and acceptance from llama-server's trace log."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from eyas.config import ConfigError
+from jobs.peers import ggml_isa, llamacpp
+
+AVX2_EPYC = "processor\t: 0\nflags\t\t: fpu sse sse2 ssse3 fma sse4_1 sse4_2 avx f16c bmi1 avx2 bmi2\n"
+AMX_XEON = ("flags\t\t: sse4_2 avx f16c fma avx2 bmi2 avx512f avx512dq avx512cd avx512bw avx512vl avx512vbmi "
+            "avx512_vnni avx512_bf16 avx_vnni amx_bf16 amx_tile amx_int8\n")
+
+
+def options(text: str) -> dict[str, str]:
+    return dict(arg[2:].split("=") for arg in ggml_isa.cmake_isa_args(text))
+
+
+def test_avx2_only_cpu_builds_without_avx512():
+    opts = options(AVX2_EPYC)
+    assert opts["GGML_NATIVE"] == "OFF"
+    assert {k: opts[k] for k in ("GGML_AVX", "GGML_AVX2", "GGML_FMA", "GGML_F16C", "GGML_BMI2")} == \
+        dict.fromkeys(("GGML_AVX", "GGML_AVX2", "GGML_FMA", "GGML_F16C", "GGML_BMI2"), "ON")
+    assert opts["GGML_AVX512"] == opts["GGML_AVX512_BF16"] == opts["GGML_AVX_VNNI"] == "OFF"
+
+
+def test_amx_is_never_enabled_even_where_cpuid_lists_it():
+    opts = options(AMX_XEON)
+    assert opts["GGML_AVX512"] == opts["GGML_AVX512_BF16"] == opts["GGML_AVX512_VNNI"] == "ON"
+    assert opts["GGML_AVX512_VBMI"] == opts["GGML_AVX_VNNI"] == "ON"
+    assert opts["GGML_AMX_TILE"] == opts["GGML_AMX_INT8"] == opts["GGML_AMX_BF16"] == "OFF"
+
+
+def test_avx512_extensions_need_the_avx512_base_flags():
+    # avx512f and avx512_bf16 listed, but not avx512bw: GGML_AVX512 (-mavx512bw) and its extensions stay off
+    opts = options("flags : avx avx2 fma f16c avx512f avx512cd avx512vl avx512dq avx512_bf16\n")
+    assert opts["GGML_AVX512"] == opts["GGML_AVX512_BF16"] == "OFF"
+    assert opts["GGML_AVX2"] == "ON"
+
+
+def test_no_flags_line_keeps_ggml_defaults_with_native_and_amx_off():
+    assert ggml_isa.cmake_isa_args("processor : 0\nmodel name : some ARM\n") == [
+        "-DGGML_NATIVE=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
+
+
+def test_the_script_prints_one_line_of_cmake_arguments(tmp_path, capsys):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(AVX2_EPYC)
+    assert ggml_isa.main(["ggml_isa.py", str(cpuinfo)]) == 0
+    assert capsys.readouterr().out.split() == ggml_isa.cmake_isa_args(AVX2_EPYC)
+
+
+@pytest.fixture
+def fake_build(tmp_path, monkeypatch) -> Path:
+    """A directory laid out like `make tools-llamacpp`'s (empty files: nothing here runs them)."""
+    for relative in ("bin/llama-server", "bin/llama-bench", "src/convert_hf_to_gguf.py"):
+        (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / relative).touch()
+    monkeypatch.setenv(llamacpp.LLAMACPP_DIR_ENV, str(tmp_path))
+    return tmp_path
+
+
+def test_a_missing_build_names_the_make_target(tmp_path, monkeypatch):
+    monkeypatch.setenv(llamacpp.LLAMACPP_DIR_ENV, str(tmp_path / "nowhere"))
+    with pytest.raises(ConfigError, match="make tools-llamacpp"):
+        llamacpp.llama_server_bin()
+    with pytest.raises(ConfigError, match="make tools-llamacpp"):
+        llamacpp.convert_command("model", "out.gguf", "f32")
+
+
+def test_server_command_serves_one_slot_on_localhost_with_the_threads(fake_build):
+    command = llamacpp.server_command("t.gguf", 2, 8123)
+    assert command[0] == str(fake_build / "bin/llama-server")
+    text = " ".join(command)
+    assert "-m t.gguf -t 2 -tb 2 -np 1" in text and "--host 127.0.0.1 --port 8123" in text
+    assert "-md" not in command
+
+
+def test_server_command_drafts_with_an_eagle3_gguf(fake_build):
+    command = llamacpp.server_command("t.gguf", 1, 8123, "d.gguf", llamacpp.eagle3_spec_args(3))
+    text = " ".join(command)
+    assert "-md d.gguf -td 1 -tbd 1" in text
+    assert text.endswith("--spec-type draft-eagle3 --spec-draft-n-max 3 --spec-draft-p-min 0")
+
+
+def test_a_draft_speculation_without_a_draft_model_is_refused(fake_build):
+    with pytest.raises(ConfigError, match="needs draft_gguf"):
+        llamacpp.server_command("t.gguf", 1, 8123, None, llamacpp.eagle3_spec_args(3))
+    llamacpp.server_command("t.gguf", 1, 8123, None, llamacpp.ngram_spec_args())  # ngram needs none
+    with pytest.raises(ConfigError, match="threads 0"):
+        llamacpp.server_command("t.gguf", 0, 8123)
+
+
+def test_convert_command_for_a_target_and_for_a_drafter(fake_build):
+    plain = llamacpp.convert_command("hf", "o.gguf", "q8_0", python="py")
+    assert plain == ["py", str(fake_build / "src/convert_hf_to_gguf.py"), "hf", "--outfile", "o.gguf",
+                     "--outtype", "q8_0"]
+    drafter = llamacpp.convert_command("export", "d.gguf", "f32", target_model_dir="target", python="py")
+    assert drafter[-2:] == ["--target-model-dir", "target"]
+    with pytest.raises(ConfigError, match="outtype 'q4_0'"):
+        llamacpp.convert_command("hf", "o.gguf", "q4_0")
+
+
+def test_the_converter_reads_the_bundled_gguf_package_first(fake_build, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    assert llamacpp.converter_env()["PYTHONPATH"].split(":") == [str(fake_build / "src/gguf-py"),
+                                                                    str(fake_build / "pylib"), "/elsewhere"]
+
+
+def test_convert_refuses_a_directory_without_config(fake_build, tmp_path):
+    with pytest.raises(ConfigError, match="no config.json"):
+        llamacpp.convert_to_gguf(tmp_path, tmp_path / "o.gguf")
+
+
+def test_the_request_is_greedy_by_token_ids_without_prompt_cache():
+    body = llamacpp.completion_request([1, 2, 3], 16)
+    assert body["prompt"] == [1, 2, 3] and body["n_predict"] == 16
+    assert body["temperature"] == 0.0 and body["cache_prompt"] is False and body["return_tokens"] is True
+
+
+TRACE_LOG = """\
+slot update_slots: id  0 | task 0 | accepted  2/ 3 draft tokens
+slot update_slots: id  0 | task 0 | accepted  0/ 3 draft tokens
+slot update_slots: id  0 | task 0 | accepted  3/ 3 draft tokens
+srv  log_server_r: request: POST /completion 127.0.0.1 200
+slot update_slots: id  0 | task 0 | accepted  1/ 2 draft tokens
+"""
+
+
+def test_draft_steps_come_from_the_trace_lines():
+    assert llamacpp.draft_steps(TRACE_LOG) == [(2, 3), (0, 3), (3, 3), (1, 2)]
+
+
+def test_per_depth_accept_is_conditional_like_eyas_n_alpha():
+    steps = llamacpp.draft_steps(TRACE_LOG)
+    # depth 1: 4 steps drafted it, 3 accepted; depth 2: 3 steps reached it (accepted depth 1, drafted >= 2), 2
+    # accepted; depth 3: 2 reached it (the 2-token draft did not draft depth 3), 1 accepted
+    assert llamacpp.per_depth_accept(steps, 3) == [0.75, 2 / 3, 0.5]
+    assert llamacpp.per_depth_accept([], 2) == [0.0, 0.0]
+
+
+def test_parity_verdict_needs_close_acceptance_and_lossless_output():
+    from jobs.peers.llamacpp_parity import EngineRun, verdict
+
+    same = [[1, 2], [3]]
+    eyas = EngineRun([0.50, 0.40, 0.30], same, same)
+    close = EngineRun([0.52, 0.36, 0.30], same, same)
+    assert verdict(eyas, close, 0.05)["passed"] and verdict(eyas, close, 0.05)["max_gap"] == 0.04
+    assert not verdict(eyas, EngineRun([0.50, 0.30, 0.30], same, same), 0.05)["passed"]  # depth 2 off by 0.1
+    lossy = EngineRun([0.50, 0.40, 0.30], [[1, 2], [4]], same)
+    assert lossy.same_as_vanilla == 0.5 and not verdict(eyas, lossy, 0.05)["passed"]
+
+
+def test_accepted_per_position_counts_steps_unconditionally():
+    assert llamacpp.accepted_per_position(llamacpp.draft_steps(TRACE_LOG)) == [3, 2, 1]
+    assert llamacpp.accepted_per_position([]) == []
+
+
+def test_llama_server_runs_without_eyas_openmp_policy():
+    environ = {"OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "1", "GOMP_SPINCOUNT": "0", "KMP_BLOCKTIME": "0",
+               "HOME": "/h"}
+    assert llamacpp.server_env(environ=environ) == {"HOME": "/h"}
+    assert llamacpp.server_env(trace=True, environ=environ) == {"HOME": "/h", "LLAMA_TRACE": "1"}
