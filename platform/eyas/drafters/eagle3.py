@@ -15,6 +15,13 @@ greedy verification the chance that a drafted token is accepted is the chance th
 drafter trained this way has confidences calibrated to greedy acceptance even when the target's own distribution is
 flat, which the dynamic tree's value V (a product of confidences) relies on (papers.md, EAGLE-2).
 
+EAGLE-3.1 (arXiv 2605.09992, "attention drift"; papers.md) is this family with two flags, method ``eagle3.1``:
+``fc_norm`` puts an RMSNorm on each tap's state before the concat and ``fc`` (vLLM's ``fc_norm.{0,1,2}.weight``;
+not speculators' ``norm_before_fc``, one norm over the whole 3E), and ``norm_output`` feeds the final-normed state,
+the one the LM head reads, to the next draft step, where EAGLE-3 feeds the pre-norm one (no new parameters; the
+post-norm feedback of SpecForge PR #879, not #568's logits-only switch). ``Eagle31Config`` turns both on, and its
+checkpoints carry drafter_type "eagle3.1", so jobs.bench finds them beside, not instead of, an EAGLE-3 drafter.
+
 Draft vocabulary: the ``draft_vocab_size`` most frequent target tokens of the training data (``eyas.drafters.vocab``),
 kept as d2t (draft index -> target token id, ascending ids) and saved in the checkpoint's config.json.
 """
@@ -55,6 +62,8 @@ class Eagle3Config:
     step_decay: float = 0.8  # weight of step j: step_decay ** j
     noise_scale: float = 0.0  # uniform noise on the fused input states (training only)
     loss_target: str = "soft"  # "soft": the target's distribution (paper); "argmax": one-hot on its argmax
+    fc_norm: bool = False  # EAGLE-3.1: an RMSNorm per tap before fc (module docstring)
+    norm_output: bool = False  # EAGLE-3.1: the post-norm state feeds the LM head and the next draft step
 
     def __post_init__(self) -> None:
         require(self.taps is None or len(self.taps) >= 1, "taps", self.taps, "needs at least one tap layer")
@@ -79,6 +88,8 @@ class Eagle3Model(EagleModel):
         self.register_buffer("d2t", d2t_X, persistent=False)  # draft index -> target id (saved in config.json)
         self.register_buffer("t2d", t2d_V, persistent=False)  # target id -> draft index, -1 outside
         self.fc = nn.Linear(len(self.target_taps) * E, E, bias=False)
+        if config.fc_norm:  # state names fc_norm.{i}.weight, as vLLM stores them
+            self.fc_norm = nn.ModuleList(RMSNorm(E, target.config.rms_norm_eps) for _ in self.target_taps)
         self.norm = RMSNorm(E, target.config.rms_norm_eps)
         self.lm_head = nn.Linear(E, d2t_X.numel(), bias=False)
         with torch.no_grad():  # start from the target's own readout, restricted to the draft vocabulary
@@ -87,14 +98,23 @@ class Eagle3Model(EagleModel):
         self.place_like(target)
 
     def initial_hidden(self, taps: dict[int, torch.Tensor]) -> torch.Tensor:
-        fused_TF = torch.cat([taps[layer] for layer in self.target_taps], dim=-1)
-        return linear(self.fc, fused_TF.to(self.dtype))
+        return self.fuse(torch.cat([taps[layer] for layer in self.target_taps], dim=-1))
+
+    def fuse(self, concat_TF: torch.Tensor) -> torch.Tensor:
+        """[..., F] (the taps' states side by side, F = num_taps * E) -> [..., E]: fc, after a norm per tap when
+        ``fc_norm``."""
+        concat_TF = concat_TF.to(self.dtype)
+        if self.config.fc_norm:
+            parts = concat_TF.chunk(len(self.target_taps), dim=-1)
+            concat_TF = torch.cat([norm(part) for norm, part in zip(self.fc_norm, parts)], dim=-1)
+        return linear(self.fc, concat_TF)
 
     def step(self, tokens_BT: torch.Tensor, hidden_BTE: torch.Tensor, positions_BT: torch.Tensor,
              past: KV | None, mask_B1TS: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, KV]:
         cos_BTD, sin_BTD = self.rope(positions_BT)
         out_BTE, kv = self.layer(hidden_BTE.to(self.dtype), self.embed(tokens_BT), cos_BTD, sin_BTD, past, mask_B1TS)
-        return out_BTE, linear(self.lm_head, self.norm(out_BTE)), kv
+        normed_BTE = self.norm(out_BTE)
+        return (normed_BTE if self.config.norm_output else out_BTE), linear(self.lm_head, normed_BTE), kv
 
     def draft_probs(self, logits_X: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [..., X] -> probabilities over the target vocabulary [..., V] (0 outside)."""
@@ -125,3 +145,14 @@ class Eagle3Model(EagleModel):
             metrics[f"ce_{j + 1}"] = scalar(ce)
         metrics["loss"] = scalar(loss)
         return loss, metrics
+
+
+@dataclass(frozen=True)
+class Eagle31Config(Eagle3Config):
+    """EAGLE-3.1: EAGLE-3 with both of its flags on (module docstring)."""
+    fc_norm: bool = True
+    norm_output: bool = True
+
+
+class Eagle31Model(Eagle3Model):
+    drafter_type = "eagle3.1"

@@ -28,8 +28,9 @@ from eyas.config import ConfigError, from_dict, resolve_path, to_dict
 from eyas.drafters.dflash import DFlashConfig, DFlashModel, make_dflash_drafter
 from eyas.drafters.eagle_drafter import EagleDrafter
 from eyas.drafters.eagle1 import Eagle1Config, Eagle1Model
-from eyas.drafters.eagle3 import Eagle3Config, Eagle3Model
+from eyas.drafters.eagle3 import Eagle3Config, Eagle3Model, Eagle31Config, Eagle31Model
 from eyas.drafters.medusa import MedusaConfig, MedusaDrafter, MedusaModel
+from eyas.drafters.peagle import PEagleConfig, PEagleModel, make_peagle_drafter
 from eyas.drafters.vocab import build_draft_vocab
 from eyas.drafters.trees import BLOCK_MODES, EXPAND_MODES, TreeSpec
 from eyas.interop.fingerprint import check_fingerprint, target_fingerprint
@@ -62,6 +63,8 @@ FAMILIES: dict[str, Family] = {
     "eagle3": Family(Eagle3Config, Eagle3Model, _eagle_drafter, EXPAND_MODES),
     "medusa": Family(MedusaConfig, MedusaModel, _medusa_drafter, EXPAND_MODES),
     "dflash": Family(DFlashConfig, DFlashModel, make_dflash_drafter, BLOCK_MODES),
+    "eagle3.1": Family(Eagle31Config, Eagle31Model, _eagle_drafter, EXPAND_MODES),
+    "peagle": Family(PEagleConfig, PEagleModel, make_peagle_drafter, BLOCK_MODES),
 }
 
 def family(drafter_type: str) -> Family:
