@@ -61,7 +61,7 @@ HF_METHODS = {
     "hf-prompt-lookup": lambda runner: {"prompt_lookup_num_tokens": runner.num_lookup},
 }
 ALL_METHODS = ("vanilla", "hf", "hf-assisted", "hf-prompt-lookup", "ngram", "draft-lm", "medusa", "eagle1",
-               "eagle2", "eagle3", "dflash", "dflash-ddtree")
+               "eagle2", "eagle3", "dflash", "dflash-ddtree", "eagle3.1", "peagle")
 
 
 @dataclass
