@@ -150,8 +150,8 @@ class Eagle3Model(EagleModel):
 @dataclass(frozen=True)
 class Eagle31Config(Eagle3Config):
     """EAGLE-3.1: EAGLE-3 with both of its flags on (module docstring)."""
-    fc_norm: bool = True
-    norm_output: bool = True
+    fc_norm: bool = True  # an RMSNorm per tap before fc
+    norm_output: bool = True  # the post-norm state feeds the LM head and the next draft step
 
 
 class Eagle31Model(Eagle3Model):
