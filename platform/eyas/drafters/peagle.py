@@ -81,7 +81,7 @@ class PEagleConfig:
 class PEagleModel(Eagle3Model):
     drafter_type = "peagle"
 
-    def __init__(self, config: PEagleConfig, target: Decoder, draft_vocab=None) -> None:
+    def __init__(self, config: PEagleConfig, target: Decoder, draft_vocab: list[int] | None = None) -> None:
         super().__init__(config, target, draft_vocab)
         V, F = target.config.vocab_size, len(self.target_taps) * target.config.hidden_size
         require(config.mask_token_id < V, "mask_token_id", config.mask_token_id, f"must lie in the target "
@@ -118,7 +118,6 @@ class PEagleModel(Eagle3Model):
         config = self.config
         input_ids_BT = batch.input_ids_BT
         B, T = input_ids_BT.shape
-        device = input_ids_BT.device
         taps = {layer: features.taps[layer].detach() for layer in self.target_taps}
         real_BTE = self.add_noise(self.initial_hidden(taps), config.noise_scale)
         anchor_BQ, depth_BQ, real_BQ = cod_entries(batch, config, generator)
@@ -133,7 +132,7 @@ class PEagleModel(Eagle3Model):
         out_BQE, _ = self.forward_pass(tokens_BQ, hidden_BQE, positions_BQ, None, mask_BQQ[:, None])
         # entry (a, d) predicts t_{a+2+d}: the target's distribution at a+1+d, learnable where step_mask(2+d)[a]
         learn_BT = step_mask(batch, 2)
-        learn_BQ = real_BQ & (learn_BT.gather(1, positions_BQ.clamp(max=T - 1)) > 0) & (positions_BQ < T)
+        learn_BQ = real_BQ & (learn_BT.gather(1, positions_BQ.clamp(max=T - 1)) > 0)
         at_BQ = (positions_BQ + 1).clamp(max=T - 1)
         b_R, q_R = learn_BQ.nonzero(as_tuple=True)
         t_R = at_BQ[b_R, q_R]

@@ -23,8 +23,12 @@ EAGLE-3.1 and P-EAGLE are the same layout with more (papers.md; vLLM PRs #42764 
 models/eagle3 and models/peagle): ``fc_norm.{0,1,2}.weight`` (a norm per tap before fc) with ``"fc_norm": true``;
 ``"norm_output": true`` (no tensor); P-EAGLE's ``"parallel_drafting": true``, ``mask_hidden`` [1, 1, 3E] and its mask
 id written as both ``mask_token_id`` and ``pard_token`` (older vLLM reads only the latter), and its later layers as
-``layers.{i}.*`` beside ``midlayer.*`` (vLLM loads midlayer as layers.0). SGLang serves no parallel drafting, so a
-P-EAGLE drafter is not written for it. Import picks the family from the same keys.
+``layers.{i}.*`` beside ``midlayer.*`` (vLLM loads midlayer as layers.0). Checked against vLLM 0.32.0's
+model_executor/models/llama_eagle3.py (``fc_norm`` and ``norm_output`` read from the config, ``fc_norm.{i}`` one
+RMSNorm per aux state, ``mask_hidden`` loaded as view(1, -1)) and v1/spec_decode/llm_base_proposer.py (the mask id
+looked up as mask_token_id, then pard_token); vLLM takes ``parallel_drafting`` itself from the speculative config,
+so the copy in config.json is what eyas's import reads. SGLang serves no parallel drafting, so a P-EAGLE drafter is
+not written for it. Import picks the family from the same keys.
 """
 from __future__ import annotations
 
