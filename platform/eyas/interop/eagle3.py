@@ -27,8 +27,9 @@ id written as both ``mask_token_id`` and ``pard_token`` (older vLLM reads only t
 model_executor/models/llama_eagle3.py (``fc_norm`` and ``norm_output`` read from the config, ``fc_norm.{i}`` one
 RMSNorm per aux state, ``mask_hidden`` loaded as view(1, -1)) and v1/spec_decode/llm_base_proposer.py (the mask id
 looked up as mask_token_id, then pard_token); vLLM takes ``parallel_drafting`` itself from the speculative config,
-so the copy in config.json is what eyas's import reads. SGLang serves no parallel drafting, so a P-EAGLE drafter is
-not written for it. Import picks the family from the same keys.
+so the copy in config.json is what eyas's import reads. The SGLang export of EAGLE-3.1 writes the same keys; that
+SGLang reads ``fc_norm`` (it reads ``norm_output``, default false) was not checked against its source here. SGLang
+serves no parallel drafting, so a P-EAGLE drafter is not written for it. Import picks the family from the same keys.
 """
 from __future__ import annotations
 
