@@ -38,6 +38,9 @@ SECTIONS = (
     ("drafter.config for dspark", "eyas.drafters.dspark:DSparkConfig"),
     ("drafter.config for dflash2", "eyas.drafters.dflash2:DFlash2Config"),
     ("drafter.config for medusa", "eyas.drafters.medusa:MedusaConfig"),
+    ("drafter.config for eagle3.1 (eagle3's fields; fc_norm and norm_output default to true)",
+     "eyas.drafters.eagle3:Eagle31Config"),
+    ("drafter.config for peagle", "eyas.drafters.peagle:PEagleConfig"),
     ("tune/configs/*.yaml (tune.sweep)", "tune.config:SweepConfig"),
     ("serving/configs/*.yaml: applications[].args", "eyas_ray.serve_config:ServeArgs"),
     ("serving/configs/*.yaml: deployments[].user_config (changed in place)", "eyas_ray.serve_config:LiveSettings"),
@@ -50,25 +53,18 @@ def load(spec: str):
 
 
 def field_comments(cls) -> dict[str, str]:
-    """Trailing ``# comments`` on the field lines of a dataclass body and of the dataclasses it extends (a family
-    config over DFlash's), the nearest class's comment first."""
+    """Trailing ``# comments`` on the field lines of a dataclass body and of the dataclasses it extends (a subclass's
+    own comment wins)."""
     comments: dict[str, str] = {}
-    for klass in reversed(cls.__mro__):
-        if dataclasses.is_dataclass(klass):
-            comments.update(own_field_comments(klass))
-    return comments
-
-
-def own_field_comments(cls) -> dict[str, str]:
-    comments: dict[str, str] = {}
-    try:
-        source = inspect.getsource(cls)
-    except (OSError, TypeError):
-        return comments
-    for line in source.splitlines():
-        match = re.match(r"\s+(\w+)\s*:\s*[^#]*#\s*(.+)$", line)
-        if match:
-            comments[match.group(1)] = match.group(2).strip()
+    for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):
+        try:
+            source = inspect.getsource(klass)
+        except (OSError, TypeError):
+            continue
+        for line in source.splitlines():
+            match = re.match(r"\s+(\w+)\s*:\s*[^#]*#\s*(.+)$", line)
+            if match:
+                comments[match.group(1)] = match.group(2).strip()
     return comments
 
 

@@ -62,7 +62,7 @@ HF_METHODS = {
     "hf-prompt-lookup": lambda runner: {"prompt_lookup_num_tokens": runner.num_lookup},
 }
 ALL_METHODS = ("vanilla", "hf", "hf-assisted", "hf-prompt-lookup", "ngram", "draft-lm", "medusa", "eagle1",
-               "eagle2", "eagle3", "dflash", "dflash-ddtree", "dspark", "dflash2")
+               "eagle2", "eagle3", "dflash", "dflash-ddtree", "dspark", "dflash2", "eagle3.1", "peagle")
 
 
 @dataclass

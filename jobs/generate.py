@@ -34,8 +34,8 @@ def default_target() -> str:
 def add_spec_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML with a `spec:` section (e.g. tune.sweep's best config)")
     parser.add_argument("--target", help=f"HF checkpoint directory (default {default_target()})")
-    parser.add_argument("--method", help="vanilla, ngram, draft-lm, eagle1, eagle2, eagle3, medusa, dflash, "
-                                         "dflash-ddtree, dspark, dflash2")
+    parser.add_argument("--method", help="vanilla, ngram, draft-lm, eagle1, eagle2, eagle3, eagle3.1, peagle, "
+                                         "medusa, dflash, dflash-ddtree, dspark, dflash2")
     parser.add_argument("--drafter", help="trained drafter: checkpoint dir or models:/NAME@ALIAS")
     parser.add_argument("--draft-model", help="draft-lm: HF checkpoint dir sharing the target's tokenizer")
     parser.add_argument("--tree", choices=TREES, help="override the method's tree shape")
@@ -61,8 +61,8 @@ def spec_from_args(args: argparse.Namespace) -> tuple[SpecConfig, str]:
         if value is not None:
             spec_data[field] = value
     if getattr(args, "drafter", None) and "method" not in spec_data:
-        raise ConfigError("--drafter needs --method (eagle1, eagle2, eagle3, medusa, dflash, dflash-ddtree, dspark or "
-                          "dflash2)")
+        raise ConfigError("--drafter needs --method (eagle1, eagle2, eagle3, eagle3.1, peagle, medusa, dflash, "
+                          "dflash-ddtree, dspark or dflash2)")
     return from_dict(SpecConfig, spec_data, prefix="spec."), str(resolve_path(args.target or target
                                                                                 or default_target()))
 

@@ -165,7 +165,8 @@ def _trained_method(family: str, tree: TreeSpec) -> Method:
 
 
 RETRIEVAL_PROPOSERS = ("ngram",)
-LEARNED_PROPOSERS = ("draft-lm", "eagle1", "eagle2", "eagle3", "medusa", "dflash", "dflash-ddtree")
+LEARNED_PROPOSERS = ("draft-lm", "eagle1", "eagle2", "eagle3", "medusa", "dflash", "dflash-ddtree", "eagle3.1",
+                     "peagle")
 HYBRID_PROPOSERS = ("ngram", "eagle3")  # spec.proposers' default
 
 
@@ -210,13 +211,15 @@ METHODS: dict[str, Method] = {
     "dflash-ddtree": _trained_method("dflash", TreeSpec(mode="ddtree")),
     "dspark": _trained_method("dspark", TreeSpec(mode="block")),
     "dflash2": _trained_method("dflash2", TreeSpec(mode="block")),
+    "eagle3.1": _trained_method("eagle3.1", TreeSpec(mode="dynamic")),
+    "peagle": _trained_method("peagle", TreeSpec(mode="block")),  # spec.tree=ddtree: a tree over its K positions
     # a retrieval proposer and a learned drafter in one tree under one node budget (drafters/hybrid.py)
     "hybrid": Method(None, None, ("proposers", "drafter", "draft_model", "num_draft", "max_matches", "datastore")
                      + TREE_SETTINGS, _hybrid, hybrid_parts),
 }
 # a family's own method: what a checkpoint of that family runs when no method is named
 FAMILY_METHOD = {"eagle1": "eagle1", "eagle3": "eagle3", "medusa": "medusa", "dflash": "dflash",
-                 "dspark": "dspark", "dflash2": "dflash2"}
+                 "dspark": "dspark", "dflash2": "dflash2", "eagle3.1": "eagle3.1", "peagle": "peagle"}
 
 
 def drafter_factory(target: Decoder, spec: SpecConfig) -> DrafterFactory | None:

@@ -48,6 +48,8 @@ FAMILY_SETUP: dict[str, tuple[dict[str, Any], int]] = {
                 "markov_rank": 16}, 40),
     "dflash2": ({"num_layers": 2, "block_size": 4, "num_taps": 3, "num_anchors": 16, "mask_token_id": VOCAB - 1,
                  "selector_rank": 16, "selector_top_k": 8}, 40),
+    "eagle3.1": ({"ttt_steps": 2, "draft_vocab_size": 48}, 25),
+    "peagle": ({"num_depths": 4, "draft_vocab_size": 48}, 25),
 }
 
 # case name -> (method, tree options or None for the method's default)
@@ -70,6 +72,9 @@ TRAINED_CASES: dict[str, tuple[str, dict[str, Any] | None]] = {
     "dspark/block": ("dspark", None),
     "dspark/block-3": ("dspark", {"mode": "block", "depth": 3}),
     "dflash2/block": ("dflash2", None),
+    "eagle3.1/dynamic": ("eagle3.1", None),
+    "peagle/block": ("peagle", None),
+    "peagle/ddtree": ("peagle", {"mode": "ddtree", "num_nodes": 12, "top_k": 3}),
 }
 # case name -> (the learned proposer beside ngram, hybrid settings)
 HYBRID_CASES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -78,7 +83,8 @@ HYBRID_CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "hybrid/ngram+dflash": ("dflash", {"num_nodes": 6}),
 }
 FAMILY_OF = {"eagle1": "eagle1", "eagle2": "eagle1", "eagle3": "eagle3", "medusa": "medusa", "dflash": "dflash",
-             "dflash-ddtree": "dflash", "dspark": "dspark", "dflash2": "dflash2"}
+             "dflash-ddtree": "dflash", "dspark": "dspark", "dflash2": "dflash2",
+             "eagle3.1": "eagle3.1", "peagle": "peagle"}
 
 
 def build_target(seed: int = 0) -> Decoder:
@@ -204,7 +210,7 @@ def record_all(setup: Setup) -> dict[str, Any]:
                              for case in ("eagle2/dynamic", "dflash/block", "ngram/tree", "hybrid/ngram+eagle3")}
     out["batch_sampled"] = {case: run_batch(setup, setup.factories[case], sampling=SAMPLING)
                             for case in ("vanilla", "eagle3/dynamic", "dflash/block", "draft-lm/chain",
-                                         "hybrid/ngram+dflash")}
+                                         "hybrid/ngram+dflash", "peagle/block")}
     return out
 
 

@@ -22,7 +22,8 @@ def expected():
 def test_cases_cover_every_method(expected):
     methods = {case.split("/")[0] for case in expected["single"]}
     assert methods == {"vanilla", "ngram", "draft-lm", "eagle1", "eagle2", "eagle3", "medusa", "dflash",
-                       "dflash-ddtree", "hybrid", "dspark", "dflash2"}
+                       "dflash-ddtree", "hybrid", "dspark", "dflash2",
+                       "eagle3.1", "peagle"}
 
 
 @pytest.mark.parametrize("section", ["single", "sampled", "batch", "batch_adaptive", "batch_sampled"])

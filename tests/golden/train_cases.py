@@ -1,5 +1,6 @@
 """The golden training cases: per-step losses and the held-out evaluation of a few seeded steps of micro drafter
-training (EAGLE-3 with the memory feature cache over two epochs, DFlash with none), one worker, no Ray.
+training (EAGLE-3 with the memory feature cache over two epochs, DFlash with none; EAGLE-3.1 and P-EAGLE, recorded
+later with ``--only eagle3.1,peagle``, which leaves the other records as they were), one worker, no Ray.
 
 ``record(data_dir, case)`` runs the library trainer (``eyas.train.trainer.Trainer``) on golden_cases' random
 target the way a jobs.train_drafter worker does; the fixture ``train_losses.json`` was recorded before the trainer moved into the
@@ -29,6 +30,10 @@ CASES = {
     "dflash": {"drafter": {"type": "dflash", "config": {"num_layers": 1, "block_size": 4, "num_taps": 1,
                                                         "num_anchors": 8, "mask_token_id": 3}},
                "train": {"num_epochs": 1, "batch_size": 4, "max_len": 48, "feature_cache": "none"}},
+    "eagle3.1": {"drafter": {"type": "eagle3.1", "config": {"ttt_steps": 3, "draft_vocab_size": 64}},
+                 "train": {"num_epochs": 1, "batch_size": 4, "max_len": 48, "feature_cache": "memory"}},
+    "peagle": {"drafter": {"type": "peagle", "config": {"num_depths": 3, "draft_vocab_size": 64}},
+               "train": {"num_epochs": 2, "batch_size": 4, "max_len": 48, "feature_cache": "memory"}},
 }
 
 
@@ -73,6 +78,14 @@ def record_all(work_dir: Path) -> dict:
 
 
 if __name__ == "__main__":
+    import sys
+
+    only = sys.argv[sys.argv.index("--only") + 1].split(",") if "--only" in sys.argv else None
     with tempfile.TemporaryDirectory() as tmp:
-        FIXTURE.write_text(json.dumps(record_all(Path(tmp)), indent=1) + "\n")
+        if only is None:
+            recorded = record_all(Path(tmp))
+        else:  # add or rewrite these cases only; every other record stays byte for byte
+            data_dir = write_data(Path(tmp) / "data", VOCAB)
+            recorded = {**json.loads(FIXTURE.read_text()), **{case: record(data_dir, case) for case in only}}
+        FIXTURE.write_text(json.dumps(recorded, indent=1) + "\n")
     print(f"wrote {FIXTURE}")

@@ -141,3 +141,26 @@ def test_zero2_with_a_killed_worker_resumes_and_matches_ddp(workspace, ddp_run, 
     assert zero.keys() == ddp.keys()
     for key in zero:
         torch.testing.assert_close(zero[key], ddp[key], atol=1e-4, rtol=1e-3, msg=key)
+
+
+@pytest.mark.parametrize("config, strategy", [("peagle-micro.yaml", "zero2"), ("eagle3.1-micro.yaml", "ddp"),
+                                              ("peagle-micro.yaml", "ddp")])
+def test_new_families_train_on_ray_and_track_their_curves(workspace, local_ray, config, strategy):
+    """P-EAGLE and EAGLE-3.1 through jobs.train_drafter on Ray Train (DDP, and P-EAGLE on DeepSpeed ZeRO-2): the
+    checkpoint drafts greedy-identically and MLflow holds the per-position acceptance curve of every trained depth."""
+    from eyas.config import load_config
+    from eyas.train.config import TrainConfig
+    from jobs.train_drafter import train
+
+    cfg = load_config(TrainConfig, REPO / "jobs" / "configs" / config)
+    name = f"{cfg.drafter.type}-{strategy}"
+    out = train(load_config(TrainConfig, REPO / "jobs" / "configs" / config,
+                            overrides(workspace, name, f"scaling.strategy={strategy}")))
+    assert assert_greedy_identical(workspace, out) >= 1.0
+    _, _, run, artifacts = read_back(name)
+    assert run.data.params["drafter.type"] == cfg.drafter.type and run.data.params["scaling.strategy"] == strategy
+    depths = cfg.drafter.config.get("num_depths") or cfg.drafter.config.get("ttt_steps")
+    for key in [f"heldout_acc_{d}" for d in range(1, depths + 1)] + ["tau", "greedy_identical"]:
+        assert key in run.data.metrics, key
+    assert run.data.metrics["greedy_identical"] == 1.0
+    assert "acceptance/epoch_2.png" in artifacts

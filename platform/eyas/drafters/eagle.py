@@ -254,7 +254,8 @@ def unroll_selected(model: EagleModel, input_ids_BT: torch.Tensor, hidden_BTE: t
     128) that skips most of the layer passes and LM-head rows of the unrolled steps.
 
     Returns (step 0's output at every index, [(hidden_out_BRE, logits_BRX)] per step). The model provides
-    ``layer_pass(tokens, hidden, positions, past, mask) -> (out, kv)`` and ``readout(out) -> logits``."""
+    ``layer_pass(tokens, hidden, positions, past, mask) -> (out, kv)``, ``readout(out) -> logits`` and
+    ``carry(out) -> the state the next step reads``."""
     B, T = input_ids_BT.shape
     R = index_BR.shape[1]
     assert hidden_BTE.shape[:2] == (B, T) and index_BR.shape[0] == B, "hidden / index vs tokens"
@@ -268,7 +269,8 @@ def unroll_selected(model: EagleModel, input_ids_BT: torch.Tensor, hidden_BTE: t
     for j in range(1, num_steps):
         mask_B1RS = torch.cat([prefix_BRT] + [own_BRR] * j, dim=-1)[:, None]
         tokens_BR = shift_left(input_ids_BT, 1 + j).gather(1, index_BR)
-        hidden_BRE, (k_BHRD, v_BHRD) = model.layer_pass(tokens_BR, hidden_BRE, index_BR + j, past, mask_B1RS)
+        hidden_BRE, (k_BHRD, v_BHRD) = model.layer_pass(tokens_BR, model.carry(hidden_BRE), index_BR + j, past,
+                                                        mask_B1RS)
         past = (torch.cat([past[0], k_BHRD], 2), torch.cat([past[1], v_BHRD], 2))
         outputs.append((hidden_BRE, model.readout(hidden_BRE)))
     return out_BTE, outputs

@@ -15,6 +15,13 @@ greedy verification the chance that a drafted token is accepted is the chance th
 drafter trained this way has confidences calibrated to greedy acceptance even when the target's own distribution is
 flat, which the dynamic tree's value V (a product of confidences) relies on (papers.md, EAGLE-2).
 
+EAGLE-3.1 (arXiv 2605.09992, "attention drift"; papers.md) is this family with two flags, method ``eagle3.1``:
+``fc_norm`` puts an RMSNorm on each tap's state before the concat and ``fc`` (vLLM's ``fc_norm.{0,1,2}.weight``;
+not speculators' ``norm_before_fc``, one norm over the whole 3E), and ``norm_output`` feeds the final-normed state,
+the one the LM head reads, to the next draft step, where EAGLE-3 feeds the pre-norm one (no new parameters; the
+post-norm feedback of SpecForge PR #879, not #568's logits-only switch). ``Eagle31Config`` turns both on, and its
+checkpoints carry drafter_type "eagle3.1", so jobs.bench finds them beside, not instead of, an EAGLE-3 drafter.
+
 Draft vocabulary: the ``draft_vocab_size`` most frequent target tokens of the training data (``eyas.drafters.vocab``),
 kept as d2t (draft index -> target token id, ascending ids) and saved in the checkpoint's config.json.
 """
@@ -61,6 +68,8 @@ class Eagle3Config:
     # step 0's CE on prompt positions too, times this weight (0 = off): their labels (the target's argmax or
     # distribution at the next position) are in the features already; acc_j stays on the response
     prompt_loss_weight: float = 0.0
+    fc_norm: bool = False  # EAGLE-3.1: an RMSNorm per tap before fc (module docstring)
+    norm_output: bool = False  # EAGLE-3.1: the post-norm state feeds the LM head and the next draft step
 
     def __post_init__(self) -> None:
         require(self.taps is None or len(self.taps) >= 1, "taps", self.taps, "needs at least one tap layer")
@@ -89,6 +98,8 @@ class Eagle3Model(EagleModel):
         self.register_buffer("d2t", d2t_X, persistent=False)  # draft index -> target id (saved in config.json)
         self.register_buffer("t2d", t2d_V, persistent=False)  # target id -> draft index, -1 outside
         self.fc = nn.Linear(len(self.target_taps) * E, E, bias=False)
+        if config.fc_norm:  # state names fc_norm.{i}.weight, as vLLM stores them
+            self.fc_norm = nn.ModuleList(RMSNorm(E, target.config.rms_norm_eps) for _ in self.target_taps)
         self.norm = RMSNorm(E, target.config.rms_norm_eps)
         self.lm_head = nn.Linear(E, d2t_X.numel(), bias=False)
         with torch.no_grad():  # start from the target's own readout, restricted to the draft vocabulary
@@ -97,13 +108,21 @@ class Eagle3Model(EagleModel):
         self.place_like(target)
 
     def initial_hidden(self, taps: dict[int, torch.Tensor]) -> torch.Tensor:
-        fused_TF = torch.cat([taps[layer] for layer in self.target_taps], dim=-1)
-        return linear(self.fc, fused_TF.to(self.dtype))
+        return self.fuse(torch.cat([taps[layer] for layer in self.target_taps], dim=-1))
+
+    def fuse(self, concat_TF: torch.Tensor) -> torch.Tensor:
+        """[..., F] (the taps' states side by side, F = num_taps * E) -> [..., E]: fc, after a norm per tap when
+        ``fc_norm``."""
+        concat_TF = concat_TF.to(self.dtype)
+        if self.config.fc_norm:
+            parts = concat_TF.chunk(len(self.target_taps), dim=-1)
+            concat_TF = torch.cat([norm(part) for norm, part in zip(self.fc_norm, parts)], dim=-1)
+        return linear(self.fc, concat_TF)
 
     def step(self, tokens_BT: torch.Tensor, hidden_BTE: torch.Tensor, positions_BT: torch.Tensor,
              past: KV | None, mask_B1TS: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, KV]:
         out_BTE, kv = self.layer_pass(tokens_BT, hidden_BTE, positions_BT, past, mask_B1TS)
-        return out_BTE, self.readout(out_BTE), kv
+        return self.carry(out_BTE), self.readout(out_BTE), kv
 
     def layer_pass(self, tokens_BT: torch.Tensor, hidden_BTE: torch.Tensor, positions_BT: torch.Tensor,
                    past: KV | None, mask_B1TS: torch.Tensor | None) -> tuple[torch.Tensor, KV]:
@@ -114,6 +133,10 @@ class Eagle3Model(EagleModel):
     def readout(self, out_BTE: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [..., X] of the layer's output."""
         return linear(self.lm_head, self.norm(out_BTE))
+
+    def carry(self, out_BTE: torch.Tensor) -> torch.Tensor:
+        """The state the next draft step reads: the layer's output, or its final-normed form (``norm_output``)."""
+        return self.norm(out_BTE) if self.config.norm_output else out_BTE
 
     def draft_probs(self, logits_X: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [..., X] -> probabilities over the target vocabulary [..., V] (0 outside)."""
@@ -170,3 +193,13 @@ class Eagle3Model(EagleModel):
         logits_BRX = self.readout(gather_rows(first_BTE, index_BR))
         draft_BR = shift_left(target_draft_BT, 1).gather(1, index_BR)
         return self.step_ce(logits_BRX, draft_BR, prompt_BT.gather(1, index_BR) * kept_BR, soft_BTX, index_BR + 1)
+
+@dataclass(frozen=True)
+class Eagle31Config(Eagle3Config):
+    """EAGLE-3.1: EAGLE-3 with both of its flags on (module docstring)."""
+    fc_norm: bool = True  # an RMSNorm per tap before fc
+    norm_output: bool = True  # the post-norm state feeds the LM head and the next draft step
+
+
+class Eagle31Model(Eagle3Model):
+    drafter_type = "eagle3.1"

@@ -30,8 +30,9 @@ from eyas.drafters.dflash2 import DFlash2Config, DFlash2Model, make_dflash2_draf
 from eyas.drafters.dspark import DSparkConfig, DSparkModel, make_dspark_drafter
 from eyas.drafters.eagle_drafter import EagleDrafter
 from eyas.drafters.eagle1 import Eagle1Config, Eagle1Model
-from eyas.drafters.eagle3 import Eagle3Config, Eagle3Model
+from eyas.drafters.eagle3 import Eagle3Config, Eagle3Model, Eagle31Config, Eagle31Model
 from eyas.drafters.medusa import MedusaConfig, MedusaDrafter, MedusaModel
+from eyas.drafters.peagle import PEagleConfig, PEagleModel, make_peagle_drafter
 from eyas.drafters.vocab import build_draft_vocab
 from eyas.drafters.trees import BLOCK_MODES, EXPAND_MODES, TreeSpec
 from eyas.interop.fingerprint import check_fingerprint, target_fingerprint
@@ -66,6 +67,8 @@ FAMILIES: dict[str, Family] = {
     "dflash": Family(DFlashConfig, DFlashModel, make_dflash_drafter, BLOCK_MODES),
     "dspark": Family(DSparkConfig, DSparkModel, make_dspark_drafter, ("block",)),
     "dflash2": Family(DFlash2Config, DFlash2Model, make_dflash2_drafter, ("block",)),
+    "eagle3.1": Family(Eagle31Config, Eagle31Model, _eagle_drafter, EXPAND_MODES),
+    "peagle": Family(PEagleConfig, PEagleModel, make_peagle_drafter, BLOCK_MODES),
 }
 
 def family(drafter_type: str) -> Family:

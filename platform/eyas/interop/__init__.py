@@ -35,7 +35,7 @@ def export_checkpoint(model: torch.nn.Module, fmt: str, target_ref: str, fingerp
     if fmt not in FORMATS:
         raise ValueError(f"--to {fmt!r}: must be one of {FORMATS}")
     kind = model.drafter_type
-    if kind == "eagle3":
+    if kind in eagle3.DRAFTER_TYPES:
         if fmt == "speculators":
             config, weights = speculators.eagle3_config(model, target_ref), speculators.eagle3_weights(model)
         else:
@@ -74,7 +74,7 @@ def foreign_meta(config: dict[str, Any], fmt: str, where: Path) -> dict[str, Any
     if fmt == "speculators":
         drafter_type = speculators.drafter_type(config, where)
     else:
-        drafter_type = fmt
+        drafter_type = eagle3.drafter_type(config) if fmt == "eagle3" else fmt
     return {"drafter_type": drafter_type, "format": fmt, "target": block.get("target") or _verifier(config),
             "engine_config": config}
 
@@ -95,7 +95,7 @@ def import_checkpoint(directory: Path, meta: dict[str, Any], target: Decoder
     state = load_safetensors(weights, fix="export or download the drafter again, or copy the whole directory again")
     if meta["format"] == "speculators":
         config, state = speculators.to_engine(config, state, target, where)
-    if meta["drafter_type"] == "eagle3":
+    if meta["drafter_type"] in eagle3.DRAFTER_TYPES:
         family_config = eagle3.import_config(config, target, str(where), block.get("config"))
         vocab = family_config.draft_vocab_size or target.config.vocab_size
         state, draft_vocab = eagle3.import_weights(state, target, vocab, str(where))
@@ -115,10 +115,10 @@ def import_checkpoint(directory: Path, meta: dict[str, Any], target: Decoder
 def readme(config: dict[str, Any], fmt: str) -> str:
     block = config[EYAS_BLOCK]
     serve = {"sglang": "python -m sglang.launch_server --model TARGET --speculative-algorithm "
-                       f"{'EAGLE3' if block['drafter_type'] == 'eagle3' else 'DFLASH'} "
+                       f"{'EAGLE3' if block['drafter_type'] in eagle3.DRAFTER_TYPES else 'DFLASH'} "
                        "--speculative-draft-model-path THIS_DIR",
              "vllm": "vllm serve TARGET --speculative-config '{\"method\": \"%s\", \"model\": \"THIS_DIR\"}'"
-                     % ("eagle3" if block["drafter_type"] == "eagle3" else "dflash"),
+                     % ("eagle3" if block["drafter_type"] in eagle3.DRAFTER_TYPES else "dflash"),
              "speculators": "vllm serve THIS_DIR  (the speculators_config names the verifier)"}[fmt]
     fingerprint = block["target_fingerprint"]
     return (f"# eyas {block['drafter_type']} drafter, {fmt} format\n\n"

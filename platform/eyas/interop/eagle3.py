@@ -18,6 +18,18 @@ same thing, so the weights map name for name:
   draft_vocab (target ids)   d2t[x] = id - x (int64), t2d[id] = id in the draft vocab (bool)
 The embedding is the target's and is not written. What cannot be written exactly is refused: a tap count other
 than 3 (the engines' fc takes three target layers), taps an engine cannot capture (layer_ids.py).
+
+EAGLE-3.1 and P-EAGLE are the same layout with more (papers.md; vLLM PRs #42764 and #32887, speculators 0.9.0
+models/eagle3 and models/peagle): ``fc_norm.{0,1,2}.weight`` (a norm per tap before fc) with ``"fc_norm": true``;
+``"norm_output": true`` (no tensor); P-EAGLE's ``"parallel_drafting": true``, ``mask_hidden`` [1, 1, 3E] and its mask
+id written as both ``mask_token_id`` and ``pard_token`` (older vLLM reads only the latter), and its later layers as
+``layers.{i}.*`` beside ``midlayer.*`` (vLLM loads midlayer as layers.0). Checked against vLLM 0.32.0's
+model_executor/models/llama_eagle3.py (``fc_norm`` and ``norm_output`` read from the config, ``fc_norm.{i}`` one
+RMSNorm per aux state, ``mask_hidden`` loaded as view(1, -1)) and v1/spec_decode/llm_base_proposer.py (the mask id
+looked up as mask_token_id, then pard_token); vLLM takes ``parallel_drafting`` itself from the speculative config,
+so the copy in config.json is what eyas's import reads. The SGLang export of EAGLE-3.1 writes the same keys; that
+SGLang reads ``fc_norm`` (it reads ``norm_output``, default false) was not checked against its source here. SGLang
+serves no parallel drafting, so a P-EAGLE drafter is not written for it. Import picks the family from the same keys.
 """
 from __future__ import annotations
 
@@ -27,7 +39,8 @@ import torch
 
 from eyas.config import from_dict
 from eyas.drafters.eagle import DraftLayerConfig
-from eyas.drafters.eagle3 import Eagle3Config, Eagle3Model, eagle3_taps
+from eyas.drafters.eagle3 import Eagle3Config, Eagle3Model, Eagle31Config, eagle3_taps
+from eyas.drafters.peagle import PEagleConfig
 from eyas.interop import layer_ids
 from eyas.models.config import CheckpointError
 from eyas.models.decoder import Decoder
@@ -36,7 +49,17 @@ SGLANG_ARCH, VLLM_ARCH = "LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM"
 ARCHITECTURES = (SGLANG_ARCH, VLLM_ARCH)
 LAYER_PREFIX, ENGINE_LAYER_PREFIX = "layer.", "midlayer."
 # engine-only tensors eyas has no counterpart for: refusing beats silently dropping them
-UNSUPPORTED_PREFIXES = ("fc_norm.", "midlayers.", "layers.1.", "additional_layers.", "mask_hidden")
+UNSUPPORTED_PREFIXES = ("midlayers.", "additional_layers.")
+DRAFTER_TYPES = ("eagle3", "eagle3.1", "peagle")  # the eyas families written in this layout
+LATER_PREFIX = "later_layers."  # P-EAGLE's layers after the first: engine layers.{i + 1}
+CONFIG_CLASSES = {"eagle3": Eagle3Config, "eagle3.1": Eagle31Config, "peagle": PEagleConfig}
+
+
+def drafter_type(config: dict[str, Any]) -> str:
+    """The eyas family an engine config describes: P-EAGLE with parallel drafting, EAGLE-3.1 with either 3.1 flag."""
+    if config.get("parallel_drafting"):
+        return "peagle"
+    return "eagle3.1" if config.get("fc_norm") or config.get("norm_output") else "eagle3"
 
 
 def llama_layer_config(model: Eagle3Model) -> dict[str, Any]:
@@ -44,7 +67,7 @@ def llama_layer_config(model: Eagle3Model) -> dict[str, Any]:
     layer = model.layer_config
     return {"model_type": "llama", "hidden_size": layer.hidden_size, "intermediate_size": layer.intermediate_size,
             "num_attention_heads": layer.num_heads, "num_key_value_heads": layer.num_kv_heads,
-            "head_dim": layer.head_dim, "num_hidden_layers": 1, "hidden_act": "silu", "rms_norm_eps": layer.rms_norm_eps,
+            "head_dim": layer.head_dim, "num_hidden_layers": getattr(model, "num_draft_layers", 1), "hidden_act": "silu", "rms_norm_eps": layer.rms_norm_eps,
             "rope_theta": layer.rope_theta, "rope_scaling": layer.rope_scaling,
             "max_position_embeddings": layer.max_position_embeddings, "vocab_size": model.target_config.vocab_size,
             "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False, "torch_dtype": "float32"}
@@ -74,13 +97,29 @@ def export_config(model: Eagle3Model, engine: str) -> dict[str, Any]:
         config["norm_before_residual"] = False  # eyas: residual = the un-normed hidden state
     else:
         raise ValueError(f"unknown engine {engine!r}")
+    if model.config.fc_norm:
+        config["fc_norm"] = True
+    if getattr(model.config, "norm_output", False):
+        config["norm_output"] = True
+    if model.drafter_type == "peagle":
+        if engine == "sglang":
+            raise CheckpointError("a P-EAGLE drafter has no SGLang format: SGLang serves no parallel drafting; export "
+                                  "it --to vllm or --to speculators")
+        config["parallel_drafting"] = True
+        config["mask_token_id"] = config["pard_token"] = model.config.mask_token_id
     return config
 
 
 def export_weights(model: Eagle3Model) -> dict[str, torch.Tensor]:
     state = {}
     for name, tensor in model.state_dict().items():
-        key = ENGINE_LAYER_PREFIX + name[len(LAYER_PREFIX):] if name.startswith(LAYER_PREFIX) else name
+        if name.startswith(LAYER_PREFIX):
+            key = ENGINE_LAYER_PREFIX + name[len(LAYER_PREFIX):]
+        elif name.startswith(LATER_PREFIX):
+            index, rest = name[len(LATER_PREFIX):].split(".", 1)
+            key = f"layers.{int(index) + 1}.{rest}"
+        else:
+            key = name
         state[key] = tensor.detach().float().contiguous().cpu()
     d2t_X = model.d2t.cpu()
     state["d2t"] = (d2t_X - torch.arange(d2t_X.numel())).contiguous()  # target id minus draft id
@@ -135,7 +174,8 @@ def check_architecture(config: dict[str, Any], target: Decoder, where: str) -> N
     _require_equal(where, "target_hidden_size", config.get("target_hidden_size"), t.hidden_size,
                    "the target's hidden size")
     _require_equal(where, "vocab_size", config.get("vocab_size"), t.vocab_size, "the target's vocab size")
-    _require_equal(where, "num_hidden_layers", config.get("num_hidden_layers"), 1, "eyas's drafter layer count")
+    if not config.get("parallel_drafting"):  # P-EAGLE may have several layers
+        _require_equal(where, "num_hidden_layers", config.get("num_hidden_layers"), 1, "eyas's drafter layer count")
     _require_equal(where, "hidden_act", config.get("hidden_act"), "silu", "eyas's activation")
     _require_equal(where, "rms_norm_eps", config.get("rms_norm_eps"), t.rms_norm_eps, "the target's norm eps")
     _require_equal(where, "rope_theta", config.get("rope_theta"), t.rope_theta, "the target's rope theta")
@@ -155,8 +195,8 @@ def import_weights(state: dict[str, torch.Tensor], target: Decoder, draft_vocab_
     """Engine tensors -> (eyas state_dict, draft_vocab as target ids or None for the full vocabulary)."""
     unsupported = sorted(k for k in state if k.startswith(UNSUPPORTED_PREFIXES) or k.endswith(".bias"))
     if unsupported:
-        raise CheckpointError(f"{where}: tensors {unsupported[:4]} have no counterpart in eyas's EAGLE-3 (EAGLE-3.1 "
-                              "fc_norm, extra layers, biases or parallel drafting); refusing rather than dropping them")
+        raise CheckpointError(f"{where}: tensors {unsupported[:4]} have no counterpart in eyas's EAGLE-3 family "
+                              "(extra layers or biases); refusing rather than dropping them")
     embed = state.get("embed_tokens.weight")
     if embed is not None and not torch.equal(embed.to(target.embed_tokens.weight), target.embed_tokens.weight):
         raise CheckpointError(f"{where}: embed_tokens.weight differs from the target's embedding; eyas's EAGLE-3 "
@@ -165,7 +205,7 @@ def import_weights(state: dict[str, torch.Tensor], target: Decoder, draft_vocab_
     for name, tensor in state.items():
         if name in ("d2t", "t2d", "embed_tokens.weight"):
             continue
-        out[LAYER_PREFIX + name[len(ENGINE_LAYER_PREFIX):] if name.startswith(ENGINE_LAYER_PREFIX) else name] = tensor
+        out[_eyas_name(name)] = tensor
     V = target.config.vocab_size
     if "d2t" not in state:
         if draft_vocab_size != V:
@@ -181,21 +221,54 @@ def import_weights(state: dict[str, torch.Tensor], target: Decoder, draft_vocab_
     return out, ids_X.tolist()
 
 
+def _eyas_name(name: str) -> str:
+    """An engine tensor name -> eyas's: midlayer.* / layers.0.* the first layer, layers.{i}.* P-EAGLE's later ones."""
+    if name.startswith(ENGINE_LAYER_PREFIX):
+        return LAYER_PREFIX + name[len(ENGINE_LAYER_PREFIX):]
+    if name.startswith("layers."):
+        index, rest = name[len("layers."):].split(".", 1)
+        return f"{LAYER_PREFIX}{rest}" if index == "0" else f"{LATER_PREFIX}{int(index) - 1}.{rest}"
+    return name
+
+
+def _family_fields(config: dict[str, Any], kind: str, where: str) -> dict[str, Any]:
+    """The config fields the engine keys set beyond EAGLE-3's: the 3.1 flags, P-EAGLE's layers and mask id."""
+    fields: dict[str, Any] = {"fc_norm": bool(config.get("fc_norm"))}
+    if kind == "peagle":
+        mask_id, pard = config.get("mask_token_id"), config.get("pard_token")
+        if mask_id is None or (pard is not None and pard != mask_id):
+            raise CheckpointError(f"{where}: parallel drafting needs one mask token id (mask_token_id={mask_id}, "
+                                  f"pard_token={pard})")
+        if config.get("norm_output"):
+            raise CheckpointError(f"{where}: norm_output=true with parallel drafting; eyas's P-EAGLE never feeds "
+                                  "a drafted state forward, so the flag has no meaning there")
+        fields.update(num_layers=int(config.get("num_hidden_layers") or 1), mask_token_id=int(mask_id))
+    else:
+        fields["norm_output"] = bool(config.get("norm_output"))
+    return fields
+
+
 def import_config(config: dict[str, Any], target: Decoder, where: str, eyas_block: dict[str, Any] | None
-                  ) -> Eagle3Config:
-    """The Eagle3Config an engine checkpoint describes. eyas's own exports carry an ``eyas`` block with the
-    training-only settings (ttt_steps, step_decay, ...); its architecture must agree with the engine keys."""
+                  ) -> Eagle3Config | PEagleConfig:
+    """The config (Eagle3Config, Eagle31Config or PEagleConfig: ``drafter_type``) an engine checkpoint describes.
+    eyas's own exports carry an ``eyas`` block with the training-only settings (ttt_steps, step_decay, ...); its
+    architecture must agree with the engine keys."""
     check_architecture(config, target, where)
+    kind = drafter_type(config)
     taps = import_taps(config, target.config.num_layers, where)
     vocab = config.get("draft_vocab_size") or target.config.vocab_size
-    derived = Eagle3Config(layer=_layer_config(config, target), taps=taps,
-                           draft_vocab_size=None if vocab == target.config.vocab_size else vocab)
+    config_cls = CONFIG_CLASSES[kind]
+    derived = config_cls(layer=_layer_config(config, target), taps=taps,
+                         draft_vocab_size=None if vocab == target.config.vocab_size else vocab,
+                         **_family_fields(config, kind, where))
     if eyas_block is None:
         return derived
-    saved = from_dict(Eagle3Config, eyas_block, prefix="eyas.config.")
+    saved = from_dict(config_cls, eyas_block, prefix="eyas.config.")
+    extra = _family_fields(config, kind, where)
     same = (tuple(saved.taps or eagle3_taps(target.config.num_layers)) == taps
             and saved.layer.model_config(target.config) == derived.layer.model_config(target.config)
-            and (saved.draft_vocab_size or target.config.vocab_size) == vocab)
+            and (saved.draft_vocab_size or target.config.vocab_size) == vocab
+            and all(getattr(saved, name) == value for name, value in extra.items()))
     if not same:
         raise CheckpointError(f"{where}: the eyas block disagrees with the engine keys (taps, layer widths or draft "
                               "vocab size); was config.json edited by hand? Remove the eyas block to load by the "

@@ -3,8 +3,11 @@
 Checked against the installed speculators 0.9.0 source: models/eagle3/config.py (Eagle3SpeculatorConfig:
 ``transformer_layer_config``, ``draft_vocab_size``, ``norm_before_residual`` (default False here; vLLM's
 speculators adapter update_eagle3 defaults it to True when absent, so eyas always writes it), ``target_hidden_size``,
-``eagle_aux_hidden_state_layer_ids``, ``norm_before_fc`` / ``fc_norm`` / ``norm_output`` (EAGLE-3.1 variants eyas does
-not have)), models/eagle3/core.py (Eagle3DraftModel: ``fc``, ``layers.0.*`` whose first layer splits
+``eagle_aux_hidden_state_layer_ids``, ``norm_before_fc`` / ``fc_norm`` / ``norm_output`` (EAGLE-3.1: eyas writes and
+reads ``fc_norm`` and ``norm_output``, refuses ``norm_before_fc``, a single norm over the whole 3E it does not have)),
+models/peagle/config.py + core.py (PEagleSpeculatorConfig: eagle3's fields, ``speculators_model_type`` "peagle",
+``mask_token_id``; PEagleDraftModel: ``mask_hidden`` [1, 1, num_aux * E], layers ``layers.{i}``),
+models/eagle3/core.py (Eagle3DraftModel: ``fc``, ``layers.0.*`` whose first layer splits
 cat(embeds, hidden), normalises each and keeps the un-normed hidden as residual, ``norm``, ``lm_head`` over the
 draft vocab, ``embed_tokens`` [V, E] and the ``d2t`` / ``t2d`` buffers only when draft vocab < vocab),
 models/dflash/config.py + core.py (DFlashSpeculatorConfig: ``aux_hidden_state_layer_ids``, top-level
@@ -47,16 +50,23 @@ def _speculators_block(algorithm: str, num_tokens: int, target_config, target_re
 
 
 def eagle3_config(model, target_ref: str) -> dict[str, Any]:
+    """EAGLE-3 and EAGLE-3.1 as speculators' ``eagle3``, P-EAGLE as its ``peagle``."""
     layer = {k: v for k, v in eagle3.llama_layer_config(model).items() if k not in ("torch_dtype",)}
     layer["rope_parameters"] = _rope_parameters(layer)
     target = model.target_config
-    return {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "speculators_version": VERSION,
-            "transformer_layer_config": layer,
-            "draft_vocab_size": len(model.draft_vocab) if model.draft_vocab else target.vocab_size,
-            "norm_before_residual": False, "target_hidden_size": target.hidden_size,
-            "eagle_aux_hidden_state_layer_ids": eagle3.engine_ids(model, "vllm-eagle3"),
-            "norm_before_fc": False, "fc_norm": False, "norm_output": False,
-            "speculators_config": _speculators_block("eagle3", model.config.ttt_steps, target, target_ref)}
+    kind = "peagle" if model.drafter_type == "peagle" else "eagle3"
+    num_tokens = model.config.num_depths if kind == "peagle" else model.config.ttt_steps
+    config = {"architectures": ["PEagleSpeculator" if kind == "peagle" else "Eagle3Speculator"],
+              "speculators_model_type": kind, "speculators_version": VERSION, "transformer_layer_config": layer,
+              "draft_vocab_size": len(model.draft_vocab) if model.draft_vocab else target.vocab_size,
+              "norm_before_residual": False, "target_hidden_size": target.hidden_size,
+              "eagle_aux_hidden_state_layer_ids": eagle3.engine_ids(model, "vllm-eagle3"),
+              "norm_before_fc": False, "fc_norm": bool(model.config.fc_norm),
+              "norm_output": bool(getattr(model.config, "norm_output", False)),
+              "speculators_config": _speculators_block(kind, num_tokens, target, target_ref)}
+    if kind == "peagle":
+        config["mask_token_id"] = model.config.mask_token_id
+    return config
 
 
 def eagle3_weights(model) -> dict[str, torch.Tensor]:
@@ -95,8 +105,11 @@ def dflash_weights(model) -> dict[str, torch.Tensor]:
 
 def drafter_type(config: dict[str, Any], where) -> str:
     kind = config.get("speculators_model_type") or (config.get("speculators_config") or {}).get("algorithm")
-    if kind not in ("eagle3", "dflash"):
-        raise CheckpointError(f"{where}: speculators model type {kind!r}; eyas reads eagle3 and dflash speculators")
+    if kind not in ("eagle3", "peagle", "dflash"):
+        raise CheckpointError(f"{where}: speculators model type {kind!r}; eyas reads eagle3, peagle and dflash "
+                              "speculators")
+    if kind == "eagle3":
+        return eagle3.drafter_type(config)
     return kind
 
 
@@ -120,10 +133,10 @@ def to_engine(config: dict[str, Any], state: dict[str, torch.Tensor], target: De
     """A speculators checkpoint -> (the engine-style config and tensor names eagle3.py / dflash.py import)."""
     state = {k: v for k, v in state.items() if not k.startswith(("verifier_lm_head.", "verifier_norm."))}
     layer, kind = _layer(config), drafter_type(config, where)
-    if kind == "eagle3":
-        for flag in ("norm_before_fc", "fc_norm", "norm_output"):
-            if config.get(flag):
-                raise CheckpointError(f"{where}: {flag}=true (an EAGLE-3.1 variant); eyas's EAGLE-3 has no such norm")
+    if kind in eagle3.DRAFTER_TYPES:
+        if config.get("norm_before_fc"):
+            raise CheckpointError(f"{where}: norm_before_fc=true (one norm over the concatenated taps); eyas's EAGLE-3 "
+                                  "family has fc_norm (a norm per tap) instead")
         if "norm_before_residual" not in config:
             raise CheckpointError(f"{where}: no norm_before_residual; speculators defaults it to false and vLLM to "
                                   "true, so the residual convention is ambiguous")
@@ -132,6 +145,9 @@ def to_engine(config: dict[str, Any], state: dict[str, torch.Tensor], target: De
                   "eagle_aux_hidden_state_layer_ids": config.get("eagle_aux_hidden_state_layer_ids")}
         if config.get("target_hidden_size") is not None:
             engine["target_hidden_size"] = config["target_hidden_size"]
+        engine.update({flag: True for flag in ("fc_norm", "norm_output") if config.get(flag)})
+        if kind == "peagle":
+            engine.update(parallel_drafting=True, mask_token_id=config.get("mask_token_id"))
         renamed = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v for k, v in state.items()}
         return engine, renamed
     if config.get("sample_from_anchor"):

@@ -59,7 +59,8 @@ def random_drafters(random_checkpoint, setup, tmp_path_factory):
     out = {}
     for family, config in (("eagle1", None), ("eagle3", None), ("medusa", None), ("dflash", {"num_taps": 1}),
                            ("dspark", {"num_taps": 1, "markov_rank": 16}),
-                           ("dflash2", {"num_taps": 1, "selector_rank": 16})):
+                           ("dflash2", {"num_taps": 1, "selector_rank": 16}),
+                           ("eagle3.1", None), ("peagle", {"num_depths": 4})):
         torch.manual_seed(0)
         model = build_model(family, config, target, token_counts_V=torch.ones(target.config.vocab_size))
         out[family] = save_drafter(model, tmp_path_factory.mktemp(family), random_checkpoint)

@@ -13,7 +13,8 @@ NUM_NEW = 32
 # the methods whose losslessness the engine's tests check; the trained families read random_drafters[family]
 UNTRAINED_METHODS = ("vanilla", "ngram", "ngram-datastore", "draft-lm")
 TRAINED_METHODS = {"eagle2": "eagle1", "eagle3": "eagle3", "medusa": "medusa", "dflash": "dflash",
-                   "dflash-ddtree": "dflash", "dspark": "dspark", "dflash2": "dflash2"}
+                   "dflash-ddtree": "dflash", "dspark": "dspark", "dflash2": "dflash2",
+                   "eagle3.1": "eagle3.1", "peagle": "peagle"}
 
 
 def spec_for(method: str, draft_dir, datastore_dir=None, drafters: dict | None = None) -> SpecConfig:

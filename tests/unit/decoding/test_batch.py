@@ -105,7 +105,8 @@ def test_batched_greedy_equals_single_generate(request, random_draft_checkpoint,
 
 @pytest.mark.parametrize("method, family", [("eagle2", "eagle1"), ("eagle3", "eagle3"), ("medusa", "medusa"),
                                             ("dflash", "dflash"), ("dflash-ddtree", "dflash"), ("dspark", "dspark"),
-                                            ("dflash2", "dflash2")])
+                                            ("dflash2", "dflash2"), ("eagle3.1", "eagle3.1"),
+                                            ("peagle", "peagle")])
 def test_batched_greedy_with_trained_drafter_families(setup, random_drafters, method, family):
     target, prompts, eos = setup
     spec = SpecConfig(method=method, drafter=str(random_drafters[family]))
@@ -201,7 +202,7 @@ def test_budget_switches_run_no_drafter_at_budget_0_and_stay_lossless(setup, ran
                 torch.testing.assert_close(torch.cat(drafter.taps[l]), want[l][0], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("family", ["eagle1", "eagle3", "medusa", "dflash", "dspark", "dflash2"])
+@pytest.mark.parametrize("family", ["eagle1", "eagle3", "medusa", "dflash", "dspark", "dflash2", "eagle3.1", "peagle"])
 def test_drafter_state_does_not_depend_on_how_commits_split_the_tokens(setup, random_drafters, family):
     """The contract the engine's catch-up relies on (drafters/base.py): one begin over everything, or begin then
     one commit per token, or begin then one commit over the rest, propose the same tree."""

@@ -12,12 +12,12 @@ from eyas.decoding.requests import SequenceRequest, SpeculationSchedule
 from eyas.methods import LEARNED_PROPOSERS, METHODS, SpecConfig, build_drafter
 
 FAMILY_OF = {"eagle1": "eagle1", "eagle2": "eagle1", "eagle3": "eagle3", "medusa": "medusa", "dflash": "dflash",
-             "dflash-ddtree": "dflash"}
+             "dflash-ddtree": "dflash", "eagle3.1": "eagle3.1", "peagle": "peagle"}
 # (learned proposer, its tree settings): every proposer, and every tree shape of one of them
 CASES = [(name, {}) for name in LEARNED_PROPOSERS] + [
     ("eagle3", {"tree": "chain", "depth": 3}), ("eagle3", {"tree": "static"}),
     ("eagle3", {"tree": "best-first", "depth": 4, "top_k": 3}), ("medusa", {"tree": "dynamic", "depth": 3}),
-    ("dflash-ddtree", {"top_k": 2})]
+    ("dflash-ddtree", {"top_k": 2}), ("peagle", {"tree": "ddtree", "top_k": 2})]
 
 
 def hybrid_spec(learned: str, tree: dict, drafters, draft_dir, datastore_dir, num_nodes: int = 10) -> SpecConfig:

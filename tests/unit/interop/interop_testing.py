@@ -14,6 +14,8 @@ LLAMA = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermedi
 QWEN3 = replace(LLAMA, model_type="qwen3", qk_norm=True)
 EAGLE3 = {"draft_vocab_size": 40, "ttt_steps": 2}
 DFLASH = {"num_layers": 2, "block_size": 4, "num_taps": 3, "mask_token_id": 5, "num_anchors": 8}
+PEAGLE = {"draft_vocab_size": 40, "num_depths": 3, "num_layers": 2, "mask_token_id": 5}
+CONFIGS = {"eagle3": EAGLE3, "eagle3.1": EAGLE3, "peagle": PEAGLE, "dflash": DFLASH}
 PROMPTS = [[5, 9, 2], [1, 7, 3, 9, 4, 11], [60, 2, 33, 33, 8]]
 
 
@@ -28,8 +30,8 @@ def tiny(config: ModelConfig = LLAMA, seed: int = 0) -> Decoder:
 def drafter(drafter_type: str, target: Decoder, config: dict | None = None, seed: int = 5):
     """A fresh drafter with every weight moved off its initial value (so a round trip proves something)."""
     torch.manual_seed(seed)
-    config = dict(config if config is not None else (EAGLE3 if drafter_type == "eagle3" else DFLASH))
-    vocab = [i for i in range(64) if i % 8 != 7][:config["draft_vocab_size"]] if drafter_type == "eagle3" else None
+    config = dict(config if config is not None else CONFIGS[drafter_type])
+    vocab = [i for i in range(64) if i % 8 != 7][:config["draft_vocab_size"]] if drafter_type != "dflash" else None
     model = registry.build_model(drafter_type, config, target, vocab)
     with torch.no_grad():
         for parameter in model.parameters():

@@ -11,12 +11,13 @@ from eyas.drafters import registry
 from eyas.interop import write_export
 from eyas.methods import load_drafter
 
-CASES = [(kind, fmt) for kind in ("eagle3", "dflash") for fmt in ("sglang", "vllm", "speculators")]
+CASES = [(kind, fmt) for kind in ("eagle3", "dflash", "eagle3.1") for fmt in ("sglang", "vllm", "speculators")] + [
+    ("peagle", "vllm"), ("peagle", "speculators")]
 
 
 @pytest.fixture(scope="module")
 def targets():
-    return {"eagle3": tiny(), "dflash": tiny(QWEN3)}
+    return {"eagle3": tiny(), "dflash": tiny(QWEN3), "eagle3.1": tiny(), "peagle": tiny()}
 
 
 def drafted_trees(path, target) -> list:
@@ -101,3 +102,28 @@ def test_a_checkpoint_trained_elsewhere_runs_through_the_method_table(targets, t
     assert len(ours.trees) == len(theirs.trees) > 0
     for a, b in zip(ours.trees, theirs.trees):
         assert torch.equal(a.tokens_N, b.tokens_N) and torch.equal(a.scores_N, b.scores_N)
+
+
+def test_the_eagle3_family_writes_its_own_keys(targets, tmp_path):
+    """EAGLE-3.1: fc_norm.{0,1,2}.weight and both flags; P-EAGLE: parallel_drafting, mask_hidden [1, 1, 3E], the mask
+    id under both names vLLM reads, its second layer as layers.1; plain EAGLE-3 writes none of them; SGLang gets no
+    P-EAGLE (it serves no parallel drafting)."""
+    from safetensors.torch import load_file
+
+    from eyas.models.config import CheckpointError
+
+    flagged = write_export(drafter("eagle3.1", targets["eagle3.1"]), "vllm", tmp_path / "e31", "tiny")
+    config, state = json.loads((flagged / "config.json").read_text()), load_file(str(flagged / "model.safetensors"))
+    assert config["fc_norm"] is True and config["norm_output"] is True and "parallel_drafting" not in config
+    assert sorted(k for k in state if k.startswith("fc_norm.")) == [f"fc_norm.{i}.weight" for i in range(3)]
+    parallel = write_export(drafter("peagle", targets["peagle"]), "vllm", tmp_path / "pe", "tiny")
+    config, state = json.loads((parallel / "config.json").read_text()), load_file(str(parallel / "model.safetensors"))
+    assert config["parallel_drafting"] is True and config["mask_token_id"] == config["pard_token"] == 5
+    assert config["num_hidden_layers"] == 2 and config["architectures"] == ["Eagle3LlamaForCausalLM"]
+    assert state["mask_hidden"].shape == (1, 1, 3 * 32) and "layers.1.self_attn.q_proj.weight" in state
+    assert "midlayer.hidden_norm.weight" in state and "fc_norm" not in config
+    plain = write_export(drafter("eagle3", targets["eagle3"]), "vllm", tmp_path / "e3", "tiny")
+    config = json.loads((plain / "config.json").read_text())
+    assert not {"fc_norm", "norm_output", "parallel_drafting", "mask_token_id"} & set(config)
+    with pytest.raises(CheckpointError, match="no SGLang format"):
+        write_export(drafter("peagle", targets["peagle"]), "sglang", tmp_path / "pe-sg", "tiny")

@@ -1,5 +1,6 @@
-"""Third-party load: the ``speculators`` package (0.9.0) loads eyas's Eagle-3 and DFlash exports with its own classes
-(Eagle3DraftModel / DFlashDraftModel.from_pretrained) and its draft logits equal eyas's within 1e-4 (float32).
+"""Third-party load: the ``speculators`` package (0.9.0) loads eyas's EAGLE-3, EAGLE-3.1, P-EAGLE and DFlash exports
+with its own classes (Eagle3DraftModel / PEagleDraftModel / DFlashDraftModel.from_pretrained) and its draft logits
+equal eyas's within 1e-4 (float32).
 
 speculators pins transformers <= 5.19, older than eyas's, so it runs in a subprocess from a separate tool folder:
 ``make test`` installs it (with --no-deps) into .venv-tools/speculators, put before .venv's site-packages on
@@ -17,6 +18,8 @@ import torch
 from interop_testing import QWEN3, drafter, tiny
 from safetensors.torch import save_file
 
+from eyas.drafters.peagle import PEagleDrafter
+from eyas.drafters.trees import TreeSpec
 from eyas.interop import write_export
 
 TOOL_DIR = Path(__file__).resolve().parents[3] / ".venv-tools" / "speculators"  # the Makefile's $(SPECULATORS)
@@ -62,6 +65,21 @@ def test_speculators_loads_exports_with_equal_logits(tmp_path):
     write_export(eagle, "speculators", tmp_path / "eagle3", verifier_dir(target, tmp_path / "verifier-llama"))
     torch.save({"hidden": torch.cat([prefix[k] for k in eagle.target_taps], -1), "ids": tokens_1T[:, 1:],
                 "logits": logits_1TX.float()}, tmp_path / "eagle3.pt")
+
+    eagle31 = drafter("eagle3.1", target)  # fc_norm: a norm per tap before fc; norm_output
+    _, logits_1TX, _ = eagle31.step(tokens_1T[:, 1:], eagle31.initial_hidden(prefix), torch.arange(T - 1)[None], None,
+                                    None)
+    write_export(eagle31, "speculators", tmp_path / "eagle3.1", verifier_dir(target, tmp_path / "verifier-31"))
+    torch.save({"hidden": torch.cat([prefix[k] for k in eagle31.target_taps], -1), "ids": tokens_1T[:, 1:],
+                "logits": logits_1TX.float()}, tmp_path / "eagle3.1.pt")
+
+    parallel = drafter("peagle", target)  # 2 layers, 3 depths: the root's entry and 2 mask entries in one pass
+    one_pass = PEagleDrafter(parallel, TreeSpec(mode="block"))
+    one_pass.begin(tokens_1T[0, :-1].tolist(), {k: prefix[k][0] for k in parallel.target_taps})
+    write_export(parallel, "speculators", tmp_path / "peagle", verifier_dir(target, tmp_path / "verifier-pe"))
+    torch.save({"hidden": torch.cat([prefix[k] for k in parallel.target_taps], -1), "ids": tokens_1T[:, 1:],
+                "depths": one_pass.depth, "logits": one_pass.draft_logits(int(tokens_1T[0, -1]))},
+               tmp_path / "peagle.pt")
 
     qwen3 = tiny(QWEN3)
     block = drafter("dflash", qwen3)

@@ -24,6 +24,8 @@ SMALL = {  # fields over each family's defaults, sized for a 6-layer hidden-32 t
     "dspark": {"num_layers": 1, "block_size": 4, "num_taps": 2, "num_anchors": 8, "markov_rank": 16},
     "dflash2": {"num_layers": 1, "block_size": 4, "num_taps": 2, "num_anchors": 8, "selector_rank": 16,
                 "selector_top_k": 8},
+    "eagle3.1": {"ttt_steps": 3, "draft_vocab_size": 48},
+    "peagle": {"num_depths": 3, "draft_vocab_size": 48},
 }
 TRAINABLE = sorted(name for name, family in registry.FAMILIES.items() if family.build_model is not None)
 

@@ -188,8 +188,38 @@ def test_checkpoint_resume_continues_exactly(strategy, process_group, tmp_path, 
         torch.testing.assert_close(a, b, msg=name)
 
 
+@pytest.mark.slow  # DeepSpeed's one-time JIT build (above)
+def test_zero2_trains_the_new_families_as_ddp_does(process_group, monkeypatch):
+    """P-EAGLE and EAGLE-3.1 through DeepSpeed ZeRO-2 (scaling.strategy=zero2): on one rank, the same weights as
+    DDP after the same steps (their extra parameters, mask_hidden and fc_norm, included). One test for both:
+    DeepSpeed keeps the first process group it saw, so a second test's new group would not be registered."""
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    from eyas.drafters import registry
+    from eyas.train.step import make_strategy
+
+    target = tiny_target()
+    batches = [regenerated(target, 2, seed=s) for s in range(3)]
+    vocab = list(range(48))
+
+    def trained(strategy, family, config):
+        torch.manual_seed(0)
+        drafter = registry.build_model(family, config, target, draft_vocab=vocab)
+        run = make_strategy(strategy, drafter, OptimConfig(lr=1e-2, warmup_steps=1), 2, 3, 1, torch.device("cpu"))
+        for step, batch in enumerate(batches):
+            torch.manual_seed(step)  # the same COD draws under both strategies
+            run.step(batch, target_features(target, batch.input_ids_BT, drafter.target_taps))
+        return run.drafter.state_dict()
+
+    for family, config, extra in (("peagle", {"num_depths": 3, "draft_vocab_size": 48}, "mask_hidden"),
+                                  ("eagle3.1", {"ttt_steps": 3, "draft_vocab_size": 48}, "fc_norm.0.weight")):
+        ddp, zero = trained("ddp", family, config), trained("zero2", family, config)
+        assert extra in ddp
+        for name, tensor in ddp.items():
+            torch.testing.assert_close(zero[name], tensor, atol=1e-5, rtol=1e-4, msg=f"{family}: {name}")
+
+
 CONFIGS = REPO / "jobs" / "configs"
-FAMILY_PREFIXES = ("eagle1-", "eagle3-", "medusa-", "dflash-", "dspark-", "dflash2-")
+FAMILY_PREFIXES = ("eagle1-", "eagle3-", "medusa-", "dflash-", "dspark-", "dflash2-", "eagle3.1-", "peagle-")
 DRAFTER_CONFIGS = sorted(p for p in CONFIGS.rglob("*.yaml")
                          if p.parent.name == "presets" or p.name.startswith(FAMILY_PREFIXES))
 

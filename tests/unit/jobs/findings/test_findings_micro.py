@@ -9,7 +9,8 @@ import pytest
 from mlflow import MlflowClient
 
 from eyas.config import from_dict
-from jobs.findings import calibration, data_scaling, dflash_eagle3, hardware_nstar, position_context, tree_chain
+from jobs.findings import (calibration, data_scaling, dflash_eagle3, hardware_nstar, peagle_cost, position_context,
+                           tree_chain)
 from jobs.findings.cli import FINDINGS, main
 
 FIGURES = {
@@ -19,6 +20,7 @@ FIGURES = {
     "tree-vs-chain": {"tau_speedup_vs_n.png"},
     "hardware-n-star": {"cost_curve.png", "speedup_vs_n.png"},
     "dflash-vs-eagle3": {"dflash_vs_eagle3.png", "convergence.png"},
+    "peagle-vs-eagle3-cost": {"drafter_share.png"},
 }
 
 
@@ -35,6 +37,8 @@ def rejudge(name: str, table: list[dict], settings):
         return tree_chain.judge(table)
     if name == "hardware-n-star":
         return hardware_nstar.judge(table, settings)
+    if name == "peagle-vs-eagle3-cost":
+        return peagle_cost.judge(table, settings)
     return dflash_eagle3.judge(table, settings)
 
 
