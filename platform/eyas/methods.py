@@ -249,6 +249,16 @@ def retrieval_prior(mean: float | None) -> tuple[float, float]:
     return (mean * weight, (1.0 - mean) * weight)
 
 
+def history_index(spec: SpecConfig, max_tokens: int) -> SuffixIndex | None:
+    """An empty shared index of finished answers (at most ``max_tokens``, FIFO) for ``spec``'s suffix proposer;
+    None when ``spec`` has none."""
+    if not reads_history(spec):
+        return None
+    parts = METHODS[spec.method].parts(spec) if METHODS[spec.method].parts is not None else (spec,)
+    suffix = next(part for part in parts if METHODS[part.method].reads_history)
+    return SuffixIndex(suffix_config(suffix).anchors, max_tokens)
+
+
 def reads_history(spec: SpecConfig) -> bool:
     """Whether ``spec``'s drafters draft from a serving replica's shared index of finished answers."""
     if METHODS[spec.method].parts is not None:

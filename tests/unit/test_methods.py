@@ -15,7 +15,7 @@ from eyas.methods import (FAMILY_METHOD, METHODS, SpecConfig, build_drafter, dra
 from eyas.models import Decoder, ModelConfig
 
 DESIGN_METHODS = {"vanilla", "ngram", "draft-lm", "medusa", "eagle1", "eagle2", "eagle3", "dflash", "dflash-ddtree",
-                  "hybrid"}
+                  "hybrid", "suffix"}
 
 
 @pytest.fixture(scope="module")
