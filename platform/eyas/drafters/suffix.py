@@ -104,8 +104,8 @@ class SuffixIndex:
             self.open_length = 0
 
     def _append(self, token: int) -> None:
-        if token != SEPARATOR and not 0 <= token < 2**40:
-            raise ValueError(f"token id {token} cannot be indexed (ids are >= 0)")
+        if token < 0 and token != SEPARATOR:
+            raise ValueError(f"token id {token}: token ids are >= 0")
         tokens, position = self.tokens_T, self.end
         tokens.append(token)
         for k in self.anchors:
