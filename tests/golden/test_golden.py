@@ -22,7 +22,7 @@ def expected():
 def test_cases_cover_every_method(expected):
     methods = {case.split("/")[0] for case in expected["single"]}
     assert methods == {"vanilla", "ngram", "draft-lm", "eagle1", "eagle2", "eagle3", "medusa", "dflash",
-                       "dflash-ddtree", "hybrid"}
+                       "dflash-ddtree", "hybrid", "suffix"}
 
 
 @pytest.mark.parametrize("section", ["single", "sampled", "batch", "batch_adaptive", "batch_sampled"])
