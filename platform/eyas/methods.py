@@ -49,7 +49,7 @@ class SpecConfig:
     max_matches: int | None = None  # ngram: distinct continuations kept, the tree width (default 4)
     datastore: tuple[str, ...] | None = None  # ngram, suffix: data sets of jobs.generate_data to retrieve from
     proposers: tuple[str, ...] | None = None  # hybrid: a retrieval proposer and a learned drafter (ngram, eagle3)
-    min_match: int | None = None    # suffix: the shortest context suffix that drafts (default 2)
+    min_match: int | None = None    # suffix: the shortest context suffix that drafts (default 1)
     min_prob: float | None = None   # suffix: a node's least share of the matched occurrences (default 0.1)
     retrieval_prior: float | None = None  # hybrid: the prior acceptance rate of retrieval nodes per depth (0.6)
 

@@ -41,7 +41,7 @@ LONG_ANCHOR = 6  # the second anchor length (with min_match): a long match is fo
 class SuffixConfig:
     depth: int = 8             # the deepest drafted token (tree depth cap)
     num_nodes: int = 16        # node budget (drafted nodes, root excluded)
-    min_match: int = 2         # the shortest context suffix that may draft
+    min_match: int = 1         # the shortest context suffix that may draft (2 drafted less on held-out code)
     max_match: int = 16        # matches are measured up to this many tokens (longer ones tie)
     min_prob: float = 0.1      # a node drafts only if at least this fraction of the occurrences pass through it
     max_occurrences: int = 64  # latest occurrences of an anchor read per source per lookup

@@ -14,7 +14,7 @@ from eyas.methods import SpecConfig, build_drafter, drafter_factory, suffix_conf
 
 # tree shapes and budgets: a chain (one node a depth), narrow and wide trees, deep and shallow
 SHAPES = [{"num_nodes": 1}, {"num_draft": 1, "num_nodes": 4}, {"num_draft": 3, "min_prob": 0.0, "num_nodes": 24},
-          {"num_draft": 12, "num_nodes": 12, "min_prob": 0.5}, {"min_match": 1, "num_nodes": 8},
+          {"num_draft": 12, "num_nodes": 12, "min_prob": 0.5}, {"min_match": 2, "num_nodes": 8},
           {"min_match": 4, "num_draft": 6}, {}]
 
 

@@ -91,8 +91,8 @@ def test_fifo_eviction_keeps_the_token_budget_and_forgets_the_oldest():
 
 
 def test_config_errors_name_the_field():
-    with pytest.raises(ValueError, match="max_match=1: must be >= min_match=2"):
-        SuffixConfig(max_match=1)
+    with pytest.raises(ValueError, match="max_match=2: must be >= min_match=3"):
+        SuffixConfig(min_match=3, max_match=2)
     with pytest.raises(ValueError, match="min_prob=1.5"):
         SuffixConfig(min_prob=1.5)
     with pytest.raises(ValueError, match="depth=0"):
