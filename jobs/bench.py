@@ -61,7 +61,7 @@ HF_METHODS = {
     "hf-assisted": lambda runner: {"assistant_model": runner.draft},
     "hf-prompt-lookup": lambda runner: {"prompt_lookup_num_tokens": runner.num_lookup},
 }
-ALL_METHODS = ("vanilla", "hf", "hf-assisted", "hf-prompt-lookup", "ngram", "draft-lm", "medusa", "eagle1",
+ALL_METHODS = ("vanilla", "hf", "hf-assisted", "hf-prompt-lookup", "ngram", "suffix", "draft-lm", "medusa", "eagle1",
                "eagle2", "eagle3", "dflash", "dflash-ddtree", "dspark", "dflash2", "eagle3.1", "peagle")
 
 
@@ -336,6 +336,10 @@ def result_row(method: str, suite: str, tallies: dict, cost: CostMeasurement | N
            "seconds": round(t.seconds, 4), "tokens_per_s": round(tps, 2), "speedup": round(tps / base_tps, 3),
            "tau": round(t.stats.tau, 3) if speculates and t.stats.tau else None,
            "per_depth_accept": [round(a, 3) for a in t.stats.per_depth_accept] if speculates else None,
+           # a hybrid's acceptance per proposer and depth (SpecStats.per_proposer_accept)
+           "per_proposer_accept": ({name: [round(a, 3) for a in rates]
+                                    for name, rates in t.stats.per_proposer_accept.items()} or None)
+           if speculates else None,
            # the share of prompts whose greedy output is vanilla's, token for token (eyas's speculative methods)
            "same_as_vanilla": (round(sum(o == v for o, v in zip(t.outputs, base.outputs)) / len(t.outputs), 3)
                                if speculates and t.outputs else None)}

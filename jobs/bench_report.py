@@ -327,6 +327,8 @@ def print_table(report: dict) -> None:
         depth = " ".join(f"{a:.2f}" for a in (r["per_depth_accept"] or [])[:6])
         print(f"{r['method']:<18}{r['suite']:<10}{r['tokens_per_s']:>9.1f}{r['speedup']:>8.2f}x{tau:>7}{same:>6}"
               f"{limit:>8}{of_limit:>8}{shares}  {depth}")
+        for name, rates in (r.get("per_proposer_accept") or {}).items():  # a hybrid's, under its row
+            print(f"{'':<18}{'':<10}{'':>58}  {name}: {' '.join(f'{a:.2f}' for a in rates[:6])}")
     cost = report.get("cost_model")
     if cost:
         print_costs(cost)

@@ -18,7 +18,8 @@ with ``Retry-After`` instead of queueing without bound; a replica whose workers 
 ``api_key_env`` set, /v1 routes need ``Authorization: Bearer <key>`` (compared in constant time, never logged).
 
 A completion carries ``usage`` and eyas's ``spec`` (method, cycles, tau, accepted_per_position,
-acceptance_per_position, mean_draft_nodes, batch_size_max) over all its choices. A stream follows OpenAI's contract:
+acceptance_per_position, mean_draft_nodes, accepted_per_proposer and acceptance_per_proposer (a hybrid's, from the
+requests that ran to their end; {} otherwise), batch_size_max) over all its choices. A stream follows OpenAI's contract:
 chunks with one choice each (its ``index``; n * prompts choices interleave as their tokens arrive), each choice's
 last chunk carrying its ``finish_reason``, the response's last of these the ``spec`` field; with
 ``stream_options: {"include_usage": true}`` every chunk has ``"usage": null`` and one more chunk with empty

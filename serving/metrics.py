@@ -3,7 +3,10 @@
 Names as Prometheus shows them (Ray adds the ``ray_`` prefix): ``ray_eyas_requests_total`` {model, route, status},
 ``ray_eyas_generated_tokens_total``, ``ray_eyas_accepted_tokens_total`` {position: 1..K, drafted tokens accepted
 at that depth}, ``ray_eyas_tau`` (histogram: tokens per target forward, per request), ``ray_eyas_ttft_seconds``,
-``ray_eyas_latency_seconds`` and the gauge ``ray_eyas_batch_size`` (sequences in the replica's last round).
+``ray_eyas_latency_seconds`` and the gauge ``ray_eyas_batch_size`` (sequences in the replica's last round). A hybrid's
+requests add ``ray_eyas_proposer_offered_total`` and ``ray_eyas_proposer_accepted_total`` {proposer, position}:
+cycles where the proposer had a judged node at that depth, and where the accepted one was its (their ratio: its
+acceptance per depth).
 """
 from __future__ import annotations
 
@@ -27,6 +30,10 @@ class ServingMetrics:
                               tag_keys=("model",))
         self.latency = Histogram("eyas_latency_seconds", "Request latency, arrival to last token",
                                  boundaries=LATENCY_BUCKETS, tag_keys=("model",))
+        self.proposer_offered = Counter("eyas_proposer_offered", "Hybrid cycles where a proposer had a judged node, "
+                                        "by depth", tag_keys=("model", "proposer", "position"))
+        self.proposer_accepted = Counter("eyas_proposer_accepted", "Hybrid cycles where the accepted node at a "
+                                         "depth was the proposer's", tag_keys=("model", "proposer", "position"))
         self.batch_size = Gauge("eyas_batch_size", "Sequences decoded together in the last round",
                                 tag_keys=("model",))
 
@@ -34,12 +41,19 @@ class ServingMetrics:
         self.requests.inc(1, tags={**self.tags, "route": route, "status": str(status)})
 
     def finished(self, completion_tokens: int, accepted_per_position: list[int], tau: float | None,
-                 latency_s: float) -> None:
+                 latency_s: float, proposer_offered: dict[str, list[int]] | None = None,
+                 proposer_accepted: dict[str, list[int]] | None = None) -> None:
         if completion_tokens:
             self.generated.inc(completion_tokens, tags=self.tags)
         for depth, count in enumerate(accepted_per_position, start=1):
             if count:
                 self.accepted.inc(count, tags={**self.tags, "position": str(depth)})
+        for counter, counts in ((self.proposer_offered, proposer_offered or {}),
+                                (self.proposer_accepted, proposer_accepted or {})):
+            for name, per_depth in counts.items():
+                for depth, count in enumerate(per_depth, start=1):
+                    if count:
+                        counter.inc(count, tags={**self.tags, "proposer": name, "position": str(depth)})
         if tau is not None:
             self.tau.observe(tau, tags=self.tags)
         self.latency.observe(latency_s, tags=self.tags)

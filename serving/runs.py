@@ -66,6 +66,9 @@ class RequestRun:
                     self.metrics.first_token(self.first_token_s)
                 for num_accepted, judged_depth, num_drafted in out.cycles:
                     self.stats.record_cycle(num_accepted, judged_depth, [], num_drafted)
+                if out.stats is not None:  # the request's own, at its end: a hybrid's per-proposer counts
+                    self.stats.proposer_offered = {k: list(v) for k, v in out.stats.proposer_offered.items()}
+                    self.stats.proposer_accepted = {k: list(v) for k, v in out.stats.proposer_accepted.items()}
                 if out.error is not None:
                     raise RequestFailed(out.error)
                 if out.prompt_logprobs is not None:
@@ -106,7 +109,8 @@ class RequestRun:
     def record(self, method: str) -> None:
         spec = spec_metrics([self], method)
         self.metrics.finished(len(self.token_ids), spec["accepted_per_position"], spec["tau"],
-                              time.perf_counter() - self.start)
+                              time.perf_counter() - self.start, self.stats.proposer_offered,
+                              self.stats.proposer_accepted)
 
 
 def spec_metrics(runs: list[RequestRun], method: str) -> dict[str, Any]:
@@ -120,6 +124,9 @@ def spec_metrics(runs: list[RequestRun], method: str) -> dict[str, Any]:
             "accepted_per_position": list(stats.depth_accepted),
             "acceptance_per_position": stats.per_depth_accept,
             "mean_draft_nodes": stats.num_draft_nodes / max(stats.cycles, 1),
+            # a hybrid's: proposer -> per depth, the cycles where an accepted node was its, and their rate
+            "accepted_per_proposer": {name: list(counts) for name, counts in stats.proposer_accepted.items()},
+            "acceptance_per_proposer": stats.per_proposer_accept,
             "batch_size_max": max(run.batch_size_max for run in runs)}
 
 

@@ -7,6 +7,10 @@ the drafters (one per batch row) and the sampling generators, drafts and verifie
 and accepted paths (why there and not on every rank: eyas.decoding.engine's module docstring). Only rank 0's step result
 carries tokens; the others return None.
 
+The leader also keeps the replica's shared index of finished answers (``SharedAnswers``) when the spec's suffix
+proposer reads one and ``args.share_answers`` is on: a request that finishes adds its answer, which later requests'
+drafters then find.
+
 Collectives use gloo on CPU and NCCL on GPU. A worker is never restarted in place (max_restarts=0): a dead rank
 breaks its process group, so the whole replica fails its health check and Serve replaces it, placement group
 and all.
@@ -20,7 +24,8 @@ from typing import Any
 import ray
 import torch
 
-from eyas.methods import METHODS, SpecConfig, drafter_factory, resolve_checkpoint
+from eyas.drafters.suffix import SuffixIndex
+from eyas.methods import METHODS, SpecConfig, drafter_factory, history_index, resolve_checkpoint
 from eyas.models import load_target, torch_dtype
 from eyas.decoding.engine import SpecEngine
 from eyas.decoding.requests import SequenceRequest, SpeculationSchedule, StepOutput
@@ -46,6 +51,7 @@ class TPWorker:
         self.args = ServeArgs.from_args(args)
         self.eos_token_ids = list(eos_token_ids)
         self.engine: SpecEngine | None = None
+        self.shared: SharedAnswers | None = None
         # the thread policy within this worker's CPUs (its OpenMP environment came with its runtime_env: app.py)
         configure_threads(self.args.torch_threads, cpu_budget=self.args.worker_cpus or None)
         want_cuda = self.args.device == "cuda" or (self.args.device == "auto" and self.args.worker_gpus > 0)
@@ -67,7 +73,10 @@ class TPWorker:
         target = load_target(resolve_checkpoint(args.target, "target"), dtype=torch_dtype(args.dtype),
                              device=self.device, tp=tp)
         if self.rank == 0:  # the leader alone drafts (eyas.decoding.engine); the others only need to know it speculates
-            factory = drafter_factory(target, resolved_spec(args.spec))  # weights loaded once, shared by the rows
+            spec = resolved_spec(args.spec)
+            history = history_index(spec, args.shared_answer_tokens) if args.share_answers else None
+            self.shared = SharedAnswers(history) if history is not None else None
+            factory = drafter_factory(target, spec, history)  # weights loaded once, shared by the rows
         else:
             factory = _never_called if METHODS[args.spec.method].speculates else None
         self.engine = SpecEngine(target, capacity=args.max_batch_size, max_len=args.max_len,
@@ -79,6 +88,8 @@ class TPWorker:
 
     def step(self, joins: list[SequenceRequest], leaves: list[str]) -> list[StepOutput] | None:
         outputs = self.engine.step(joins, leaves)
+        if self.shared is not None:
+            self.shared.record(joins, leaves, outputs)
         return outputs if self.rank == 0 else None
 
     def set_schedule(self, speculation_by_batch: dict[int, int | None]) -> None:
@@ -95,6 +106,31 @@ class TPWorker:
         engine = self.engine
         lent = engine.capacity - len(engine.free_drafters) if engine.speculative and engine.leader else 0
         return {"rows": len(engine.rows), "kv_slots": sum(row.length for row in engine.rows), "drafters": lent}
+
+
+class SharedAnswers:
+    """A replica's finished answers into its shared suffix index: each request's tokens are collected step by step
+    and its answer (the generated tokens, not the prompt) is indexed when it finishes by a stop or its length; a
+    request that left early or failed adds nothing."""
+
+    def __init__(self, index: SuffixIndex) -> None:
+        self.index = index
+        self.answers: dict[str, list[int]] = {}  # request id -> its tokens so far
+
+    def record(self, joins: list[SequenceRequest], leaves: list[str], outputs: list[StepOutput]) -> None:
+        for request_id in leaves:
+            self.answers.pop(request_id, None)
+        for request in joins:
+            self.answers[request.request_id] = []
+        for out in outputs:
+            answer = self.answers.get(out.request_id)
+            if answer is None:
+                continue
+            answer += out.new_token_ids
+            if out.finished:
+                del self.answers[out.request_id]
+                if out.finish_reason in ("stop", "length") and answer:
+                    self.index.add(answer)
 
 
 def _never_called() -> Any:

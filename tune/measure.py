@@ -117,6 +117,8 @@ def measure_speed(target, drafter_factory: Callable[[], Any], prompts: Sequence[
         "new_tokens": float(tokens["spec"]),
     }
     metrics.update({f"accept_depth_{d + 1}": rate for d, rate in enumerate(stats.per_depth_accept)})
+    metrics.update({f"accept_{name}_depth_{d + 1}": rate for name, rates in stats.per_proposer_accept.items()
+                    for d, rate in enumerate(rates)})  # a hybrid's, per proposer
     return metrics
 
 

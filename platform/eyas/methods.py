@@ -18,8 +18,9 @@ from eyas.config import ConfigError, eyas_home, from_dict, require, resolve_path
 from eyas.drafters import registry
 from eyas.drafters.datastore import Datastore
 from eyas.drafters.draft_lm import DraftLMConfig, DraftLMDrafter
-from eyas.drafters.hybrid import HybridDrafter
+from eyas.drafters.hybrid import RETRIEVAL_PRIOR, HybridDrafter
 from eyas.drafters.ngram import NgramConfig, NgramDrafter
+from eyas.drafters.suffix import SuffixConfig, SuffixDrafter, SuffixIndex
 from eyas.drafters.trees import MODE_SETTINGS, TREE_MODES, TreeSpec
 from eyas.decoding.tree import MAX_TREE_NODES
 from eyas.models.decoder import Decoder
@@ -43,11 +44,14 @@ class SpecConfig:
     depth: int | None = None        # chain / dynamic / best-first depth; dflash: block positions drafted
     top_k: int | None = None        # children per expanded node
     num_nodes: int | None = None    # node budget N (drafted nodes, root excluded; ngram: num_draft * max_matches;
-                                    # hybrid: the merged tree's, default the learned tree's)
-    num_draft: int | None = None    # chain length for ngram / draft-lm (default 4)
+                                    # suffix: 16; hybrid: the merged tree's, default the learned tree's)
+    num_draft: int | None = None    # chain length for ngram / draft-lm (default 4); suffix: the tree depth (8)
     max_matches: int | None = None  # ngram: distinct continuations kept, the tree width (default 4)
-    datastore: tuple[str, ...] | None = None  # ngram: data sets of jobs.generate_data to retrieve from (names/paths)
+    datastore: tuple[str, ...] | None = None  # ngram, suffix: data sets of jobs.generate_data to retrieve from
     proposers: tuple[str, ...] | None = None  # hybrid: a retrieval proposer and a learned drafter (ngram, eagle3)
+    min_match: int | None = None    # suffix: the shortest context suffix that drafts (default 1)
+    min_prob: float | None = None   # suffix: a node's least share of the matched occurrences (default 0.1)
+    retrieval_prior: float | None = None  # hybrid: the prior acceptance rate of retrieval nodes per depth (0.6)
 
     def __post_init__(self) -> None:
         require(self.method in METHODS, "spec.method", self.method, f"must be one of {sorted(METHODS)}")
@@ -59,9 +63,13 @@ class SpecConfig:
                         f"{list(method.settings) or 'no settings'})")
         require(self.datastore is None or len(self.datastore) > 0, "spec.datastore", self.datastore,
                 "name at least one data set, or leave it null")
-        for name in ("num_draft", "max_matches", "num_nodes"):
+        for name in ("num_draft", "max_matches", "num_nodes", "min_match"):
             require(getattr(self, name) is None or getattr(self, name) >= 1, f"spec.{name}", getattr(self, name),
                     "must be >= 1")
+        require(self.min_prob is None or 0.0 <= self.min_prob <= 1.0, "spec.min_prob", self.min_prob,
+                "must be in [0, 1]")
+        require(self.retrieval_prior is None or 0.0 < self.retrieval_prior < 1.0, "spec.retrieval_prior",
+                self.retrieval_prior, "must be in (0, 1)")
         if method.tree is not None:
             self.tree_spec  # noqa: B018 (validate the tree now: a bad one fails at load time, named spec.*)
         if method.parts is not None:
@@ -103,6 +111,8 @@ class Method:
     settings: tuple[str, ...]      # the SpecConfig fields it reads besides ``method``
     factory: Callable[[Decoder, SpecConfig], DrafterFactory] | None  # None: vanilla (no drafter)
     parts: Callable[[SpecConfig], tuple[SpecConfig, ...]] | None = None  # a composite method: its proposers' specs
+    # its factory takes a serving replica's shared index of finished answers (factory(target, spec, history))
+    reads_history: bool = False
 
     @property
     def speculates(self) -> bool:
@@ -128,6 +138,14 @@ def load_datastore(data_sets: tuple[str, ...], vocab_size: int) -> Datastore:
     """``spec.datastore``: the train splits of data sets made by ``jobs.generate_data`` (each a name under
     ``$EYAS_HOME/data`` or a path: prompts and the target's answers) as one datastore; their tokens must be the
     target's (ids below ``vocab_size``)."""
+    sequences = datastore_sequences(data_sets)
+    store = Datastore(sequences, source=",".join(map(str, data_sets)))
+    _check_vocab(store.max_token_id, store.source, vocab_size)
+    return store
+
+
+def datastore_sequences(data_sets: tuple[str, ...]) -> list[list[int]]:
+    """The prompt + answer of every train row of the named data sets (``spec.datastore``)."""
     sequences: list[list[int]] = []
     for data in data_sets:
         directory = data_path(str(data))
@@ -136,11 +154,33 @@ def load_datastore(data_sets: tuple[str, ...], vocab_size: int) -> Datastore:
         except (FileNotFoundError, ValueError) as err:
             raise ConfigError(f"spec.datastore: {directory}: {err}") from None
         sequences += [row["prompt_ids"] + row["response_ids"] for row in rows]
-    store = Datastore(sequences, source=",".join(map(str, data_sets)))
-    if store.max_token_id >= vocab_size:
-        raise ConfigError(f"spec.datastore: {store.source}: token id {store.max_token_id} is outside the target's "
+    return sequences
+
+
+def _check_vocab(max_token_id: int, source: str, vocab_size: int) -> None:
+    if max_token_id >= vocab_size:
+        raise ConfigError(f"spec.datastore: {source}: token id {max_token_id} is outside the target's "
                           f"vocabulary of {vocab_size}; build the data sets with this target's tokenizer")
-    return store
+
+
+def suffix_config(spec: SpecConfig) -> SuffixConfig:
+    """The suffix proposer's settings from ``spec`` (a field left null: SuffixConfig's default)."""
+    given = {"depth": spec.num_draft, "num_nodes": spec.num_nodes, "min_match": spec.min_match,
+             "min_prob": spec.min_prob}
+    return SuffixConfig(**{name: value for name, value in given.items() if value is not None})
+
+
+def _suffix(target: Decoder, spec: SpecConfig, history: SuffixIndex | None = None) -> DrafterFactory:
+    config = suffix_config(spec)
+    datastore = None
+    if spec.datastore:  # indexed once, shared read-only by every row's drafter
+        datastore = SuffixIndex(config.anchors)
+        sequences = datastore_sequences(spec.datastore)
+        for sequence in sequences:
+            datastore.add(sequence)
+        _check_vocab(max((max(s) for s in sequences if s), default=0), ",".join(map(str, spec.datastore)),
+                     target.config.vocab_size)
+    return lambda: SuffixDrafter(config, datastore, history)
 
 
 def _draft_lm(target: Decoder, spec: SpecConfig) -> DrafterFactory:
@@ -164,7 +204,7 @@ def _trained_method(family: str, tree: TreeSpec) -> Method:
     return Method(family, tree, ("drafter",) + TREE_SETTINGS, _trained)
 
 
-RETRIEVAL_PROPOSERS = ("ngram",)
+RETRIEVAL_PROPOSERS = ("ngram", "suffix")
 LEARNED_PROPOSERS = ("draft-lm", "eagle1", "eagle2", "eagle3", "medusa", "dflash", "dflash-ddtree", "eagle3.1",
                      "peagle")
 HYBRID_PROPOSERS = ("ngram", "eagle3")  # spec.proposers' default
@@ -188,20 +228,51 @@ def hybrid_parts(spec: SpecConfig) -> tuple[SpecConfig, SpecConfig]:
              for name in (retrieval[0], learned[0])}
     for field in dataclasses.fields(spec):
         value = getattr(spec, field.name)
-        if field.name not in ("method", "proposers", "num_nodes") and value is not None \
+        if field.name not in ("method", "proposers", "num_nodes", "retrieval_prior") and value is not None \
                 and not any(field.name in names for names in reads.values()):
             require(False, f"spec.{field.name}", value, f"is read by neither of the proposers {list(proposers)}")
     return tuple(SpecConfig(method=name, **{k: getattr(spec, k) for k in names}) for name, names in reads.items())
 
 
-def _hybrid(target: Decoder, spec: SpecConfig) -> DrafterFactory:
-    retrieval, learned = (METHODS[part.method].factory(target, part) for part in hybrid_parts(spec))
-    return lambda: HybridDrafter(retrieval(), learned(), spec.num_nodes)
+def _hybrid(target: Decoder, spec: SpecConfig, history: SuffixIndex | None = None) -> DrafterFactory:
+    retrieval, learned = (METHODS[part.method].factory(target, part, history) if METHODS[part.method].reads_history
+                          else METHODS[part.method].factory(target, part) for part in hybrid_parts(spec))
+    prior = retrieval_prior(spec.retrieval_prior)
+    return lambda: HybridDrafter(retrieval(), learned(), spec.num_nodes, prior)
+
+
+def retrieval_prior(mean: float | None) -> tuple[float, float]:
+    """The hybrid's Beta prior of retrieval acceptance per depth: ``mean`` (default RETRIEVAL_PRIOR's), worth
+    RETRIEVAL_PRIOR's number of verdicts."""
+    weight = sum(RETRIEVAL_PRIOR)
+    if mean is None:
+        return RETRIEVAL_PRIOR
+    return (mean * weight, (1.0 - mean) * weight)
+
+
+def history_index(spec: SpecConfig, max_tokens: int) -> SuffixIndex | None:
+    """An empty shared index of finished answers (at most ``max_tokens``, FIFO) for ``spec``'s suffix proposer;
+    None when ``spec`` has none."""
+    if not reads_history(spec):
+        return None
+    parts = METHODS[spec.method].parts(spec) if METHODS[spec.method].parts is not None else (spec,)
+    suffix = next(part for part in parts if METHODS[part.method].reads_history)
+    return SuffixIndex(suffix_config(suffix).anchors, max_tokens)
+
+
+def reads_history(spec: SpecConfig) -> bool:
+    """Whether ``spec``'s drafters draft from a serving replica's shared index of finished answers."""
+    if METHODS[spec.method].parts is not None:
+        return any(METHODS[part.method].reads_history for part in METHODS[spec.method].parts(spec))
+    return METHODS[spec.method].reads_history
 
 
 METHODS: dict[str, Method] = {
     "vanilla": Method(None, None, (), None),
     "ngram": Method(None, None, ("num_draft", "max_matches", "num_nodes", "datastore"), _ngram),
+    # SuffixDecoding: the most frequent continuations of the longest matching suffix (drafters/suffix.py)
+    "suffix": Method(None, None, ("num_draft", "num_nodes", "min_match", "min_prob", "datastore"), _suffix,
+                     reads_history=True),
     "draft-lm": Method(None, None, ("draft_model", "num_draft"), _draft_lm),
     "eagle1": _trained_method("eagle1", TreeSpec(mode="static")),
     "eagle2": _trained_method("eagle1", TreeSpec(mode="dynamic")),
@@ -214,21 +285,24 @@ METHODS: dict[str, Method] = {
     "eagle3.1": _trained_method("eagle3.1", TreeSpec(mode="dynamic")),
     "peagle": _trained_method("peagle", TreeSpec(mode="block")),  # spec.tree=ddtree: a tree over its K positions
     # a retrieval proposer and a learned drafter in one tree under one node budget (drafters/hybrid.py)
-    "hybrid": Method(None, None, ("proposers", "drafter", "draft_model", "num_draft", "max_matches", "datastore")
-                     + TREE_SETTINGS, _hybrid, hybrid_parts),
+    "hybrid": Method(None, None, ("proposers", "drafter", "draft_model", "num_draft", "max_matches", "datastore",
+                                  "min_match", "min_prob", "retrieval_prior") + TREE_SETTINGS, _hybrid, hybrid_parts,
+                     reads_history=True),
 }
 # a family's own method: what a checkpoint of that family runs when no method is named
 FAMILY_METHOD = {"eagle1": "eagle1", "eagle3": "eagle3", "medusa": "medusa", "dflash": "dflash",
                  "dspark": "dspark", "dflash2": "dflash2", "eagle3.1": "eagle3.1", "peagle": "peagle"}
 
 
-def drafter_factory(target: Decoder, spec: SpecConfig) -> DrafterFactory | None:
+def drafter_factory(target: Decoder, spec: SpecConfig, history: SuffixIndex | None = None
+                    ) -> DrafterFactory | None:
     """Makes the drafters ``spec`` asks for, one per sequence (drafters hold per-sequence state), with the weights
-    loaded once and shared; None for vanilla. A bad spec fails here, before any request."""
+    loaded once and shared; None for vanilla. ``history``: a serving replica's shared index of finished answers,
+    read by the suffix proposer (``reads_history(spec)``). A bad spec fails here, before any request."""
     method = METHODS[spec.method]
     if method.factory is None:
         return None
-    factory = method.factory(target, spec)
+    factory = method.factory(target, spec, history) if method.reads_history else method.factory(target, spec)
     factory()  # build one now: its checks (tree modes, sizes, checkpoint fit) run before the first request
     return factory
 

@@ -58,6 +58,11 @@ class ServeArgs:
     max_tokens_limit: int | None = None  # the largest max_tokens a request may ask for; default: the context
     default_max_tokens: int = 16        # /v1/completions without max_tokens (OpenAI's default)
     max_tree_nodes: int = MAX_TREE_NODES  # a draft tree's cap (root included), reserved in the context
+    # the suffix proposer (spec.method suffix, or a hybrid with it) also drafts from the replica's finished answers,
+    # held in one index of at most shared_answer_tokens tokens (oldest answers evicted first); false: each request
+    # drafts from its own context and spec.datastore only, so tenants never influence each other's drafts
+    share_answers: bool = True
+    shared_answer_tokens: int = 200_000
     dtype: str = "float32"
     device: str = "auto"                # auto: CUDA when the worker was given a GPU, else CPU
     replica_cpus: float = 0.5           # bundle 0: the replica (HTTP, tokenizer, scheduling)
@@ -79,6 +84,7 @@ class ServeArgs:
                 self.max_tokens_limit, "must be >= 1")
         require(self.default_max_tokens >= 1, "default_max_tokens", self.default_max_tokens, "must be >= 1")
         require(self.max_tree_nodes >= 1, "max_tree_nodes", self.max_tree_nodes, "must be >= 1")
+        require(self.shared_answer_tokens >= 1, "shared_answer_tokens", self.shared_answer_tokens, "must be >= 1")
         require(self.dtype in DTYPES, "dtype", self.dtype, f"must be one of {list(DTYPES)}")
         require(self.device in DEVICES, "device", self.device, f"must be one of {list(DEVICES)}")
         require(self.placement_strategy in PLACEMENT_STRATEGIES, "placement_strategy", self.placement_strategy,

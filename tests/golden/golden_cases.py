@@ -76,11 +76,12 @@ TRAINED_CASES: dict[str, tuple[str, dict[str, Any] | None]] = {
     "peagle/block": ("peagle", None),
     "peagle/ddtree": ("peagle", {"mode": "ddtree", "num_nodes": 12, "top_k": 3}),
 }
-# case name -> (the learned proposer beside ngram, hybrid settings)
-HYBRID_CASES: dict[str, tuple[str, dict[str, Any]]] = {
-    "hybrid/ngram+eagle3": ("eagle3", {"num_nodes": 12}),
-    "hybrid/ngram+eagle1-static": ("eagle1", {}),
-    "hybrid/ngram+dflash": ("dflash", {"num_nodes": 6}),
+# case name -> (the retrieval proposer, the learned one, hybrid settings)
+HYBRID_CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "hybrid/ngram+eagle3": ("ngram", "eagle3", {"num_nodes": 12}),
+    "hybrid/ngram+eagle1-static": ("ngram", "eagle1", {}),
+    "hybrid/ngram+dflash": ("ngram", "dflash", {"num_nodes": 6}),
+    "hybrid/suffix+eagle3": ("suffix", "eagle3", {"num_nodes": 12, "min_match": 1}),
 }
 FAMILY_OF = {"eagle1": "eagle1", "eagle2": "eagle1", "eagle3": "eagle3", "medusa": "medusa", "dflash": "dflash",
              "dflash-ddtree": "dflash", "dspark": "dspark", "dflash2": "dflash2",
@@ -158,13 +159,15 @@ class Setup:
             "ngram/tree": drafter_factory(self.target, SpecConfig(method="ngram")),
             "ngram/chain": drafter_factory(self.target, SpecConfig(method="ngram", max_matches=1)),
             "draft-lm/chain": lambda: DraftLMDrafter(draft_lm, DraftLMConfig(num_draft=4), max_len=256),
+            "suffix/tree": drafter_factory(self.target, SpecConfig(method="suffix", min_match=1, min_prob=0.0)),
+            "suffix/chain": drafter_factory(self.target, SpecConfig(method="suffix", min_prob=0.51)),
         }
         for case, (method, tree) in TRAINED_CASES.items():
             settings = {("tree" if k == "mode" else k): v for k, v in (tree or {}).items()}
             spec = SpecConfig(method=method, drafter=str(paths[FAMILY_OF[method]]), **settings)
             self.factories[case] = drafter_factory(self.target, spec)
-        for case, (learned, settings) in HYBRID_CASES.items():
-            spec = SpecConfig(method="hybrid", proposers=("ngram", learned), drafter=str(paths[FAMILY_OF[learned]]),
+        for case, (retrieval, learned, settings) in HYBRID_CASES.items():
+            spec = SpecConfig(method="hybrid", proposers=(retrieval, learned), drafter=str(paths[FAMILY_OF[learned]]),
                               **settings)
             self.factories[case] = drafter_factory(self.target, spec)
 
@@ -207,10 +210,11 @@ def record_all(setup: Setup) -> dict[str, Any]:
         out["batch"][case] = run_batch(setup, factory)
     adaptive = SpeculationSchedule({1: None, 2: 4, 3: 0})
     out["batch_adaptive"] = {case: run_batch(setup, setup.factories[case], capacity=2, schedule=adaptive)
-                             for case in ("eagle2/dynamic", "dflash/block", "ngram/tree", "hybrid/ngram+eagle3")}
+                             for case in ("eagle2/dynamic", "dflash/block", "ngram/tree", "hybrid/ngram+eagle3",
+                                          "suffix/tree")}
     out["batch_sampled"] = {case: run_batch(setup, setup.factories[case], sampling=SAMPLING)
                             for case in ("vanilla", "eagle3/dynamic", "dflash/block", "draft-lm/chain",
-                                         "hybrid/ngram+dflash", "peagle/block")}
+                                         "hybrid/ngram+dflash", "peagle/block", "suffix/tree")}
     return out
 
 

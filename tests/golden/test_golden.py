@@ -23,7 +23,7 @@ def test_cases_cover_every_method(expected):
     methods = {case.split("/")[0] for case in expected["single"]}
     assert methods == {"vanilla", "ngram", "draft-lm", "eagle1", "eagle2", "eagle3", "medusa", "dflash",
                        "dflash-ddtree", "hybrid", "dspark", "dflash2",
-                       "eagle3.1", "peagle"}
+                       "eagle3.1", "peagle", "suffix"}
 
 
 @pytest.mark.parametrize("section", ["single", "sampled", "batch", "batch_adaptive", "batch_sampled"])

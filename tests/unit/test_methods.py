@@ -16,7 +16,7 @@ from eyas.models import Decoder, ModelConfig
 
 DESIGN_METHODS = {"vanilla", "ngram", "draft-lm", "medusa", "eagle1", "eagle2", "eagle3", "dflash", "dflash-ddtree",
                   "hybrid",
-                  "dspark", "dflash2", "eagle3.1", "peagle"}
+                  "dspark", "dflash2", "eagle3.1", "peagle", "suffix"}
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Hybrid drafting: a retrieval proposer (n-gram lookup, its datastore) and a learned drafter in ONE tree, under one
+"""Hybrid drafting: a retrieval proposer (n-gram lookup or the suffix index, and their datastore) and a learned drafter in ONE tree, under one
 node budget, verified in one forward (DESIGN.md: proposers compose).
 
 Both proposers draft from the same root; ``merge`` lays their trees over each other by token path, so a token that
@@ -7,7 +7,8 @@ an estimate of the probability that the target accepts its whole path:
 
   learned node     V = the product of draft confidences along its path (EAGLE-2's value, the tree's scores_N)
   retrieval node   share x r_1 x ... x r_d: share = the fraction of the retrieved continuations through the node
-                   (the n-gram drafter's scores: match counts, the datastore's weighted), r_j = the estimated
+                   (the retrieval tree's scores: n-gram match counts, the datastore's weighted; the suffix
+                   index's share of occurrences), r_j = the estimated
                    chance that the proposer's candidates at depth j hold the target's token once depth j - 1 was
                    accepted, the mean of a Beta(RETRIEVAL_PRIOR) per depth updated with this request's own verdicts
   a shared node    the larger of its two values
@@ -115,17 +116,19 @@ class HybridDrafter:
 
     name = "hybrid"
 
-    def __init__(self, retrieval: Any, learned: Any, num_nodes: int | None = None) -> None:
+    def __init__(self, retrieval: Any, learned: Any, num_nodes: int | None = None,
+                 prior: tuple[float, float] = RETRIEVAL_PRIOR) -> None:
         self.retrieval, self.learned = retrieval, learned
+        self.prior = prior  # the Beta prior of the retrieval estimate (spec.retrieval_prior)
         self.max_draft_nodes = min(num_nodes or learned.max_draft_nodes,
                                    retrieval.max_draft_nodes + learned.max_draft_nodes)
         self.target_taps = tuple(dict.fromkeys((*retrieval.target_taps, *learned.target_taps)))
-        self.estimate = RetrievalEstimate()
+        self.estimate = RetrievalEstimate(prior)
         self._last: DraftTree | None = None  # the last tree proposed, until its verdict is read
         self._committed: list[int] = []  # tokens committed since it, root included
 
     def begin(self, prompt_ids: list[int], taps: dict[int, torch.Tensor]) -> None:
-        self.estimate = RetrievalEstimate()  # learned per request
+        self.estimate = RetrievalEstimate(self.prior)  # learned per request
         self._last, self._committed = None, []
         self.retrieval.begin(prompt_ids, taps)
         self.learned.begin(prompt_ids, taps)

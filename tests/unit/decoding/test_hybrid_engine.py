@@ -1,5 +1,5 @@
-"""The hybrid method in the engine: greedy output equals plain greedy output for every retrieval + learned proposer
-pair and tree shape, alone and batched under load-adaptive pruning; seeded sampling is the same alone and batched;
+"""The hybrid method in the engine: greedy output equals plain greedy output for every retrieval (ngram, suffix) +
+learned proposer pair and tree shape, alone and batched under load-adaptive pruning; seeded sampling is the same alone and batched;
 SpecStats reports acceptance per proposer and depth."""
 from __future__ import annotations
 
@@ -9,32 +9,39 @@ from decoding_testing import NUM_NEW, assert_seeded_sampling_alone_equals_batche
 from eyas.decoding.engine import SpecEngine
 from eyas.decoding.generate import generate
 from eyas.decoding.requests import SequenceRequest, SpeculationSchedule
-from eyas.methods import LEARNED_PROPOSERS, METHODS, SpecConfig, build_drafter
+from eyas.methods import LEARNED_PROPOSERS, METHODS, RETRIEVAL_PROPOSERS, SpecConfig, build_drafter
 
 FAMILY_OF = {"eagle1": "eagle1", "eagle2": "eagle1", "eagle3": "eagle3", "medusa": "medusa", "dflash": "dflash",
              "dflash-ddtree": "dflash", "eagle3.1": "eagle3.1", "peagle": "peagle"}
-# (learned proposer, its tree settings): every proposer, and every tree shape of one of them
-CASES = [(name, {}) for name in LEARNED_PROPOSERS] + [
-    ("eagle3", {"tree": "chain", "depth": 3}), ("eagle3", {"tree": "static"}),
-    ("eagle3", {"tree": "best-first", "depth": 4, "top_k": 3}), ("medusa", {"tree": "dynamic", "depth": 3}),
-    ("dflash-ddtree", {"top_k": 2}), ("peagle", {"tree": "ddtree", "top_k": 2})]
+# (retrieval proposer, learned proposer, tree settings): every pair, and every tree shape of one learned proposer
+CASES = [(retrieval, name, {}) for retrieval in RETRIEVAL_PROPOSERS for name in LEARNED_PROPOSERS] + [
+    ("ngram", "eagle3", {"tree": "chain", "depth": 3}), ("ngram", "eagle3", {"tree": "static"}),
+    ("ngram", "eagle3", {"tree": "best-first", "depth": 4, "top_k": 3}),
+    ("ngram", "medusa", {"tree": "dynamic", "depth": 3}), ("ngram", "dflash-ddtree", {"top_k": 2}),
+    ("suffix", "eagle3", {"tree": "chain", "depth": 3, "min_prob": 0.0}),
+    ("ngram", "peagle", {"tree": "ddtree", "top_k": 2}),
+    ("suffix", "eagle3", {"tree": "best-first", "depth": 4, "top_k": 3, "min_match": 1, "retrieval_prior": 0.3})]
 
 
-def hybrid_spec(learned: str, tree: dict, drafters, draft_dir, datastore_dir, num_nodes: int = 10) -> SpecConfig:
+def hybrid_spec(learned: str, tree: dict, drafters, draft_dir, datastore_dir, num_nodes: int = 10,
+                retrieval: str = "ngram") -> SpecConfig:
     location = ({"drafter": str(drafters[FAMILY_OF[learned]])} if METHODS[learned].trained
                 else {"draft_model": str(draft_dir)})
-    return SpecConfig(method="hybrid", proposers=("ngram", learned), num_nodes=num_nodes, num_draft=6,
+    return SpecConfig(method="hybrid", proposers=(retrieval, learned), num_nodes=num_nodes, num_draft=6,
                       datastore=(str(datastore_dir),), **location, **tree)
 
 
-def test_every_learned_proposer_is_covered():
-    assert {learned for learned, _ in CASES} == set(LEARNED_PROPOSERS)
+def test_every_proposer_pair_is_covered():
+    assert {(retrieval, learned) for retrieval, learned, _ in CASES} == \
+        {(r, n) for r in RETRIEVAL_PROPOSERS for n in LEARNED_PROPOSERS}
 
 
-@pytest.mark.parametrize("learned, tree", CASES, ids=[f"{n}-{'-'.join(map(str, t.values()))}" for n, t in CASES])
-def test_greedy_hybrid_equals_vanilla(setup, random_drafters, random_draft_checkpoint, datastore_dir, learned, tree):
+@pytest.mark.parametrize("retrieval, learned, tree", CASES,
+                         ids=[f"{r}-{n}-{'-'.join(map(str, t.values()))}" for r, n, t in CASES])
+def test_greedy_hybrid_equals_vanilla(setup, random_drafters, random_draft_checkpoint, datastore_dir, retrieval,
+                                      learned, tree):
     target, prompts, eos = setup
-    spec = hybrid_spec(learned, tree, random_drafters, random_draft_checkpoint, datastore_dir)
+    spec = hybrid_spec(learned, tree, random_drafters, random_draft_checkpoint, datastore_dir, retrieval=retrieval)
     vanilla = [generate(target, ids, NUM_NEW, eos_token_ids=eos).token_ids for ids in prompts[:3]]
     singles = [generate(target, ids, NUM_NEW, drafter=build_drafter(target, spec), eos_token_ids=eos)
                for ids in prompts[:3]]
@@ -68,9 +75,10 @@ def test_stats_report_acceptance_per_proposer_and_depth(setup, random_drafters, 
     assert vanilla_like.to_dict()["per_proposer_accept"] == {}  # other methods: empty
 
 
-@pytest.mark.parametrize("learned", ["eagle3", "draft-lm", "dflash"])
+@pytest.mark.parametrize("retrieval, learned", [("ngram", "eagle3"), ("ngram", "draft-lm"), ("ngram", "dflash"),
+                                                ("suffix", "eagle3")])
 def test_seeded_sampling_is_the_same_alone_and_batched(setup, random_drafters, random_draft_checkpoint, datastore_dir,
-                                                       learned):
+                                                       retrieval, learned):
     target, prompts, eos = setup
-    spec = hybrid_spec(learned, {}, random_drafters, random_draft_checkpoint, datastore_dir)
+    spec = hybrid_spec(learned, {}, random_drafters, random_draft_checkpoint, datastore_dir, retrieval=retrieval)
     assert_seeded_sampling_alone_equals_batched(target, prompts, eos, spec)

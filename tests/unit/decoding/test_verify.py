@@ -18,6 +18,7 @@ from eyas.decoding.sampling import SamplingParams
 from eyas.decoding.tree import DraftTree, chain, from_paths
 from eyas.decoding.verify import Accepted, process_logits, sample, verify_greedy, verify_sampling
 from eyas.drafters.hybrid import merge
+from eyas.drafters.suffix import SuffixConfig, SuffixDrafter, SuffixIndex
 
 
 def logits_choosing(tree: DraftTree, choice: dict[int, int], vocab: int = 10, default: int = 9) -> torch.Tensor:
@@ -232,9 +233,30 @@ def hybrid_tree(context: tuple[int, ...], rng: random.Random) -> DraftTree:
     return merge([("ngram", retrieved, [0.6 ** int(d) for d in retrieved.depth_N]), ("learned", sampled, v_N)], 4)
 
 
+SUFFIX_CONFIG = SuffixConfig(depth=3, num_nodes=5, min_match=1, min_prob=0.0)
+
+
+@functools.lru_cache(maxsize=1)
+def suffix_history() -> SuffixIndex:
+    """Earlier "answers" of the toy language for the suffix drafter: random, so its trees branch."""
+    rng, index = random.Random(5), SuffixIndex(SUFFIX_CONFIG.anchors)
+    for _ in range(30):
+        index.add([rng.randrange(VOCAB) for _ in range(8)])
+    return index
+
+
+def suffix_tree(context: tuple[int, ...], rng: random.Random) -> DraftTree:
+    """(e) the suffix drafter: the most frequent continuations of the context's longest suffix in the history and
+    the context itself (deterministic given the context)."""
+    drafter = SuffixDrafter(SUFFIX_CONFIG, history=suffix_history())
+    drafter.begin(list(context), {})
+    return drafter.propose(context[-1], list(context), 1.0, None)
+
+
 TREES = {
     "topk_2x2": lambda context, rng: topk_tree(context),
     "hybrid": hybrid_tree,
+    "suffix": suffix_tree,
     "sampled_chain_3": lambda context, rng: sampled_tree(context, 1, 3, rng),
     "sampled_iid_2x2": lambda context, rng: sampled_tree(context, 2, 2, rng),
 }

@@ -104,3 +104,21 @@ def test_bench_rejects_bad_prompts_file(random_checkpoint, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text("not json\n")
     assert bench.main(["--target", str(random_checkpoint), "--prompts-file", str(bad)]) == 2
+
+
+def test_bench_reports_a_hybrids_acceptance_per_proposer(random_checkpoint, tmp_path, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ("import os\nimport os\n", "x = [1, 2,")))
+    spec = tmp_path / "hybrid.yaml"  # the target as its own draft LM beside the suffix index
+    spec.write_text("spec:\n  method: hybrid\n  proposers: [suffix, draft-lm]\n  num_nodes: 6\n")
+    out = tmp_path / "bench.json"
+    code = bench.main(["--target", str(random_checkpoint), "--draft-model", str(random_checkpoint),
+                       "--methods", "vanilla,suffix,hybrid", "--spec", str(spec), "--prompts-file", str(prompts),
+                       "--max-new-tokens", "12", "--cost-repeats", "0", "--out", str(out)])
+    assert code == 0
+    rows = {r["method"]: r for r in json.loads(out.read_text())["results"]}
+    assert rows["suffix"]["same_as_vanilla"] == rows["hybrid"]["same_as_vanilla"] == 1.0
+    assert rows["suffix"]["per_proposer_accept"] is None and rows["vanilla"]["per_proposer_accept"] is None
+    per_proposer = rows["hybrid"]["per_proposer_accept"]
+    assert per_proposer["draft-lm"][0] == 1.0 and set(per_proposer) <= {"suffix", "draft-lm"}
+    assert "draft-lm: 1.00" in capsys.readouterr().out  # the table prints them under the hybrid's row

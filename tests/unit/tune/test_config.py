@@ -9,6 +9,8 @@ import pytest
 import yaml
 
 from eyas.config import ConfigError
+from eyas.drafters.suffix import SuffixConfig
+from eyas.methods import hybrid_parts, retrieval_prior, suffix_config
 from tune.config import load_sweep
 from tune.space import parse_param
 from tune.preflight import preflight
@@ -52,6 +54,17 @@ def test_every_shipped_config_parses():
     for path in sorted(CONFIGS.glob("*.yaml")):
         sweep = load_sweep(path)
         assert sweep.points()[0], path
+
+
+def test_the_suffix_and_hybrid_knobs_reach_the_trial_spec():
+    suffix = load_sweep(CONFIGS / "suffix-smollm2.yaml")
+    spec = suffix.trial_section({"num_nodes": 8, "num_draft": 16, "min_match": 1, "min_prob": 0.3})
+    assert suffix_config(spec) == SuffixConfig(depth=16, num_nodes=8, min_match=1, min_prob=0.3)
+    hybrid = load_sweep(CONFIGS / "hybrid-smollm2.yaml")
+    spec = hybrid.trial_section({"num_nodes": 4, "retrieval_prior": 0.9, "num_draft": 12, "min_match": 1})
+    retrieval, learned = hybrid_parts(spec)
+    assert (spec.num_nodes, retrieval_prior(spec.retrieval_prior)) == (4, pytest.approx((3.6, 0.4)))
+    assert suffix_config(retrieval) == SuffixConfig(depth=12, min_match=1) and learned.method == "eagle3"
 
 
 def test_inference_points_and_defaults(tmp_path):

@@ -9,6 +9,8 @@ import yaml
 
 from eyas.decoding.generate import generate
 from eyas.decoding.stats import SpecStats
+from eyas.drafters.draft_lm import DraftLMConfig, DraftLMDrafter
+from eyas.drafters.hybrid import HybridDrafter
 from eyas.methods import SpecConfig, build_drafter, drafter_factory
 from eyas.models import Decoder, ModelConfig
 from tune.config import SweepConfig, load_sweep
@@ -40,6 +42,18 @@ def test_measure_speed_interleaves_and_matches_vanilla():
     assert [metrics[f"accept_depth_{d + 1}"] for d in range(len(alone.per_depth_accept))] == alone.per_depth_accept
     assert metrics["speedup"] == metrics["tokens_per_s"] / metrics["vanilla_tokens_per_s"]
     assert metrics["new_tokens"] == 2 * 3 * 16  # two timed passes over three prompts
+
+
+def test_measure_speed_reports_a_hybrids_acceptance_per_proposer():
+    target = tiny_target()
+    spec = SpecConfig(method="hybrid", proposers=("suffix", "draft-lm"), num_nodes=8)
+    make = lambda: HybridDrafter(build_drafter(target, SpecConfig(method="suffix", min_match=1)),  # noqa: E731
+                                 DraftLMDrafter(target, DraftLMConfig(num_draft=3), max_len=256), spec.num_nodes)
+    metrics = measure_speed(target, make, [[1, 2, 3, 4, 1, 2], [5, 6, 7]], 32, eos_token_ids=(), warmup_prompts=0,
+                            repeats=1)  # the sharp target's greedy text loops: its suffixes repeat
+    assert metrics["greedy_identical"] == 1.0
+    assert metrics["accept_draft-lm_depth_1"] == 1.0  # the target drafting for itself
+    assert "accept_suffix_depth_1" in metrics
 
 
 def test_measure_speed_batches_concurrent_requests_under_a_node_cap():
