@@ -39,11 +39,12 @@ from typing import Callable
 from transformers import AutoConfig
 
 from eyas.config import ConfigError, eyas_home, resolve_path
+from eyas.cpu import cpu_features
 from eyas.decoding.generate import generate
 from eyas.files import write_text_atomic
 from eyas.models import load_target, load_tokenizer, torch_dtype
 from eyas.threads import OPENMP_KNOBS, configure_threads
-from jobs.bench import cpu_model, git_commit, load_prompts
+from jobs.bench import git_commit, load_prompts
 from jobs.bench_peers_report import DTYPES, ENGINE_DTYPES, ENGINE_NAMES, ENGINES, GGUF_TYPE, markdown, summary
 from jobs.peers import llamacpp
 from jobs.peers.ggml_isa import cpu_flags
@@ -282,7 +283,8 @@ def run(args: argparse.Namespace) -> dict:
     rows = [m.row(references.get(m.dtype)) for m in measured]
     flags = cpu_flags(Path("/proc/cpuinfo").read_text()) if Path("/proc/cpuinfo").is_file() else frozenset()
     return {"commit": git_commit(),
-            "machine": {"cpu_model": cpu_model(), "num_cpus": os.cpu_count(),
+            "machine": {"cpu_model": cpu_features().model, "cpu_features": cpu_features().to_dict(),
+                        "num_cpus": os.cpu_count(),
                         "isa": [f for f in ISA_FLAGS if f in flags], "load_start": loadavg()},
             "config": {"target": target_path, "engines": engines, "dtypes": dtypes, "threads": threads,
                        "suites": list(prompts), "num_prompts": args.num_prompts,

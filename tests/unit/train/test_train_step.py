@@ -138,9 +138,10 @@ def test_auto_precision_follows_the_device():
         load_config(TrainConfig, REPO / "jobs/configs/eagle3-micro.yaml", ["train.precision=bf16"])
 
 
-@pytest.fixture()
+@pytest.fixture(scope="module")
 def process_group():
-    """A one-process gloo group: what DDP and DeepSpeed need, without Ray."""
+    """A one-process gloo group: what DDP and DeepSpeed need, without Ray. One for the module: DeepSpeed keeps the
+    first group it saw, so a later test's new group would not be registered with it."""
     import socket
 
     import torch.distributed as dist
@@ -191,8 +192,7 @@ def test_checkpoint_resume_continues_exactly(strategy, process_group, tmp_path, 
 @pytest.mark.slow  # DeepSpeed's one-time JIT build (above)
 def test_zero2_trains_the_new_families_as_ddp_does(process_group, monkeypatch):
     """P-EAGLE and EAGLE-3.1 through DeepSpeed ZeRO-2 (scaling.strategy=zero2): on one rank, the same weights as
-    DDP after the same steps (their extra parameters, mask_hidden and fc_norm, included). One test for both:
-    DeepSpeed keeps the first process group it saw, so a second test's new group would not be registered."""
+    DDP after the same steps (their extra parameters, mask_hidden and fc_norm, included)."""
     monkeypatch.setenv("LOCAL_RANK", "0")
     from eyas.drafters import registry
     from eyas.train.step import make_strategy
