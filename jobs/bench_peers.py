@@ -1,6 +1,6 @@
 """eyas's vanilla decoding beside the peer engines, one run: the same prompt tokens, greedy, single request.
 
-    python -m jobs.bench_peers [--engines eyas,llamacpp,vllm] [--dtypes bfloat16,float32,q8_0] [--threads 1,2]
+    python -m jobs.bench_peers [--engines eyas,llamacpp,vllm] [--dtypes bfloat16,float32,q8_0] [--threads 1,2,auto]
         [--suite humaneval,chat] [--num-prompts 8] [--max-new-tokens 128] [--target PATH] [--gguf-dir DIR]
         [--out bench_peers.json] [--report bench_peers.md] [--lock /tmp/eyas-cpu.lock]
     python -m jobs.bench_peers --from bench_peers.json --report bench_peers.md
@@ -58,7 +58,7 @@ class Measurement:
     """One engine at one dtype and thread count over every prompt."""
     engine: str
     dtype: str
-    threads: int
+    threads: int | str  # a count, or "auto": eyas's own policy
     timing: str
     seconds: float = 0.0
     new_tokens: int = 0
@@ -101,9 +101,9 @@ def loadavg() -> list[float]:
         return []
 
 
-def run_eyas(target_path: str, dtype: str, threads: int, prompts: Prompts, max_new_tokens: int,
+def run_eyas(target_path: str, dtype: str, threads: int | str, prompts: Prompts, max_new_tokens: int,
              eos: list[int]) -> Measurement:
-    configure_threads(threads)
+    configure_threads(None if threads == EYAS_POLICY else threads)
     target = load_target(target_path, dtype=torch_dtype(dtype, "--dtypes"))
     first = next(iter(prompts.values()))[0]
     generate(target, first, 8, eos_token_ids=eos)  # warm-up: kernels compiled, caches allocated
@@ -222,12 +222,18 @@ def parse_list(text: str, known: tuple[str, ...] | None, flag: str) -> list[str]
     return items
 
 
-def parse_threads(text: str) -> list[int]:
+EYAS_POLICY = "auto"  # --threads item: eyas's own thread policy (eyas.threads: its kernels adapt), eyas only
+
+
+def parse_threads(text: str) -> list[int | str]:
+    """Thread counts, and ``auto`` for eyas's own policy (measured for eyas alone: the peers take counts)."""
+    items = parse_list(text, None, "--threads")
     try:
-        threads = [int(x) for x in parse_list(text, None, "--threads")]
+        threads = [x if x == EYAS_POLICY else int(x) for x in items]
     except ValueError:
-        raise ConfigError(f"--threads {text!r}: give counts joined by commas, e.g. 1,2") from None
-    if any(t < 1 for t in threads):
+        raise ConfigError(f"--threads {text!r}: give counts (or {EYAS_POLICY}) joined by commas, e.g. 1,2,auto") \
+            from None
+    if any(t != EYAS_POLICY and t < 1 for t in threads):
         raise ConfigError(f"--threads {text!r}: counts must be >= 1")
     return threads
 
@@ -248,10 +254,10 @@ def encoded_prompts(args: argparse.Namespace, target_path: str) -> tuple[Prompts
     return prompts, sorted(eos_ids)
 
 
-def plan(engines: list[str], dtypes: list[str], threads: list[int]) -> list[tuple[str, str, int]]:
+def plan(engines: list[str], dtypes: list[str], threads: list[int | str]) -> list[tuple[str, str, int | str]]:
     """(engine, dtype, threads) in run order: per dtype and thread count, the engines side by side."""
     return [(engine, dtype, t) for dtype in dtypes for t in threads for engine in engines
-            if dtype in ENGINE_DTYPES[engine]]
+            if dtype in ENGINE_DTYPES[engine] and (t != EYAS_POLICY or engine == "eyas")]
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -297,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engines", default=",".join(ENGINES))
     parser.add_argument("--dtypes", default=",".join(DTYPES))
-    parser.add_argument("--threads", default="1,2", help="thread counts each engine runs at, joined by commas")
+    parser.add_argument("--threads", default="1,2,auto", help="thread counts each engine runs at, joined by commas; "
+                        "auto: eyas's own policy (eyas only)")
     parser.add_argument("--suite", default="humaneval,chat")
     parser.add_argument("--num-prompts", type=int, default=8, help="prompts per suite")
     parser.add_argument("--max-new-tokens", type=int, default=128)

@@ -45,7 +45,8 @@ def summary(rows: list[dict]) -> list[dict]:
 def _cell(engine_entry: dict | None) -> str:
     if engine_entry is None:
         return "-"
-    return f"{engine_entry['tokens_per_s']:.1f} ({engine_entry['threads']}t)"
+    threads = engine_entry["threads"]
+    return f"{engine_entry['tokens_per_s']:.1f} ({threads}{'t' if isinstance(threads, int) else ''})"
 
 
 def summary_table(report: dict) -> str:

@@ -173,3 +173,11 @@ def test_a_peer_starts_without_eyas_openmp_policy(monkeypatch):
     with bench_peers.without_openmp_policy():
         assert "OMP_WAIT_POLICY" not in os.environ
     assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+
+
+def test_auto_is_eyas_own_policy_and_runs_for_eyas_alone():
+    assert bench_peers.parse_threads("1,auto") == [1, "auto"]
+    assert bench_peers.plan(["eyas", "llamacpp"], ["bfloat16"], [2, "auto"]) == [
+        ("eyas", "bfloat16", 2), ("llamacpp", "bfloat16", 2), ("eyas", "bfloat16", "auto")]
+    entry = {"tokens_per_s": 90.0, "threads": "auto"}
+    assert bench_peers_report._cell(entry) == "90.0 (auto)"
