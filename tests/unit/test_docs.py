@@ -5,10 +5,12 @@
   every config file a command there names exists;
 - the README's results table and docs/results.md are what jobs.bench_report renders from the bench JSON they name
   (regenerate: python -m jobs.bench --from ... --report docs/results.md --update-tables README.md), and docs/ keeps
-  no bench JSON the results page does not cite.
+  no bench JSON the results page does not cite; a peer bench page (docs/bench-peers-*.md) is what jobs.bench_peers
+  renders from the JSON beside it.
 """
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -98,5 +100,16 @@ def test_results_page_is_the_rendered_json(monkeypatch):
     assert bench_report.page(sources, "docs/results.md") == text, (
         f"docs/results.md is stale: run python -m jobs.bench --from {match.group(1)} --report docs/results.md")
     cited = {Path(s).name for s in sources}
-    kept = {p.name for p in (ROOT / "docs").glob("bench-*.json")}
+    kept = {p.name for p in (ROOT / "docs").glob("bench-*.json") if not p.name.startswith("bench-peers-")}
     assert kept == cited, f"docs/ keeps bench JSON the results page does not cite: {sorted(kept - cited)}"
+
+
+def test_peer_pages_are_the_rendered_json():
+    """docs/bench-peers-*.md is what jobs.bench_peers renders from the JSON beside it."""
+    from jobs.bench_peers_report import markdown
+
+    for source in sorted((ROOT / "docs").glob("bench-peers-*.json")):
+        page = source.with_suffix(".md")
+        assert page.is_file(), f"{source.name} has no page: python -m jobs.bench_peers --from {source} --report {page}"
+        assert page.read_text() == markdown(json.loads(source.read_text())), (
+            f"{page.name} is stale: python -m jobs.bench_peers --from docs/{source.name} --report docs/{page.name}")
