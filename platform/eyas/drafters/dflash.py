@@ -41,15 +41,13 @@ from torch import nn
 
 from eyas.config import require
 from eyas.drafters.dflash_train import block_loss
-from eyas.drafters.trees import BLOCK_MODES, TreeSpec
+from eyas.drafters.trees import BLOCK_MODES, TreeSpec, block_tree
 from eyas.drafters.vocab import FrozenReadout
 from eyas.models.cache import KVCache
 from eyas.models.config import ModelConfig
 from eyas.models.packing import InferencePacking, linear
 from eyas.models.decoder import MLP, Decoder, RMSNorm, TensorParallel, apply_rope, rope_inv_freq
-from eyas.decoding.builders import build_best_first_block
-from eyas.decoding.tree import DraftTree, chain
-from eyas.decoding.verify import argmax_rows
+from eyas.decoding.tree import DraftTree
 
 DRAFTER_TYPE = "dflash"
 MASK_TOKEN = "<|mask|>"
@@ -370,14 +368,8 @@ class DFlashDrafter:
     def propose(self, root_token: int, context_ids: list[int], temperature: float,
                 generator: torch.Generator | None) -> DraftTree:
         self.check_context(context_ids)
-        logits_KX = self.draft_logits(root_token)
-        probs_KV = self.model.draft_probs(logits_KX / (temperature if temperature > 0 else 1.0))
-        if self.tree.mode == "ddtree":
-            return build_best_first_block(root_token, probs_KV, self.tree.num_nodes, self.tree.top_k)
-        if temperature > 0:
-            tokens = torch.multinomial(probs_KV, 1, generator=generator)[:, 0].tolist()
-            return chain(root_token, tokens, probs_KV, sampled=True)
-        return chain(root_token, self.model.d2t[argmax_rows(logits_KX)].tolist(), probs_KV)
+        return block_tree(self.tree, root_token, self.draft_logits(root_token), self.model.draft_probs,
+                          self.model.d2t, temperature, generator)
 
 
 def make_dflash_drafter(model: DFlashModel, target: Decoder, tree: TreeSpec, name: str) -> DFlashDrafter:

@@ -38,12 +38,10 @@ import torch
 from torch import nn
 
 from eyas.config import require
-from eyas.decoding.builders import build_best_first_block
-from eyas.decoding.tree import DraftTree, chain
-from eyas.decoding.verify import argmax_rows
+from eyas.decoding.tree import DraftTree
 from eyas.drafters.eagle import KV, DraftLayer, DraftLayerConfig, masked_mean, scalar, step_mask
 from eyas.drafters.eagle3 import Eagle3Model
-from eyas.drafters.trees import BLOCK_MODES, TreeSpec
+from eyas.drafters.trees import BLOCK_MODES, TreeSpec, block_tree
 from eyas.models.cache import KVCache
 from eyas.models.decoder import Decoder
 from eyas.models.features import TargetFeatures, TrainBatch
@@ -286,14 +284,8 @@ class PEagleDrafter:
 
     def propose(self, root_token: int, context_ids: list[int], temperature: float,
                 generator: torch.Generator | None) -> DraftTree:
-        logits_KX = self.draft_logits(root_token)
-        probs_KV = self.model.draft_probs(logits_KX / (temperature if temperature > 0 else 1.0))
-        if self.tree.mode == "ddtree":
-            return build_best_first_block(root_token, probs_KV, self.tree.num_nodes, self.tree.top_k)
-        if temperature > 0:
-            tokens = torch.multinomial(probs_KV, 1, generator=generator)[:, 0].tolist()
-            return chain(root_token, tokens, probs_KV, sampled=True)
-        return chain(root_token, self.model.d2t[argmax_rows(logits_KX)].tolist(), probs_KV)
+        return block_tree(self.tree, root_token, self.draft_logits(root_token), self.model.draft_probs,
+                          self.model.d2t, temperature, generator)
 
 
 def make_peagle_drafter(model: PEagleModel, target: Decoder, tree: TreeSpec, name: str) -> PEagleDrafter:

@@ -27,9 +27,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+
 from eyas.config import ConfigError, require
-from eyas.decoding.builders import CHAIN, EAGLE_DEFAULT, Expand, build_best_first, build_dynamic, build_static
-from eyas.decoding.tree import MAX_TREE_NODES, DraftTree
+from eyas.decoding.builders import (CHAIN, EAGLE_DEFAULT, Expand, build_best_first, build_best_first_block,
+                                    build_dynamic, build_static)
+from eyas.decoding.tree import MAX_TREE_NODES, DraftTree, chain
+from eyas.decoding.verify import argmax_rows
 
 # mode -> the settings it reads (the others must stay unset)
 MODE_SETTINGS: dict[str, tuple[str, ...]] = {
@@ -142,3 +146,18 @@ _GROW: dict[str, Callable[[TreeSpec, int, Expand], DraftTree]] = {
 def grow_tree(tree: TreeSpec, root_token: int, expand: Expand) -> DraftTree:
     """The DraftTree that ``tree`` asks for, grown from ``root_token`` with the drafter's ``expand``."""
     return _GROW[tree.mode](tree, root_token, expand)
+
+
+def block_tree(tree: TreeSpec, root_token: int, logits_KX: torch.Tensor, draft_probs: Callable, d2t_X: torch.Tensor,
+               temperature: float, generator: torch.Generator | None) -> DraftTree:
+    """The tree of a drafter that drafts K positions in one pass (DFlash's block, P-EAGLE's mask slots) from their
+    draft-vocabulary logits [K, X]: ``block``, the chain of their argmaxes (or samples at temperature > 0); ``ddtree``,
+    a best-first tree over the K distributions. ``draft_probs`` maps logits to target-vocabulary probabilities
+    [K, V] and ``d2t_X`` draft indices to target ids."""
+    probs_KV = draft_probs(logits_KX / (temperature if temperature > 0 else 1.0))
+    if tree.mode == "ddtree":
+        return build_best_first_block(root_token, probs_KV, tree.num_nodes, tree.top_k)
+    if temperature > 0:
+        tokens = torch.multinomial(probs_KV, 1, generator=generator)[:, 0].tolist()
+        return chain(root_token, tokens, probs_KV, sampled=True)
+    return chain(root_token, d2t_X[argmax_rows(logits_KX)].tolist(), probs_KV)
