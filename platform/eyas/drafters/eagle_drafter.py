@@ -23,6 +23,17 @@ class _Node:
     probs_V: torch.Tensor  # the draft distribution over the target vocab for its children
 
 
+
+def queue_entries(pending_TE: torch.Tensor | None, pending_next: list[int], hidden_TE: torch.Tensor,
+                  tokens: list[int]) -> tuple[torch.Tensor, list[int]]:
+    """``commit``'s queue of target states [T, E] that wait for the drafter, each with its next token: after a
+    propose (``pending_TE`` None) the root's entry is committed already, so the new states pair with ``tokens[1:]``
+    and the last waits for the next root; commits with no propose between them (base.py allows it) append, the
+    root completing the last waiting entry."""
+    if pending_TE is None:
+        return hidden_TE, list(tokens[1:])
+    return torch.cat([pending_TE, hidden_TE]), pending_next + list(tokens)
+
 class EagleDrafter:
     """Drafter protocol (base.py) for EAGLE-1 and EAGLE-3 models, with chain / static / dynamic / best-first trees.
 
@@ -86,12 +97,8 @@ class EagleDrafter:
     @torch.no_grad()
     def commit(self, tokens: list[int], taps: dict[int, torch.Tensor]) -> None:
         self._rollback()
-        hidden_TE = self.model.initial_hidden(taps)
-        if self._pending_hidden_TE is None:  # propose ran: the root's entry is committed already
-            self._pending_hidden_TE, self._pending_next = hidden_TE, list(tokens[1:])
-        else:  # commits with no propose between them (base.py allows it): the root completes the last entry
-            self._pending_hidden_TE = torch.cat([self._pending_hidden_TE, hidden_TE])
-            self._pending_next = self._pending_next + list(tokens)
+        self._pending_hidden_TE, self._pending_next = queue_entries(
+            self._pending_hidden_TE, self._pending_next, self.model.initial_hidden(taps), tokens)
 
     @torch.no_grad()
     def advance(self, root_token: int) -> None:

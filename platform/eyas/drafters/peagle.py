@@ -41,6 +41,7 @@ from eyas.config import require
 from eyas.decoding.tree import DraftTree
 from eyas.drafters.eagle import KV, DraftLayer, DraftLayerConfig, masked_mean, scalar, step_mask
 from eyas.drafters.eagle3 import Eagle3Model
+from eyas.drafters.eagle_drafter import queue_entries
 from eyas.drafters.trees import BLOCK_MODES, TreeSpec, block_tree
 from eyas.models.cache import KVCache
 from eyas.models.decoder import Decoder
@@ -251,12 +252,8 @@ class PEagleDrafter:
     def commit(self, tokens: list[int], taps: dict[int, torch.Tensor]) -> None:
         assert self.cache is not None, "call begin() first"
         self.cache.truncate(0, self._num_committed)
-        hidden_TE = self.model.initial_hidden(taps)
-        if self._pending_hidden_TE is None:  # propose ran: the root's entry is committed already
-            self._pending_hidden_TE, self._pending_next = hidden_TE, list(tokens[1:])
-        else:  # commits with no propose between them (base.py allows it): the root completes the last entry
-            self._pending_hidden_TE = torch.cat([self._pending_hidden_TE, hidden_TE])
-            self._pending_next = self._pending_next + list(tokens)
+        self._pending_hidden_TE, self._pending_next = queue_entries(
+            self._pending_hidden_TE, self._pending_next, self.model.initial_hidden(taps), tokens)
 
     @torch.no_grad()
     def draft_logits(self, root_token: int) -> torch.Tensor:
