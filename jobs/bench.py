@@ -53,6 +53,7 @@ from eyas.decoding.stats import SpecStats
 from eyas.files import writable_path, write_text_atomic
 from eyas.cpu import cpu_features
 from eyas.threads import configure_threads, current_settings
+from eyas.train.config import SHIPPED_DRAFTERS, shipped_drafter
 from jobs.bench_costs import CostMeasurement, finish_costs, measure_costs
 from jobs.bench_report import plot, print_table, write_page, write_tables
 
@@ -62,6 +63,7 @@ HF_METHODS = {
     "hf-assisted": lambda runner: {"assistant_model": runner.draft},
     "hf-prompt-lookup": lambda runner: {"prompt_lookup_num_tokens": runner.num_lookup},
 }
+SHIPPED = "@shipped"  # eagle3@shipped: the drafter eyas ships (serving/drafters), beside one trained in $EYAS_HOME
 ALL_METHODS = ("vanilla", "hf", "hf-assisted", "hf-prompt-lookup", "ngram", "suffix", "draft-lm", "medusa", "eagle1",
                "eagle2", "eagle3", "dflash", "dflash-ddtree", "dspark", "dflash2", "eagle3.1", "peagle")
 
@@ -141,12 +143,30 @@ class HFRunner:
         return out.shape[1] - input_ids.shape[1]
 
 
-def spec_for(method: str, args: argparse.Namespace, target_name: str, overrides: dict) -> SpecConfig:
+def base_method(label: str) -> str:
+    """``eagle3@shipped`` -> ``eagle3``: a bench row's method, less the suffix that picks the shipped drafter."""
+    return label.removesuffix(SHIPPED)
+
+
+def default_drafter(label: str, args: argparse.Namespace, target_name: str) -> str:
+    """The drafter a trained method's row reads: ``<family>-<target>`` in ``--drafters-dir``; where that holds none
+    and the directory is $EYAS_HOME's, the drafter eyas ships of that name; for ``<method>@shipped``, always that."""
+    name = f"{METHODS[base_method(label)].family}-{target_name}"
+    built = Path(args.drafters_dir) / name
+    shipped = shipped_drafter(name)
+    if label.endswith(SHIPPED):
+        return str(shipped or SHIPPED_DRAFTERS / name)
+    home = Path(args.drafters_dir) == eyas_home() / "drafters"
+    return str(shipped if shipped is not None and home and not (built / "config.json").is_file() else built)
+
+
+def spec_for(label: str, args: argparse.Namespace, target_name: str, overrides: dict) -> SpecConfig:
+    method = base_method(label)
     data = dict(overrides.get(method, {}))
     data["method"] = method
     entry = METHODS[method]
-    if entry.trained and "drafter" not in data:  # a method reads its family's drafter
-        data["drafter"] = str(Path(args.drafters_dir) / f"{entry.family}-{target_name}")
+    if entry.trained and ("drafter" not in data or label.endswith(SHIPPED)):  # a method reads its family's drafter
+        data["drafter"] = default_drafter(label, args, target_name)
     if "draft_model" in entry.settings and "draft_model" not in data:
         data["draft_model"] = args.draft_model
     return from_dict(SpecConfig, data, prefix="spec.")
@@ -154,9 +174,11 @@ def spec_for(method: str, args: argparse.Namespace, target_name: str, overrides:
 
 def available(method: str, spec: SpecConfig | None, args: argparse.Namespace) -> str | None:
     """None if the method can run, else why not."""
-    entry = METHODS.get(method)
+    entry = METHODS.get(base_method(method))
     if entry is not None and entry.trained and not str(spec.drafter).startswith(("models:/", "runs:/")) \
             and not Path(spec.drafter).is_dir():
+        if method.endswith(SHIPPED):
+            return f"eyas ships no drafter {Path(spec.drafter).name} (serving/drafters holds the shipped ones)"
         return f"no drafter at {spec.drafter} (train it: python -m jobs.train_drafter --config ...)"
     needs_draft_lm = (entry is not None and "draft_model" in entry.settings) or method == "hf-assisted"
     if needs_draft_lm and not Path(args.draft_model).is_dir():
@@ -228,9 +250,12 @@ def run_bench(args: argparse.Namespace) -> dict:
     # paths as configs write them ('$EYAS_HOME/...', ~) resolve here as everywhere else
     args.draft_model, args.drafters_dir = str(resolve_path(args.draft_model)), str(resolve_path(args.drafters_dir))
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = [m for m in methods if m not in METHODS and m not in HF_METHODS]
+    unknown = [m for m in methods if base_method(m) not in METHODS and m not in HF_METHODS]
     if unknown:
-        raise ConfigError(f"--methods: unknown {unknown}; known: {list(ALL_METHODS)}")
+        raise ConfigError(f"--methods: unknown {unknown}; known: {list(ALL_METHODS)}, and <trained method>{SHIPPED}")
+    untrained = [m for m in methods if m.endswith(SHIPPED) and not METHODS[base_method(m)].trained]
+    if untrained:
+        raise ConfigError(f"--methods: {untrained}: {SHIPPED} picks the shipped drafter of a trained method")
     if "vanilla" not in methods:
         methods.insert(0, "vanilla")  # speedup is relative to vanilla measured in the same run
     overrides: dict = {}
@@ -248,7 +273,7 @@ def run_bench(args: argparse.Namespace) -> dict:
                                                      else set()))
     drafters, skipped = {}, {}
     for method in methods:
-        spec = spec_for(method, args, target_name, overrides) if method in METHODS else None
+        spec = spec_for(method, args, target_name, overrides) if base_method(method) in METHODS else None
         why = available(method, spec, args)
         if why:
             if args.strict:
@@ -332,7 +357,7 @@ def result_row(method: str, suite: str, tallies: dict, cost: CostMeasurement | N
     t, base = tallies[(method, suite)], tallies[("vanilla", suite)]
     base_tps = base.new_tokens / base.seconds
     tps = t.new_tokens / t.seconds if t.seconds else 0.0
-    speculates = method in METHODS and METHODS[method].speculates
+    speculates = base_method(method) in METHODS and METHODS[base_method(method)].speculates
     row = {"method": method, "suite": suite, "num_prompts": t.num_prompts, "new_tokens": t.new_tokens,
            "seconds": round(t.seconds, 4), "tokens_per_s": round(tps, 2), "speedup": round(tps / base_tps, 3),
            "tau": round(t.stats.tau, 3) if speculates and t.stats.tau else None,

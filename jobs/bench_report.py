@@ -240,8 +240,9 @@ def page(sources: list[str], out: str) -> str:
              "python -m jobs.bench --methods vanilla,hf,ngram,eagle3 --suite humaneval,chat --num-prompts 4 \\",
              "    --dtype bfloat16 --spec '$EYAS_HOME/sweeps/eagle3-tree-smollm2/best.yaml' --out docs/bench-NAME.json",
              "```", "",
-             "A trained method reads its drafter at `$EYAS_HOME/drafters/<family>-<target>` unless a `--spec` (a "
-             "sweep's `best.yaml`) names one; `--suite` is code, prose, chat, humaneval or all, or `--prompts-file "
+             "A trained method reads its drafter at `$EYAS_HOME/drafters/<family>-<target>`, else the one eyas ships in "
+             "`serving/drafters`, unless a `--spec` (a sweep's `best.yaml`) names one; `<method>@shipped` (`eagle3@shipped`) "
+             "always reads the shipped one; `--suite` is code, prose, chat, humaneval or all, or `--prompts-file "
              "FILE.jsonl` brings your own prompts. Then add the JSON to this page's `--from` list.", ""]
     for target in dict.fromkeys(target_name(r) for _, r in reports):
         lines += [f"## {target}", ""]

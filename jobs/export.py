@@ -74,7 +74,7 @@ def export_drafter(drafter: str, to: str, out: str | Path, target: str | None = 
                    outtype: str = "f32") -> tuple[str, Path]:
     """Export ``drafter`` (a directory, models:/ or runs:/) to ``to``'s format at ``out``, after the train/serve
     checks; returns (the drafter type, the written path)."""
-    path = resolve_checkpoint(drafter, "--drafter")
+    path = resolve_checkpoint(drafter, "--drafter", drafter=True)
     meta = registry.read_meta(path)[1]
     target_ref = str(target or meta["target"])
     target_path = resolve_path(target_ref)

@@ -94,7 +94,8 @@ def local_init(cfg: TrainConfig) -> TrainConfig:
         where = drafter_path(ref)
         if not where.exists():
             raise ConfigError(f"drafter.init_from={ref}: no drafter checkpoint at {where} (a bare name is looked "
-                              "up under $EYAS_HOME/drafters, where jobs.train_drafter publishes)")
+                              "up under $EYAS_HOME/drafters, where jobs.train_drafter publishes, then among the shipped drafters "
+                              "in serving/drafters)")
     directory, meta = registry.read_meta(where)
     if meta["drafter_type"] != cfg.drafter.type:
         raise ConfigError(f"drafter.init_from={ref}: {directory} holds a {meta['drafter_type']} drafter but "

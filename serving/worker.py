@@ -38,7 +38,7 @@ def resolved_spec(spec: SpecConfig) -> SpecConfig:
     """The spec with its drafter / draft model locations made local (registry URIs downloaded once)."""
     changes = {}
     if spec.drafter:
-        changes["drafter"] = str(resolve_checkpoint(spec.drafter, "spec.drafter"))
+        changes["drafter"] = str(resolve_checkpoint(spec.drafter, "spec.drafter", drafter=True))
     if spec.draft_model:
         changes["draft_model"] = str(resolve_checkpoint(spec.draft_model, "spec.draft_model"))
     return replace(spec, **changes) if changes else spec

@@ -46,7 +46,7 @@ def check_spec_files(spec: SpecConfig) -> None:
     for field in ("drafter", "draft_model"):
         location = getattr(spec, field)
         if location and not str(location).startswith(("models:/", "runs:/")):
-            directory = resolve_checkpoint(location, f"spec.{field}")
+            directory = resolve_checkpoint(location, f"spec.{field}", drafter=field == "drafter")
             if not (directory / "config.json").is_file():
                 raise ConfigError(f"spec.{field}={location}: no checkpoint at {directory} (config.json missing); "
                                   "train one with `python -m jobs.train_drafter --config ...`")

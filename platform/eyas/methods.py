@@ -25,7 +25,7 @@ from eyas.drafters.trees import MODE_SETTINGS, TREE_MODES, TreeSpec
 from eyas.decoding.tree import MAX_TREE_NODES
 from eyas.models.decoder import Decoder
 from eyas.models.loading import load_target
-from eyas.train.config import data_path
+from eyas.train.config import data_path, drafter_path
 from eyas.train.data import read_rows
 
 TREES = TREE_MODES
@@ -197,7 +197,7 @@ def _trained(target: Decoder, spec: SpecConfig) -> DrafterFactory:
     if not spec.drafter:
         raise ConfigError(f"spec.method={spec.method} needs a trained drafter: set spec.drafter (or --drafter) to "
                           "a checkpoint directory or models:/NAME@ALIAS")
-    return checkpoint_factory(resolve_checkpoint(spec.drafter, "spec.drafter"), target, spec.method, spec.tree_spec)
+    return checkpoint_factory(resolve_checkpoint(spec.drafter, "spec.drafter", drafter=True), target, spec.method, spec.tree_spec)
 
 
 def _trained_method(family: str, tree: TreeSpec) -> Method:
@@ -360,13 +360,15 @@ def wrap_model(model: Any, target: Decoder, method: str | None = None, tree: dic
     return registry.family(model.drafter_type).make_drafter(model, target, spec or METHODS[method].tree, method)
 
 
-def resolve_checkpoint(location: str | Path, field: str) -> Path:
+def resolve_checkpoint(location: str | Path, field: str, drafter: bool = False) -> Path:
     """The one checkpoint resolver: a local directory for a path ($EYAS_HOME and ~ expand) or an MLflow URI
-    (``models:/NAME@ALIAS``, ``runs:/RUN_ID/PATH``, downloaded once). ``field`` names the setting in errors."""
+    (``models:/NAME@ALIAS``, ``runs:/RUN_ID/PATH``, downloaded once). With ``drafter``, a bare name (no ``/``) is a
+    drafter's name: ``$EYAS_HOME/drafters/<name>``, else the shipped one (eyas.train.config.drafter_path).
+    ``field`` names the setting in errors."""
     text = str(location)
     if text.startswith(("models:/", "runs:/")):
         return track.download_model(text)
-    path = resolve_path(text)
+    path = drafter_path(text) if drafter and "/" not in text and not Path(text).is_dir() else resolve_path(text)
     if not path.exists():
         raise ConfigError(f"{field}={text}: no checkpoint there (a drafter is trained with python -m "
                           "jobs.train_drafter --config jobs/configs/<family>-tiny.yaml; a target with "

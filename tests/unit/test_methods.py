@@ -132,3 +132,18 @@ def test_resolve_checkpoint(tmp_path, monkeypatch):
     assert resolve_checkpoint("models:/eagle3@champion", "spec.drafter") == tmp_path
     assert resolve_checkpoint("runs:/abc/drafter", "target") == tmp_path
     assert seen == ["models:/eagle3@champion", "runs:/abc/drafter"]
+
+
+def test_a_drafter_name_falls_back_to_the_shipped_drafter(tmp_path, monkeypatch):
+    """A bare drafter name reads $EYAS_HOME/drafters/<name> where a checkpoint is there, else the shipped one."""
+    home, shipped = tmp_path / "home", tmp_path / "shipped"
+    monkeypatch.setenv("EYAS_HOME", str(home))
+    monkeypatch.setattr("eyas.train.config.SHIPPED_DRAFTERS", shipped)
+    (shipped / "eagle3-t").mkdir(parents=True)
+    (shipped / "eagle3-t" / "config.json").write_text("{}")
+    assert resolve_checkpoint("eagle3-t", "spec.drafter", drafter=True) == shipped / "eagle3-t"
+    (home / "drafters" / "eagle3-t").mkdir(parents=True)
+    (home / "drafters" / "eagle3-t" / "config.json").write_text("{}")
+    assert resolve_checkpoint("eagle3-t", "spec.drafter", drafter=True) == home / "drafters" / "eagle3-t"
+    with pytest.raises(ConfigError, match="spec.drafter=eagle3-u: no checkpoint there"):
+        resolve_checkpoint("eagle3-u", "spec.drafter", drafter=True)

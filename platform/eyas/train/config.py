@@ -37,10 +37,23 @@ def data_path(data: str) -> Path:
     return home_path(data, "data")
 
 
+# the drafters eyas ships for its default target (README "Shipped drafters"): serving/drafters/<name>/ in the repository
+SHIPPED_DRAFTERS = Path(__file__).resolve().parents[3] / "serving" / "drafters"
+
+
+def shipped_drafter(name: str) -> Path | None:
+    """The shipped drafter ``name`` (``serving/drafters/<name>``), or None where eyas ships none of that name."""
+    directory = SHIPPED_DRAFTERS / name
+    return directory if "/" not in name and (directory / "config.json").is_file() else None
+
+
 def drafter_path(drafter: str) -> Path:
-    """``eagle3-tiny`` -> ``$EYAS_HOME/drafters/eagle3-tiny`` (where jobs.train_drafter publishes); a path (with
+    """``eagle3-tiny`` -> ``$EYAS_HOME/drafters/eagle3-tiny`` (where jobs.train_drafter publishes); where that holds
+    no checkpoint and eyas ships a drafter of that name, the shipped one (``serving/drafters/<name>``); a path (with
     ``/``) is used as is."""
-    return home_path(drafter, "drafters")
+    path = home_path(drafter, "drafters")
+    shipped = shipped_drafter(drafter)
+    return shipped if shipped is not None and not (path / "config.json").is_file() else path
 
 
 def _name(value: str, field_name: str) -> None:

