@@ -22,6 +22,9 @@ from typing import Callable
 
 from eyas import track
 from eyas.config import eyas_home, read_yaml_mapping
+from eyas.methods import METHODS
+from eyas.train.config import shipped_drafter
+from jobs.bench import SHIPPED
 from eyas_ray.local_head import LocalRayHead, port_free
 
 
@@ -105,11 +108,15 @@ DEFAULT_PROFILE = "smollm2"
 BENCH_METHODS = ("vanilla", "hf", "hf-assisted", "hf-prompt-lookup", "ngram", "draft-lm", "eagle1", "eagle2",
                  "eagle3", "dflash", "dflash-ddtree", "medusa")
 DRAFT_LM_METHODS = ("draft-lm", "hf-assisted")
+SHIPPED_METHODS = ("eagle3", "dflash")  # benched as <method>@shipped where serving/drafters has one for the target
 
 
 def bench_methods(profile: Profile) -> str:
-    """The bench's --methods: every method, less those that need a draft LM when the profile has none."""
-    return ",".join(m for m in BENCH_METHODS if profile.draft is not None or m not in DRAFT_LM_METHODS)
+    """The bench's --methods: every method, less those that need a draft LM when the profile has none, and the
+    drafters eyas ships for the profile's target (``eagle3@shipped``) beside the ones the demo trains."""
+    methods = [m for m in BENCH_METHODS if profile.draft is not None or m not in DRAFT_LM_METHODS]
+    methods += [m + SHIPPED for m in SHIPPED_METHODS if shipped_drafter(f"{METHODS[m].family}-{profile.target}")]
+    return ",".join(methods)
 
 
 class StepFailed(RuntimeError):

@@ -83,3 +83,13 @@ def test_the_demo_dtype_is_the_fastest_exact_one_for_smollm2_only():
     assert demo_dtype(PROFILES["micro"], "auto") == demo_dtype(PROFILES["tiny"], "auto") == "float32"
     assert demo_dtype(PROFILES["smollm2"], "float32") == "float32"
     assert demo_dtype(PROFILES["micro"], "bfloat16") == "bfloat16"
+
+
+def test_the_demo_benches_the_shipped_drafters_beside_its_own(tmp_path, monkeypatch):
+    monkeypatch.setattr("eyas.train.config.SHIPPED_DRAFTERS", tmp_path)
+    profile = PROFILES[DEFAULT_PROFILE]
+    assert not [m for m in bench_methods(profile).split(",") if m.endswith("@shipped")]
+    (tmp_path / f"eagle3-{profile.target}").mkdir()
+    (tmp_path / f"eagle3-{profile.target}" / "config.json").write_text("{}")
+    methods = bench_methods(profile).split(",")
+    assert "eagle3" in methods and "eagle3@shipped" in methods and "dflash@shipped" not in methods
