@@ -144,7 +144,7 @@ def ship(source_ref: str, name: str, bench_path: Path) -> Path:
         (staging / CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         training = json.loads((source / TRAINING_FILE).read_text()) if (source / TRAINING_FILE).is_file() else {}
         (staging / CARD_FILE).write_text(model_card(name, meta, training, bench, method, megabytes,
-                                                    source.name))
+                                                    str(training.get("name") or source.resolve().name)))
         retired = SHIPPED_DRAFTERS / f".{name}.retired"
         shutil.rmtree(retired, ignore_errors=True)
         if destination.exists():
