@@ -46,7 +46,7 @@ from eyas import datasets
 from eyas.config import ConfigError, eyas_home, from_dict, resolve_path
 from eyas.decoding import costs
 from eyas.decoding.tree import MAX_TREE_NODES
-from eyas.methods import METHODS, SpecConfig, build_drafter
+from eyas.methods import HYBRID_PROPOSERS, METHODS, SpecConfig, build_drafter
 from eyas.models import CheckpointError, load_target, load_tokenizer, torch_dtype
 from eyas.decoding.generate import generate
 from eyas.decoding.stats import SpecStats
@@ -65,7 +65,7 @@ HF_METHODS = {
 }
 SHIPPED = "@shipped"  # eagle3@shipped: the drafter eyas ships (serving/drafters), beside one trained in $EYAS_HOME
 ALL_METHODS = ("vanilla", "hf", "hf-assisted", "hf-prompt-lookup", "ngram", "suffix", "draft-lm", "medusa", "eagle1",
-               "eagle2", "eagle3", "dflash", "dflash-ddtree", "dspark", "dflash2", "eagle3.1", "peagle")
+               "eagle2", "eagle3", "dflash", "dflash-ddtree", "dspark", "dflash2", "eagle3.1", "peagle", "hybrid")
 
 
 @dataclass
@@ -167,7 +167,11 @@ def spec_for(label: str, args: argparse.Namespace, target_name: str, overrides: 
     entry = METHODS[method]
     if entry.trained and ("drafter" not in data or label.endswith(SHIPPED)):  # a method reads its family's drafter
         data["drafter"] = default_drafter(label, args, target_name)
-    if "draft_model" in entry.settings and "draft_model" not in data:
+    parts = (data.get("proposers") or HYBRID_PROPOSERS) if method == "hybrid" else (method,)
+    learned = [p for p in parts if METHODS[p].trained]
+    if method == "hybrid" and learned and "drafter" not in data:  # its learned proposer reads its family's drafter
+        data["drafter"] = default_drafter(learned[0], args, target_name)
+    if any("draft_model" in METHODS[p].settings for p in parts) and "draft_model" not in data:
         data["draft_model"] = args.draft_model
     return from_dict(SpecConfig, data, prefix="spec.")
 
@@ -175,12 +179,14 @@ def spec_for(label: str, args: argparse.Namespace, target_name: str, overrides: 
 def available(method: str, spec: SpecConfig | None, args: argparse.Namespace) -> str | None:
     """None if the method can run, else why not."""
     entry = METHODS.get(base_method(method))
-    if entry is not None and entry.trained and not str(spec.drafter).startswith(("models:/", "runs:/")) \
-            and not Path(spec.drafter).is_dir():
+    reads_drafter = entry is not None and (entry.trained or spec.drafter is not None)
+    if reads_drafter and not str(spec.drafter).startswith(("models:/", "runs:/")) and not Path(spec.drafter).is_dir():
         if method.endswith(SHIPPED):
             return f"eyas ships no drafter {Path(spec.drafter).name} (serving/drafters holds the shipped ones)"
         return f"no drafter at {spec.drafter} (train it: python -m jobs.train_drafter --config ...)"
-    needs_draft_lm = (entry is not None and "draft_model" in entry.settings) or method == "hf-assisted"
+    parts = (spec.proposers or HYBRID_PROPOSERS) if method == "hybrid" else (base_method(method),)
+    needs_draft_lm = any(p in METHODS and "draft_model" in METHODS[p].settings and p != "hybrid" for p in parts) \
+        or method == "hf-assisted"
     if needs_draft_lm and not Path(args.draft_model).is_dir():
         return f"no draft LM at {args.draft_model} (build it: python -m jobs.train_target --config " \
                "jobs/configs/draft-<target>.yaml, e.g. draft-smollm2.yaml)"

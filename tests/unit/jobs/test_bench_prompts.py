@@ -61,3 +61,19 @@ def test_a_trained_method_reads_the_home_drafter_else_the_shipped_one(tmp_path, 
     assert available("eagle3@shipped", shipped_spec, args) is None
     other = argparse.Namespace(drafters_dir=str(tmp_path / "mine"), draft_model=args.draft_model)
     assert spec_for("eagle3", other, "t", {}).drafter == str(tmp_path / "mine" / "eagle3-t")  # a named dir: no fallback
+
+
+def test_the_hybrid_reads_its_learned_proposers_drafter(tmp_path, monkeypatch):
+    from jobs.bench import available, spec_for
+
+    monkeypatch.setenv("EYAS_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr("eyas.train.config.SHIPPED_DRAFTERS", tmp_path / "shipped")
+    args = argparse.Namespace(drafters_dir=str(tmp_path / "home" / "drafters"), draft_model=str(tmp_path / "none"))
+    spec = spec_for("hybrid", args, "t", {"hybrid": {"proposers": ["suffix", "eagle3"]}})
+    assert spec.drafter == str(tmp_path / "home" / "drafters" / "eagle3-t")
+    assert "no drafter at" in available("hybrid", spec, args)
+    (tmp_path / "home" / "drafters" / "eagle3-t").mkdir(parents=True)
+    assert available("hybrid", spec, args) is None  # no draft LM needed: neither proposer reads one
+    lm = spec_for("hybrid", args, "t", {"hybrid": {"proposers": ["ngram", "draft-lm"]}})
+    assert lm.drafter is None and "no draft LM" in available("hybrid", lm, args)
+    assert available("ngram", spec_for("ngram", args, "t", {}), args) is None
