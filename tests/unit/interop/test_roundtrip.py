@@ -1,30 +1,32 @@
-"""Export -> import round trips: the engine-format checkpoint loads back as the same eyas drafter, and it drafts
-bit-identical trees (tokens, parents, confidences, draft distributions) on fixed prompts through the real loop."""
+"""Export -> import round trips: the engine-format checkpoint loads back as the same eyas drafter (config and every
+weight bit-identical, so the same logits), and it drafts bit-identical trees (tokens, parents, confidences, draft
+distributions) and the same greedy output (vanilla's) on fixed prompts through the real loop."""
 import json
 
 import pytest
 import torch
-from interop_testing import EAGLE3, PROMPTS, QWEN3, Recorder, drafter, tiny
+from interop_testing import BLOCK_FAMILIES, CONFIGS, EAGLE3, PROMPTS, QWEN3, Recorder, drafter, tiny
 
 from eyas.decoding.generate import generate
 from eyas.drafters import registry
 from eyas.interop import write_export
 from eyas.methods import load_drafter
 
-CASES = [(kind, fmt) for kind in ("eagle3", "dflash", "eagle3.1") for fmt in ("sglang", "vllm", "speculators")] + [
-    ("peagle", "vllm"), ("peagle", "speculators")]
+CASES = [(kind, fmt) for kind in ("eagle3", "dflash", "eagle3.1", "dspark") for fmt in ("sglang", "vllm", "speculators")
+         ] + [("peagle", "vllm"), ("peagle", "speculators"), ("dflash2", "vllm"), ("dflash2", "speculators")]
 
 
 @pytest.fixture(scope="module")
 def targets():
-    return {"eagle3": tiny(), "dflash": tiny(QWEN3), "eagle3.1": tiny(), "peagle": tiny()}
+    return {kind: tiny(QWEN3) if kind in BLOCK_FAMILIES else tiny() for kind in CONFIGS}
 
 
-def drafted_trees(path, target) -> list:
-    recorder = Recorder(load_drafter(path, target))
+def drafted_trees(path, target) -> tuple[list, list[list[int]]]:
+    """(every tree the checkpoint's drafter proposed, the greedy speculative output) on PROMPTS."""
+    recorder, outputs = Recorder(load_drafter(path, target)), []
     for prompt in PROMPTS:
-        generate(target, prompt, 12, drafter=recorder)
-    return recorder.trees
+        outputs.append(generate(target, prompt, 12, drafter=recorder).token_ids)
+    return recorder.trees, outputs
 
 
 @pytest.mark.parametrize("drafter_type,fmt", CASES)
@@ -35,9 +37,13 @@ def test_export_import_drafts_identical_trees(targets, tmp_path, drafter_type, f
     out = write_export(model, fmt, tmp_path / fmt, "tiny")
     assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors"]
     loaded = registry.load_model(out, target)
-    assert loaded.config == model.config and loaded.target_taps == model.target_taps
+    assert type(loaded) is type(model) and loaded.config == model.config and loaded.target_taps == model.target_taps
     assert loaded.draft_vocab == model.draft_vocab
-    want, got = drafted_trees(tmp_path / "eyas", target), drafted_trees(out, target)
+    mine = model.state_dict()
+    assert loaded.state_dict().keys() == mine.keys()  # the same weights: the same logits
+    assert all(torch.equal(tensor, mine[name]) for name, tensor in loaded.state_dict().items())
+    (want, want_out), (got, got_out) = drafted_trees(tmp_path / "eyas", target), drafted_trees(out, target)
+    assert got_out == want_out == [generate(target, p, 12).token_ids for p in PROMPTS]  # greedy: vanilla's tokens
     assert len(want) == len(got) >= len(PROMPTS)
     assert sum(tree.tokens_N.numel() - 1 for tree in want) > 0  # it drafted something
     for a, b in zip(want, got):
