@@ -144,13 +144,18 @@ def serve_command(kind: str, fmt: str, block_size: int | None) -> str:
 def readme(config: dict[str, Any], fmt: str) -> str:
     block = config[EYAS_BLOCK]
     serve = serve_command(block["drafter_type"], fmt, config.get("block_size"))
+    note = ""
+    if fmt == "sglang" and (config.get("fc_norm") or config.get("norm_output")):
+        note = ("Needs an SGLang whose llama_eagle3.py reads `fc_norm` and `norm_output` (EAGLE-3.1): an older one "
+                "ignores both keys and skips the `fc_norm.*` tensors without an error, serving another drafter "
+                "(eyas.interop.eagle3).\n\n")
     fingerprint = block["target_fingerprint"]
     return (f"# eyas {block['drafter_type']} drafter, {fmt} format\n\n"
             f"Trained for target: `{block['target']}`\n\n"
             f"Target fingerprint: config `{fingerprint.get('config')}`, tokenizer `{fingerprint.get('tokenizer')}` "
             "(eyas.interop.fingerprint; eyas refuses to load this drafter beside a target whose fingerprint "
             "differs).\n\n"
-            f"Serve: `{serve}`\n\n"
+            f"Serve: `{serve}`\n\n{note}"
             "Load back into eyas: `python -m jobs.generate --target TARGET --drafter THIS_DIR --method "
             f"{block['drafter_type']} ...`\n")
 
