@@ -101,6 +101,7 @@ def import_config(config: dict[str, Any], target: Decoder, where: str, eyas_bloc
                                     ("hidden_act", "silu", "eyas's activation"),
                                     ("attention_bias", False, "eyas's DFlash layer (no biases)"),
                                     ("is_causal", False, "eyas's block attention (bidirectional)"),
+                                    ("fc_norm", False, "eyas's context fusion (fc then hidden_norm, no norm per tap)"),
                                     ("draft_vocab_size", t.vocab_size, "the target's vocab (DFlash uses its LM head)")):
         _require_equal(where, name, config.get(name), expected, meaning)
     if set(config.get("layer_types") or ["full_attention"]) != {"full_attention"}:

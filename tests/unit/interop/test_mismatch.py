@@ -113,6 +113,7 @@ def test_dflash_family_exports_eyas_refuses(qwen3, tmp_path):
     ({"confidence_head_with_markov": False}, "confidence_head_with_markov=false"),
     ({"sample_from_anchor": False}, "sample_from_anchor=false"),
     ({"markov_rank": 0}, "markov_rank=0"),
+    ({"fc_norm": True}, "fc_norm=True"),  # a per-tap norm before fc (as EAGLE-3.1 and some DSpark engines have)
     ({"markov_rank": 4}, "eyas block disagrees")])  # the eyas block says 8: edited by hand
 def test_a_dspark_eyas_cannot_run_exactly_is_refused(qwen3, tmp_path, changes, match):
     out = write_export(drafter("dspark", qwen3), "sglang", tmp_path / "sg", "tiny")
