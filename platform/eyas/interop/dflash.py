@@ -32,19 +32,19 @@ ARCHITECTURE = "DFlashDraftModel"
 
 
 def check_exportable(model: DFlashModel) -> None:
-    target = model.target_config
+    target, kind = model.target_config, model.drafter_type
     if model.draft_vocab is not None:
-        raise CheckpointError("this DFlash drafter reads a draft vocabulary (dflash.draft_vocab_size); the engines' "
-                              "DFlashDraftModel reads the target's whole LM head. Train it without one to export it")
+        raise CheckpointError(f"this {kind} drafter reads a draft vocabulary ({kind}.draft_vocab_size); the engines' "
+                              "DFlash-family models read the target's whole LM head. Train it without one to export it")
     if not target.qk_norm:
-        raise CheckpointError(f"a DFlash drafter for a {target.model_type} target without q/k norms cannot be exported: "
+        raise CheckpointError(f"a {kind} drafter for a {target.model_type} target without q/k norms cannot be exported: "
                               "the engines' DFlashDraftModel always applies per-head q_norm/k_norm (Qwen3 layers), "
                               "eyas's layer for this target does not")
     if target.attention_bias or target.o_proj_bias or target.mlp_bias:
-        raise CheckpointError("a DFlash drafter with attention/MLP biases cannot be exported exactly: the engines tie "
+        raise CheckpointError(f"a {kind} drafter with attention/MLP biases cannot be exported exactly: the engines tie "
                               "o_proj's bias to attention_bias and have no MLP bias")
     if model.config.mask_token_id is None:
-        raise CheckpointError("this DFlash drafter uses a learned mask embedding (dflash.mask_token_id null); the "
+        raise CheckpointError(f"this {kind} drafter uses a learned mask embedding ({kind}.mask_token_id null); the "
                               "engines embed the mask through a token id (dflash_config.mask_token_id). Retrain with "
                               "the tokenizer's <|mask|> id to export it")
 
