@@ -133,3 +133,25 @@ def test_the_eagle3_family_writes_its_own_keys(targets, tmp_path):
     assert not {"fc_norm", "norm_output", "parallel_drafting", "mask_token_id"} & set(config)
     with pytest.raises(CheckpointError, match="no SGLang format"):
         write_export(drafter("peagle", targets["peagle"]), "sglang", tmp_path / "pe-sg", "tiny")
+
+
+@pytest.mark.parametrize("drafter_type,fmt", [("dspark", "sglang"), ("dspark", "speculators"), ("dflash2", "vllm"),
+                                              ("dflash2", "speculators")])
+def test_a_dflash_family_checkpoint_trained_elsewhere_loads_by_its_engine_keys(targets, tmp_path, drafter_type, fmt):
+    """No eyas block: the family's own keys (Markov rank; convolution and selector sizes) rebuild the drafter, with
+    eyas's defaults for the training-only settings, and it drafts what eyas's own checkpoint drafts."""
+    target = targets[drafter_type]
+    model = drafter(drafter_type, target)
+    registry.save_drafter(model, tmp_path / "eyas", "tiny")
+    out = write_export(model, fmt, tmp_path / fmt, "tiny")
+    config = json.loads((out / "config.json").read_text())
+    del config["eyas"]
+    (out / "config.json").write_text(json.dumps(config))
+    loaded = registry.load_model(out, target)
+    fresh = type(model.config)()  # the training-only settings fall back to the family's defaults
+    assert loaded.config.num_anchors == fresh.num_anchors and loaded.config.loss_decay == fresh.loss_decay
+    architecture = ("num_layers", "block_size", "num_taps", "mask_token_id", "markov_rank", "markov_head_type",
+                    "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+    assert all(getattr(loaded.config, n) == getattr(model.config, n) for n in architecture if hasattr(fresh, n))
+    (want, want_out), (got, got_out) = drafted_trees(tmp_path / "eyas", target), drafted_trees(out, target)
+    assert got_out == want_out and [t.tokens_N.tolist() for t in got] == [t.tokens_N.tolist() for t in want]
