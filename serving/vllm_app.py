@@ -36,7 +36,8 @@ from eyas.config import ConfigError, eyas_home, resolve_path
 from eyas_ray.vllm_cpu import cpu_env_vars
 
 ROOT = Path(__file__).resolve().parents[1]
-DRAFTER_METHODS = ("eagle3", "eagle", "dflash")  # vLLM methods whose `model` is a drafter checkpoint
+DRAFTER_METHODS = ("eagle3", "eagle", "dflash", "dspark")  # vLLM methods whose `model` is a drafter checkpoint
+# (DFlash2 is served as "dflash": vLLM picks it by the export's DFlash2DraftModel architecture)
 
 
 def expand(value: str) -> str:

@@ -1,8 +1,11 @@
 """Drafters that travel: eyas drafters written in the engines' formats, and theirs read as eyas drafters.
 
-Formats (``FORMATS``): ``sglang`` and ``vllm`` (the engines' own config.json + model.safetensors: EAGLE-3 as
-LlamaForCausalLMEagle3 / Eagle3LlamaForCausalLM, DFlash as DFlashDraftModel), ``speculators`` (the speculators
-package's config with a ``speculators_config``). EAGLE-1 and Medusa are not exported: SGLang's EAGLE-1 layout
+Formats (``FORMATS``): ``sglang`` and ``vllm`` (the engines' own config.json + model.safetensors: EAGLE-3 / EAGLE-3.1
+/ P-EAGLE as LlamaForCausalLMEagle3 / Eagle3LlamaForCausalLM (eagle3.py), DFlash as DFlashDraftModel (dflash.py),
+DSpark as Qwen3DSparkModel (dspark.py), DFlash2 as DFlash2DraftModel, vLLM only (dflash2.py)), ``speculators`` (the
+speculators package's config with a ``speculators_config``: eagle3, peagle, dflash, dspark, dflash2; speculators.py).
+Where an engine has no format for a family (P-EAGLE and DFlash2 on SGLang) the export is refused and says why.
+EAGLE-1 and Medusa are not exported: SGLang's EAGLE-1 layout
 (LlamaForCausalLMEagle: fc over concat(embed, feature) with no input norm) and Medusa's ResBlock heads differ from
 eyas's modules, so they are refused by name rather than written approximately.
 
@@ -18,13 +21,14 @@ from typing import Any
 import torch
 
 from eyas.config import to_dict
-from eyas.interop import dflash, eagle3, speculators
+from eyas.interop import dflash, dflash2, dspark, eagle3, speculators
 from eyas.interop.fingerprint import target_fingerprint
 from eyas.models.config import CheckpointError
 from eyas.models.decoder import Decoder
 from eyas.models.loading import load_safetensors
 
 FORMATS = ("sglang", "vllm", "speculators")
+BLOCK_FAMILIES = {"dflash": dflash, "dspark": dspark, "dflash2": dflash2}  # DFlash's layout plus each one's keys
 WEIGHTS_FILE = "model.safetensors"
 EYAS_BLOCK = "eyas"  # what eyas adds to an exported config.json (engines keep unknown keys and ignore them)
 
@@ -40,22 +44,23 @@ def export_checkpoint(model: torch.nn.Module, fmt: str, target_ref: str, fingerp
             config, weights = speculators.eagle3_config(model, target_ref), speculators.eagle3_weights(model)
         else:
             config, weights = eagle3.export_config(model, fmt), eagle3.export_weights(model)
-    elif kind == "dflash":
+    elif kind in BLOCK_FAMILIES:
         if fmt == "speculators":
             config, weights = speculators.dflash_config(model, target_ref), speculators.dflash_weights(model)
         else:
-            config, weights = dflash.export_config(model), dflash.export_weights(model)
+            family = BLOCK_FAMILIES[kind]
+            config, weights = family.export_config(model, fmt), family.export_weights(model)
     else:
-        raise CheckpointError(f"a {kind} drafter has no {fmt} format eyas can write exactly (EAGLE-3 and DFlash "
-                              "export; see eyas.interop's docstring)")
+        raise CheckpointError(f"a {kind} drafter has no {fmt} format eyas can write exactly (the EAGLE-3 and DFlash "
+                              "families export; see eyas.interop's docstring)")
     config[EYAS_BLOCK] = {"drafter_type": kind, "target": str(target_ref), "config": to_dict(model.config),
                           "target_fingerprint": fingerprint or target_fingerprint(model.target_config)}
     return config, weights
 
 
 def detect(config: dict[str, Any]) -> str | None:
-    """The foreign format of a checkpoint's config.json ("speculators", "eagle3" or "dflash"), None for eyas's own
-    (a top-level ``drafter_type``) or anything unknown."""
+    """The foreign format of a checkpoint's config.json ("speculators", "eagle3", "dspark", "dflash2" or "dflash"),
+    None for eyas's own (a top-level ``drafter_type``) or anything unknown."""
     if "drafter_type" in config:
         return None
     if "speculators_config" in config or "speculators_model_type" in config:
@@ -63,6 +68,10 @@ def detect(config: dict[str, Any]) -> str | None:
     architectures = config.get("architectures") or []
     if any(a in eagle3.ARCHITECTURES for a in architectures):
         return "eagle3"
+    if any(a in dspark.ARCHITECTURES for a in architectures):
+        return "dspark"
+    if dflash2.ARCHITECTURE in architectures:
+        return "dflash2"
     if dflash.ARCHITECTURE in architectures or "dflash_config" in config:
         return "dflash"
     return None
@@ -100,8 +109,9 @@ def import_checkpoint(directory: Path, meta: dict[str, Any], target: Decoder
         vocab = family_config.draft_vocab_size or target.config.vocab_size
         state, draft_vocab = eagle3.import_weights(state, target, vocab, str(where))
     else:
-        family_config = dflash.import_config(config, target, str(where), block.get("config"))
-        state, draft_vocab = dflash.import_weights(state, str(where)), None
+        family = BLOCK_FAMILIES[meta["drafter_type"]]
+        family_config = family.import_config(config, target, str(where), block.get("config"))
+        state, draft_vocab = family.import_weights(state, str(where)), None
     from eyas.drafters import registry  # cycle: the registry imports interop to read engines' formats
     model_taps = registry.build_model(meta["drafter_type"], family_config, target, draft_vocab).target_taps
     shape = {"hidden_size": config.get("target_hidden_size") or config.get("hidden_size"),
@@ -112,21 +122,40 @@ def import_checkpoint(directory: Path, meta: dict[str, Any], target: Decoder
     return eyas_meta, state
 
 
+def serve_command(kind: str, fmt: str, block_size: int | None) -> str:
+    """How the engine serves an export: SGLang's algorithm, vLLM's method and draft count for the family."""
+    if fmt == "speculators":
+        if kind == "dflash2":  # speculators docs/algorithms/dflash2.md: vLLM's speculators adapter has no dflash2 yet
+            return ("vLLM reads no speculators dflash2 config yet; export --to vllm (DFlash2DraftModel) to serve it, "
+                    "or load this directory with speculators' DFlash2DraftModel")
+        return "vllm serve THIS_DIR  (the speculators_config names the verifier)"
+    if fmt == "sglang":
+        algorithm = {"dflash": "DFLASH", "dspark": "DSPARK"}.get(kind, "EAGLE3")
+        tokens = f" --speculative-num-draft-tokens {block_size + 1}" if kind == "dspark" else ""
+        return (f"python -m sglang.launch_server --model TARGET --speculative-algorithm {algorithm}{tokens} "
+                "--speculative-draft-model-path THIS_DIR")
+    method, tokens = {"dspark": ("dspark", block_size), "dflash": ("dflash", (block_size or 1) - 1),
+                      "dflash2": ("dflash", (block_size or 1) - 1)}.get(kind, ("eagle3", None))
+    extra = f', "num_speculative_tokens": {tokens}' if tokens else ""
+    extra += ', "parallel_drafting": true' if kind == "peagle" else ""
+    return f"vllm serve TARGET --speculative-config '{{\"method\": \"{method}\", \"model\": \"THIS_DIR\"{extra}}}'"
+
+
 def readme(config: dict[str, Any], fmt: str) -> str:
     block = config[EYAS_BLOCK]
-    serve = {"sglang": "python -m sglang.launch_server --model TARGET --speculative-algorithm "
-                       f"{'EAGLE3' if block['drafter_type'] in eagle3.DRAFTER_TYPES else 'DFLASH'} "
-                       "--speculative-draft-model-path THIS_DIR",
-             "vllm": "vllm serve TARGET --speculative-config '{\"method\": \"%s\", \"model\": \"THIS_DIR\"}'"
-                     % ("eagle3" if block["drafter_type"] in eagle3.DRAFTER_TYPES else "dflash"),
-             "speculators": "vllm serve THIS_DIR  (the speculators_config names the verifier)"}[fmt]
+    serve = serve_command(block["drafter_type"], fmt, config.get("block_size"))
+    note = ""
+    if fmt == "sglang" and (config.get("fc_norm") or config.get("norm_output")):
+        note = ("Needs an SGLang whose llama_eagle3.py reads `fc_norm` and `norm_output` (EAGLE-3.1): an older one "
+                "ignores both keys and skips the `fc_norm.*` tensors without an error, serving another drafter "
+                "(eyas.interop.eagle3).\n\n")
     fingerprint = block["target_fingerprint"]
     return (f"# eyas {block['drafter_type']} drafter, {fmt} format\n\n"
             f"Trained for target: `{block['target']}`\n\n"
             f"Target fingerprint: config `{fingerprint.get('config')}`, tokenizer `{fingerprint.get('tokenizer')}` "
             "(eyas.interop.fingerprint; eyas refuses to load this drafter beside a target whose fingerprint "
             "differs).\n\n"
-            f"Serve: `{serve}`\n\n"
+            f"Serve: `{serve}`\n\n{note}"
             "Load back into eyas: `python -m jobs.generate --target TARGET --drafter THIS_DIR --method "
             f"{block['drafter_type']} ...`\n")
 

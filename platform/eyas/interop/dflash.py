@@ -32,24 +32,25 @@ ARCHITECTURE = "DFlashDraftModel"
 
 
 def check_exportable(model: DFlashModel) -> None:
-    target = model.target_config
+    target, kind = model.target_config, model.drafter_type
     if model.draft_vocab is not None:
-        raise CheckpointError("this DFlash drafter reads a draft vocabulary (dflash.draft_vocab_size); the engines' "
-                              "DFlashDraftModel reads the target's whole LM head. Train it without one to export it")
+        raise CheckpointError(f"this {kind} drafter reads a draft vocabulary ({kind}.draft_vocab_size); the engines' "
+                              "DFlash-family models read the target's whole LM head. Train it without one to export it")
     if not target.qk_norm:
-        raise CheckpointError(f"a DFlash drafter for a {target.model_type} target without q/k norms cannot be exported: "
+        raise CheckpointError(f"a {kind} drafter for a {target.model_type} target without q/k norms cannot be exported: "
                               "the engines' DFlashDraftModel always applies per-head q_norm/k_norm (Qwen3 layers), "
                               "eyas's layer for this target does not")
     if target.attention_bias or target.o_proj_bias or target.mlp_bias:
-        raise CheckpointError("a DFlash drafter with attention/MLP biases cannot be exported exactly: the engines tie "
+        raise CheckpointError(f"a {kind} drafter with attention/MLP biases cannot be exported exactly: the engines tie "
                               "o_proj's bias to attention_bias and have no MLP bias")
     if model.config.mask_token_id is None:
-        raise CheckpointError("this DFlash drafter uses a learned mask embedding (dflash.mask_token_id null); the "
+        raise CheckpointError(f"this {kind} drafter uses a learned mask embedding ({kind}.mask_token_id null); the "
                               "engines embed the mask through a token id (dflash_config.mask_token_id). Retrain with "
                               "the tokenizer's <|mask|> id to export it")
 
 
-def export_config(model: DFlashModel) -> dict[str, Any]:
+def export_config(model: DFlashModel, engine: str = "vllm") -> dict[str, Any]:
+    """config.json of ``model`` for ``engine``: SGLang and vLLM read the same DFlashDraftModel layout."""
     check_exportable(model)
     target, config = model.target_config, model.config
     return {"architectures": [ARCHITECTURE], "model_type": "qwen3", "hidden_size": target.hidden_size,
@@ -75,9 +76,14 @@ def _require_equal(where: str, name: str, value: Any, expected: Any, meaning: st
                               "represent that drafter exactly")
 
 
-def import_config(config: dict[str, Any], target: Decoder, where: str, eyas_block: dict[str, Any] | None
+def import_config(config: dict[str, Any], target: Decoder, where: str, eyas_block: dict[str, Any] | None,
+                  config_cls: type[DFlashConfig] = DFlashConfig, family_fields: dict[str, Any] | None = None
                   ) -> DFlashConfig:
+    """The ``config_cls`` (DFlash's, or DSpark's / DFlash2's with ``family_fields``: what their own keys set) an
+    engine checkpoint describes, checked against ``target``; eyas's own exports carry an ``eyas`` block with the
+    training-only settings, whose architecture must agree with the engine keys."""
     t = target.config
+    family_fields = family_fields or {}
     dflash = config.get("dflash_config") or {}
     if not t.qk_norm:
         raise CheckpointError(f"{where}: a DFlashDraftModel normalises q/k per head; eyas's DFlash layer for this "
@@ -95,6 +101,7 @@ def import_config(config: dict[str, Any], target: Decoder, where: str, eyas_bloc
                                     ("hidden_act", "silu", "eyas's activation"),
                                     ("attention_bias", False, "eyas's DFlash layer (no biases)"),
                                     ("is_causal", False, "eyas's block attention (bidirectional)"),
+                                    ("fc_norm", False, "eyas's context fusion (fc then hidden_norm, no norm per tap)"),
                                     ("draft_vocab_size", t.vocab_size, "the target's vocab (DFlash uses its LM head)")):
         _require_equal(where, name, config.get(name), expected, meaning)
     if set(config.get("layer_types") or ["full_attention"]) != {"full_attention"}:
@@ -111,15 +118,15 @@ def import_config(config: dict[str, Any], target: Decoder, where: str, eyas_bloc
         raise CheckpointError(f"{where}: no dflash_config.target_layer_ids; the engines would pick layers by their "
                               "own rule, so the training layers are unknown")
     taps = layer_ids.from_engine(ids, t.num_layers, "dflash")
-    block_size = dflash.get("block_size", config.get("block_size"))
-    derived = DFlashConfig(num_layers=int(config["num_hidden_layers"]), block_size=int(block_size or 16),
-                           num_taps=len(taps), mask_token_id=int(mask_token_id))
+    block_size = dflash.get("block_size", config.get("block_size")) or config_cls().block_size
+    derived = config_cls(num_layers=int(config["num_hidden_layers"]), block_size=int(block_size),
+                         num_taps=len(taps), mask_token_id=int(mask_token_id), **family_fields)
     if eyas_block is not None:
-        saved = from_dict(DFlashConfig, eyas_block, prefix="eyas.config.")
-        if (saved.num_layers, saved.block_size, saved.num_taps, saved.mask_token_id) != (
-                derived.num_layers, derived.block_size, derived.num_taps, derived.mask_token_id):
-            raise CheckpointError(f"{where}: the eyas block disagrees with the engine keys (layers, block size, taps "
-                                  "or mask token); was config.json edited by hand?")
+        saved = from_dict(config_cls, eyas_block, prefix="eyas.config.")
+        names = ("num_layers", "block_size", "num_taps", "mask_token_id", *family_fields)
+        if any(getattr(saved, name) != getattr(derived, name) for name in names):
+            raise CheckpointError(f"{where}: the eyas block disagrees with the engine keys ({', '.join(names)}); "
+                                  "was config.json edited by hand?")
         derived = saved
     expected = dflash_taps(t.num_layers, derived.num_taps)
     if taps != expected:
@@ -129,9 +136,12 @@ def import_config(config: dict[str, Any], target: Decoder, where: str, eyas_bloc
     return derived
 
 
-def import_weights(state: dict[str, torch.Tensor], where: str) -> dict[str, torch.Tensor]:
-    extra = sorted(k for k in state if k.endswith(".bias") or k.startswith(("embed_tokens", "lm_head", "mask_embedding",
-                                                                            "model.")))
+def import_weights(state: dict[str, torch.Tensor], where: str, own_prefixes: tuple[str, ...] = ()
+                   ) -> dict[str, torch.Tensor]:
+    """Engine tensors -> eyas's state_dict (the same names); ``own_prefixes`` name a family's modules, whose biases
+    are its own (DSpark's confidence head)."""
+    extra = sorted(k for k in state if (k.endswith(".bias") and not k.startswith(own_prefixes))
+                   or k.startswith(("embed_tokens", "lm_head", "mask_embedding", "model.")))
     if extra:
         raise CheckpointError(f"{where}: tensors {extra[:4]} have no counterpart in eyas's DFlash (it uses the "
                               "target's embedding and LM head, a token-id mask and no biases)")

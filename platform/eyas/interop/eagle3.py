@@ -27,9 +27,19 @@ id written as both ``mask_token_id`` and ``pard_token`` (older vLLM reads only t
 model_executor/models/llama_eagle3.py (``fc_norm`` and ``norm_output`` read from the config, ``fc_norm.{i}`` one
 RMSNorm per aux state, ``mask_hidden`` loaded as view(1, -1)) and v1/spec_decode/llm_base_proposer.py (the mask id
 looked up as mask_token_id, then pard_token); vLLM takes ``parallel_drafting`` itself from the speculative config,
-so the copy in config.json is what eyas's import reads. The SGLang export of EAGLE-3.1 writes the same keys; that
-SGLang reads ``fc_norm`` (it reads ``norm_output``, default false) was not checked against its source here. SGLang
-serves no parallel drafting, so a P-EAGLE drafter is not written for it. Import picks the family from the same keys.
+so the copy in config.json is what eyas's import reads. SGLang serves no parallel drafting, so a P-EAGLE drafter is
+not written for it. Import picks the family from the same keys.
+
+SGLang and EAGLE-3.1 (SGLang's models/llama_eagle3.py, LlamaForCausalLMEagle3): the SGLang export writes the same
+keys as vLLM's, which is what an SGLang that serves EAGLE-3.1 reads: ``fc_norm`` (or its older spelling
+``use_aux_norm``) builds one RMSNorm(target_hidden_size, rms_norm_eps) per aux state, counted from
+``eagle_config.eagle_aux_hidden_state_layer_ids``, applied chunk by chunk to the 3E-wide target input before ``fc``;
+``fc_norm.{i}.weight`` (older names ``aux_norm_{low,mid,high}``) load as ``model.fc_norm.{i}.weight``;
+``norm_output`` (default false) feeds the post-norm state to the next step. Older SGLang (the sgl-project/sglang
+llama_eagle3.py at 03d5a777 and d737979c) has neither flag, and its load_weights skips every tensor it has no
+parameter for: it serves an EAGLE-3.1 export as a plain EAGLE-3 with the per-tap norms dropped and the pre-norm state
+fed forward, without an error (still lossless, a different drafter). So the README of an EAGLE-3.1 SGLang export names
+that requirement, and import reads SGLang's older spellings as ``fc_norm`` too (``SGLANG_FC_NORM_NAMES``).
 """
 from __future__ import annotations
 
@@ -53,13 +63,21 @@ UNSUPPORTED_PREFIXES = ("midlayers.", "additional_layers.")
 DRAFTER_TYPES = ("eagle3", "eagle3.1", "peagle")  # the eyas families written in this layout
 LATER_PREFIX = "later_layers."  # P-EAGLE's layers after the first: engine layers.{i + 1}
 CONFIG_CLASSES = {"eagle3": Eagle3Config, "eagle3.1": Eagle31Config, "peagle": PEagleConfig}
+# SGLang's older names for EAGLE-3.1's per-tap norms (its load_weights maps them to fc_norm.{0,1,2}); the flag is
+# ``use_aux_norm`` there
+SGLANG_FC_NORM_NAMES = {"aux_norm_low.": "fc_norm.0.", "aux_norm_mid.": "fc_norm.1.", "aux_norm_high.": "fc_norm.2."}
+
+
+def uses_fc_norm(config: dict[str, Any]) -> bool:
+    """EAGLE-3.1's per-tap norms, under vLLM's and speculators' key or SGLang's older one."""
+    return bool(config.get("fc_norm") or config.get("use_aux_norm"))
 
 
 def drafter_type(config: dict[str, Any]) -> str:
     """The eyas family an engine config describes: P-EAGLE with parallel drafting, EAGLE-3.1 with either 3.1 flag."""
     if config.get("parallel_drafting"):
         return "peagle"
-    return "eagle3.1" if config.get("fc_norm") or config.get("norm_output") else "eagle3"
+    return "eagle3.1" if uses_fc_norm(config) or config.get("norm_output") else "eagle3"
 
 
 def llama_layer_config(model: Eagle3Model) -> dict[str, Any]:
@@ -222,7 +240,11 @@ def import_weights(state: dict[str, torch.Tensor], target: Decoder, draft_vocab_
 
 
 def _eyas_name(name: str) -> str:
-    """An engine tensor name -> eyas's: midlayer.* / layers.0.* the first layer, layers.{i}.* P-EAGLE's later ones."""
+    """An engine tensor name -> eyas's: midlayer.* / layers.0.* the first layer, layers.{i}.* P-EAGLE's later ones,
+    SGLang's aux_norm_{low,mid,high}.* the per-tap norms fc_norm.{0,1,2}.*."""
+    for old, new in SGLANG_FC_NORM_NAMES.items():
+        if name.startswith(old):
+            return new + name[len(old):]
     if name.startswith(ENGINE_LAYER_PREFIX):
         return LAYER_PREFIX + name[len(ENGINE_LAYER_PREFIX):]
     if name.startswith("layers."):
@@ -233,7 +255,7 @@ def _eyas_name(name: str) -> str:
 
 def _family_fields(config: dict[str, Any], kind: str, where: str) -> dict[str, Any]:
     """The config fields the engine keys set beyond EAGLE-3's: the 3.1 flags, P-EAGLE's layers and mask id."""
-    fields: dict[str, Any] = {"fc_norm": bool(config.get("fc_norm"))}
+    fields: dict[str, Any] = {"fc_norm": uses_fc_norm(config)}
     if kind == "peagle":
         mask_id, pard = config.get("mask_token_id"), config.get("pard_token")
         if mask_id is None or (pard is not None and pard != mask_id):

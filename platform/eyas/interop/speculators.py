@@ -13,7 +13,14 @@ draft vocab, ``embed_tokens`` [V, E] and the ``d2t`` / ``t2d`` buffers only when
 models/dflash/config.py + core.py (DFlashSpeculatorConfig: ``aux_hidden_state_layer_ids``, top-level
 ``mask_token_id``, ``block_size``, ``sample_from_anchor``, ``sliding_window_non_causal``; DFlashDraftModel: Qwen3
 layers with q/k norms, ``fc`` + ``hidden_norm`` over the context, its own ``embed_tokens`` / ``lm_head``) and
-config.py (``speculators_config``: algorithm, proposal_methods, default_proposal_method, verifier).
+config.py (``speculators_config``: algorithm, proposal_methods, default_proposal_method, verifier),
+models/dspark/config.py + core.py (DSparkSpeculatorConfig: DFlash's fields with ``sample_from_anchor`` default true,
+``markov_rank``, ``markov_head_type``, ``enable_confidence_head``, ``confidence_head_with_markov``; DSparkDraftModel:
+``markov_head.markov_w{1,2}``, ``confidence_head.proj``; proposal tokens = block_size) and models/dflash2/config.py +
+core.py (DFlash2SpeculatorConfig: ``conv_kernel_size``, ``conv_group_size``, ``selector_rank``, ``selector_top_k``,
+the full verifier vocabulary; DFlash2DraftModel: ``layers.{i}.{attention,mlp}_conv.*``, ``candidate_selector.*``).
+vLLM maps a speculators ``dspark`` to its DSpark model (algos.py update_dspark); it has no ``dflash2`` adapter yet
+(speculators docs/algorithms/dflash2.md), so a speculators DFlash2 export is for speculators itself and eyas.
 
 Layer ids: speculators' ids are vLLM capture points, HF numbering (vLLM's speculators adapter passes
 eagle_aux_hidden_state_layer_ids through for EAGLE-3 and, for DFlash, sets eagle_aux_hidden_state_layer_ids = ids and
@@ -26,7 +33,7 @@ from typing import Any
 
 import torch
 
-from eyas.interop import dflash, eagle3, layer_ids
+from eyas.interop import dflash, dflash2, eagle3, layer_ids
 from eyas.models.config import CheckpointError
 from eyas.models.decoder import Decoder
 
@@ -34,6 +41,15 @@ VERSION = "0.9.0"
 VERIFIER_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                           "mistral": "MistralForCausalLM"}
 TOP_LEVEL = ("architectures", "torch_dtype", "vocab_size")
+# the DFlash family: speculators' architecture name (its config default), its own config fields, fixed flags
+BLOCK_ARCHITECTURES = {"dflash": "DFlashSpeculator", "dspark": "DSparkSpeculator", "dflash2": "DFlash2DraftModel"}
+BLOCK_FIELDS = {"dflash": (), "dspark": ("markov_rank", "markov_head_type"), "dflash2": dflash2.FIELDS}
+BLOCK_FLAGS = {"dflash": {}, "dspark": {"enable_confidence_head": True, "confidence_head_with_markov": True},
+               "dflash2": {}}
+# speculators 0.9.0's defaults for keys a config may leave out (models/dspark/config.py, models/dflash2/config.py)
+BLOCK_DEFAULTS = {"dflash": {}, "dspark": {"markov_rank": 256, "markov_head_type": "vanilla",
+                                           "enable_confidence_head": True, "confidence_head_with_markov": True},
+                  "dflash2": {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}}
 
 
 def _rope_parameters(layer: dict[str, Any]) -> dict[str, Any]:
@@ -80,18 +96,24 @@ def eagle3_weights(model) -> dict[str, torch.Tensor]:
 
 
 def dflash_config(model, target_ref: str) -> dict[str, Any]:
+    """DFlash as speculators' ``dflash``, DSpark as its ``dspark`` (slot 0 drafts: block_size tokens), DFlash2 as
+    its ``dflash2`` (the full vocabulary, which it requires), each with its own keys at the top level."""
+    kind = model.drafter_type
     engine = dflash.export_config(model)
     layer = {k: v for k, v in engine.items() if k not in ("architectures", "torch_dtype", "block_size",
                                                           "num_target_layers", "dflash_config")}
     layer["rope_parameters"] = _rope_parameters(layer)
     layer["layer_types"] = ["full_attention"] * model.config.num_layers
-    target = model.target_config
-    return {"architectures": ["DFlashSpeculator"], "speculators_model_type": "dflash", "speculators_version": VERSION,
-            "transformer_layer_config": layer, "draft_vocab_size": target.vocab_size,
-            "block_size": model.config.block_size, "target_hidden_size": target.hidden_size,
+    target, block_size = model.target_config, model.config.block_size
+    from_anchor = kind == "dspark"
+    return {"architectures": [BLOCK_ARCHITECTURES[kind]], "speculators_model_type": kind,
+            "speculators_version": VERSION, "transformer_layer_config": layer, "draft_vocab_size": target.vocab_size,
+            "block_size": block_size, "target_hidden_size": target.hidden_size,
             "aux_hidden_state_layer_ids": list(model.target_taps), "mask_token_id": model.config.mask_token_id,
-            "sliding_window_non_causal": True, "sample_from_anchor": False,
-            "speculators_config": _speculators_block("dflash", model.config.block_size - 1, target, target_ref)}
+            "sliding_window_non_causal": True, "sample_from_anchor": from_anchor,
+            **{name: getattr(model.config, name) for name in BLOCK_FIELDS[kind]}, **BLOCK_FLAGS[kind],
+            "speculators_config": _speculators_block(kind, block_size if from_anchor else block_size - 1, target,
+                                                     target_ref)}
 
 
 def dflash_weights(model) -> dict[str, torch.Tensor]:
@@ -105,9 +127,9 @@ def dflash_weights(model) -> dict[str, torch.Tensor]:
 
 def drafter_type(config: dict[str, Any], where) -> str:
     kind = config.get("speculators_model_type") or (config.get("speculators_config") or {}).get("algorithm")
-    if kind not in ("eagle3", "peagle", "dflash"):
-        raise CheckpointError(f"{where}: speculators model type {kind!r}; eyas reads eagle3, peagle and dflash "
-                              "speculators")
+    if kind not in ("eagle3", "peagle", *BLOCK_ARCHITECTURES):
+        raise CheckpointError(f"{where}: speculators model type {kind!r}; eyas reads eagle3, peagle, dflash, dspark "
+                              "and dflash2 speculators")
     if kind == "eagle3":
         return eagle3.drafter_type(config)
     return kind
@@ -150,18 +172,22 @@ def to_engine(config: dict[str, Any], state: dict[str, torch.Tensor], target: De
             engine.update(parallel_drafting=True, mask_token_id=config.get("mask_token_id"))
         renamed = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v for k, v in state.items()}
         return engine, renamed
-    if config.get("sample_from_anchor"):
-        raise CheckpointError(f"{where}: sample_from_anchor=true (the anchor slot drafts too); eyas's DFlash drafts "
-                              "block slots 1..G-1 after a bonus-token anchor")
+    from_anchor = config.get("sample_from_anchor", kind == "dspark")  # speculators' default per type
+    if from_anchor != (kind == "dspark"):
+        raise CheckpointError(f"{where}: a speculators {kind} with sample_from_anchor={from_anchor}; eyas's {kind} "
+                              + ("drafts from the anchor slot too (slot k predicts anchor + k + 1)" if kind == "dspark"
+                                 else "drafts block slots 1..G-1 after a bonus-token anchor"))
     types = set(layer.pop("layer_types", None) or ["full_attention"])
     if types != {"full_attention"}:
         raise CheckpointError(f"{where}: layer_types {sorted(types)}; eyas's DFlash layers are full attention")
     ids = config.get("aux_hidden_state_layer_ids") or []
     taps = layer_ids.from_engine([i - 1 for i in ids], target.config.num_layers, "dflash")  # HF = speculators id
+    own = {**BLOCK_DEFAULTS[kind], **{k: config[k] for k in BLOCK_DEFAULTS[kind] if config.get(k) is not None}}
     engine = {**layer, "block_size": config.get("block_size"), "draft_vocab_size": config.get("draft_vocab_size"),
-              "target_hidden_size": config.get("target_hidden_size"),
+              "target_hidden_size": config.get("target_hidden_size"), "sample_from_anchor": from_anchor,
               "dflash_config": {"mask_token_id": config.get("mask_token_id"),
-                                "target_layer_ids": layer_ids.to_engine(taps, target.config.num_layers, "dflash")}}
+                                "target_layer_ids": layer_ids.to_engine(taps, target.config.num_layers, "dflash"),
+                                **own}}
     _same_as_target(state, "embed_tokens.weight", target.embed_tokens.weight, where)
     _same_as_target(state, "lm_head.weight", target.lm_head.weight, where)
     return engine, state

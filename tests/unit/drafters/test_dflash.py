@@ -1,85 +1,25 @@
 """DFlash: taps, anchors, the anchor/block mask (vs brute force), training, greedy identity, sampling, checkpoints."""
 from __future__ import annotations
 
-import random
 from dataclasses import replace
 
 import pytest
 import torch
 
+from block_testing import (MASK_ID, VOCAB, regenerated_batch, target, tiny_target, train, trained,  # noqa: F401
+                           vanilla_runs)  # the fixtures: target, trained, vanilla_runs
 from eyas.config import ConfigError
 from eyas.drafters.dflash import DFlashConfig, DFlashDrafter, DFlashModel, dflash_taps
 from eyas.drafters.dflash_train import anchor_block_mask, block_logits, draw_anchors, position_weights
 from eyas.drafters.registry import build_model, load_model, save_drafter
 from eyas.drafters.trees import TreeSpec
 from eyas.methods import load_drafter
-from eyas.models.config import CheckpointError, ModelConfig
-from eyas.models.decoder import Decoder
+from eyas.models.config import CheckpointError
 from eyas.decoding.generate import SamplingParams, generate
 from eyas.models.features import TrainBatch, target_features
 
-VOCAB, MASK_ID = 64, 63  # the last id is reserved as <|mask|>: the target never sees it in prompts
 TINY = DFlashConfig(num_layers=2, block_size=4, num_taps=3, loss_decay=4.0, num_anchors=16, mask_token_id=MASK_ID)
-
-
-def tiny_target(seed: int = 0) -> Decoder:
-    torch.manual_seed(seed)
-    config = ModelConfig(model_type="llama", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=6,
-                         num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=256)
-    target = Decoder(config).eval().requires_grad_(False)
-    with torch.no_grad():  # a sharper random model: greedy continuations repeat, so a drafter can learn them
-        target.lm_head.weight.mul_(8.0)
-    return target
-
-
-def random_prompt(rng: random.Random, length: int | None = None) -> list[int]:
-    return [rng.randrange(MASK_ID) for _ in range(length or rng.randrange(3, 12))]
-
-
-def regenerated_batch(target: Decoder, num_rows: int = 6, prompt_len: int = 6, response_len: int = 26,
-                      seed: int = 0) -> TrainBatch:
-    """Prompts + the target's own greedy responses (what jobs.generate_data produces), right-padded."""
-    rng = random.Random(seed)
-    rows, masks = [], []
-    for i in range(num_rows):
-        prompt = random_prompt(rng, prompt_len - (i % 3))
-        response = generate(target, prompt, response_len - i).token_ids
-        rows.append(prompt + response)
-        masks.append([0] * len(prompt) + [1] * len(response))
-    T = max(map(len, rows))
-    pad = lambda xs: xs + [0] * (T - len(xs))  # noqa: E731
-    return TrainBatch(input_ids_BT=torch.tensor([pad(r) for r in rows]),
-                      loss_mask_BT=torch.tensor([pad(m) for m in masks]),
-                      valid_BT=torch.tensor([pad([1] * len(r)) for r in rows]))
-
-
-def train(model: DFlashModel, target: Decoder, batch: TrainBatch, steps: int, seed: int = 0) -> list[float]:
-    features = target_features(target, batch.input_ids_BT, model.target_taps)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    generator = torch.Generator().manual_seed(seed)
-    losses = []
-    model.train()
-    for _ in range(steps):
-        loss, metrics = model.training_loss(batch, features, generator)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(metrics["loss"])
-    model.eval()
-    return losses
-
-
-@pytest.fixture(scope="module")
-def target() -> Decoder:
-    return tiny_target()
-
-
-@pytest.fixture(scope="module")
-def trained(target) -> tuple[DFlashModel, list[float]]:
-    torch.manual_seed(1)
-    model = DFlashModel(TINY, target)
-    losses = train(model, target, regenerated_batch(target), steps=30)
-    return model.requires_grad_(False), losses
+MODEL = DFlashModel  # what block_testing's `trained` fixture builds from TINY
 
 
 # ---- configuration
@@ -240,14 +180,6 @@ def test_training_blocks_match_inference(target, trained):
 
 
 # ---- the speculative loop
-
-
-@pytest.fixture(scope="module")
-def vanilla_runs(target) -> list[tuple[list[int], list[int]]]:
-    """20 random prompts and the target's plain greedy continuation of 40 tokens."""
-    rng = random.Random(7)
-    prompts = [random_prompt(rng) for _ in range(20)]
-    return [(prompt, generate(target, prompt, 40).token_ids) for prompt in prompts]
 
 
 def block_tree(mode: str, depth: int | None = None, **ddtree_settings) -> TreeSpec:

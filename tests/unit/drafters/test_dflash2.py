@@ -2,12 +2,12 @@
 path against its walk, training, greedy identity, sampling that follows the target, checkpoints."""
 from __future__ import annotations
 
-import random
 from dataclasses import replace
 
 import pytest
 import torch
 
+from block_testing import MASK_ID, regenerated_batch, target, train, trained, vanilla_runs  # noqa: F401 (fixtures)
 from drafter_testing import assert_greedy_identity, sampled_two_token_pvalue
 from eyas.config import ConfigError
 from eyas.drafters.dflash import DFlashConfig, DFlashDrafter, DFlashModel
@@ -18,30 +18,10 @@ from eyas.drafters.trees import TreeSpec
 from eyas.decoding.generate import generate
 from eyas.methods import load_drafter
 from eyas.models.features import target_features
-from test_dflash import MASK_ID, random_prompt, regenerated_batch, tiny_target, train
 
 TINY = DFlash2Config(num_layers=2, block_size=4, num_taps=3, num_anchors=16, mask_token_id=MASK_ID,
                      selector_rank=16, selector_top_k=8)
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_target()
-
-
-@pytest.fixture(scope="module")
-def trained(target) -> tuple[DFlash2Model, list[float]]:
-    torch.manual_seed(1)
-    model = DFlash2Model(TINY, target)
-    losses = train(model, target, regenerated_batch(target), steps=30)
-    return model.requires_grad_(False), losses
-
-
-@pytest.fixture(scope="module")
-def vanilla_runs(target) -> tuple[list[list[int]], list[list[int]]]:
-    rng = random.Random(7)
-    prompts = [random_prompt(rng) for _ in range(20)]
-    return prompts, [generate(target, p, 40).token_ids for p in prompts]
+MODEL = DFlash2Model  # what block_testing's `trained` fixture builds from TINY
 
 
 # ---- configuration
@@ -189,7 +169,7 @@ def test_greedy_identity(target, trained, vanilla_runs, depth):
     model, _ = trained
     drafter = DFlash2Drafter(model, TreeSpec(mode="block", depth=depth))
     assert drafter.max_draft_nodes == (depth or TINY.block_size - 1)
-    prompts, expected = vanilla_runs
+    prompts, expected = zip(*vanilla_runs)
     assert assert_greedy_identity(target, drafter, prompts, expected) > 0
 
 

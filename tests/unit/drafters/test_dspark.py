@@ -2,12 +2,12 @@
 training, greedy identity, sampling that follows the target, adaptive verification length, checkpoints."""
 from __future__ import annotations
 
-import random
 from dataclasses import replace
 
 import pytest
 import torch
 
+from block_testing import MASK_ID, regenerated_batch, target, train, trained, vanilla_runs  # noqa: F401 (fixtures)
 from drafter_testing import assert_greedy_identity, sampled_two_token_pvalue
 from eyas.config import ConfigError
 from eyas.drafters.dflash_train import block_states
@@ -17,29 +17,9 @@ from eyas.drafters.trees import TreeSpec
 from eyas.decoding.generate import generate
 from eyas.methods import load_drafter
 from eyas.models.features import TrainBatch, target_features
-from test_dflash import MASK_ID, random_prompt, regenerated_batch, tiny_target, train
 
 TINY = DSparkConfig(num_layers=2, block_size=4, num_taps=3, num_anchors=16, mask_token_id=MASK_ID, markov_rank=16)
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_target()
-
-
-@pytest.fixture(scope="module")
-def trained(target) -> tuple[DSparkModel, list[float]]:
-    torch.manual_seed(1)
-    model = DSparkModel(TINY, target)
-    losses = train(model, target, regenerated_batch(target), steps=30)
-    return model.requires_grad_(False), losses
-
-
-@pytest.fixture(scope="module")
-def vanilla_runs(target) -> tuple[list[list[int]], list[list[int]]]:
-    rng = random.Random(7)
-    prompts = [random_prompt(rng) for _ in range(20)]
-    return prompts, [generate(target, p, 40).token_ids for p in prompts]
+MODEL = DSparkModel  # what block_testing's `trained` fixture builds from TINY
 
 
 # ---- configuration
@@ -149,7 +129,7 @@ def test_greedy_identity(target, trained, vanilla_runs, depth, threshold):
     model.load_state_dict(trained[0].state_dict())
     drafter = DSparkDrafter(model.eval(), TreeSpec(mode="block", depth=depth))
     assert drafter.max_draft_nodes == (depth or TINY.block_size)  # all G slots draft
-    prompts, expected = vanilla_runs
+    prompts, expected = zip(*vanilla_runs)
     assert assert_greedy_identity(target, drafter, prompts, expected) > 0
 
 

@@ -1,5 +1,5 @@
-"""Tiny seeded targets and drafters for the interop tests (a Llama target for EAGLE-3, a Qwen3 one with q/k norms
-for DFlash: the engines' DFlash layers always normalise q and k)."""
+"""Tiny seeded targets and drafters for the interop tests (a Llama target for the EAGLE-3 family, a Qwen3 one with
+q/k norms for the DFlash family: the engines' DFlash layers always normalise q and k)."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -15,7 +15,11 @@ QWEN3 = replace(LLAMA, model_type="qwen3", qk_norm=True)
 EAGLE3 = {"draft_vocab_size": 40, "ttt_steps": 2}
 DFLASH = {"num_layers": 2, "block_size": 4, "num_taps": 3, "mask_token_id": 5, "num_anchors": 8}
 PEAGLE = {"draft_vocab_size": 40, "num_depths": 3, "num_layers": 2, "mask_token_id": 5}
-CONFIGS = {"eagle3": EAGLE3, "eagle3.1": EAGLE3, "peagle": PEAGLE, "dflash": DFLASH}
+DSPARK = {**DFLASH, "markov_rank": 8}
+DFLASH2 = {**DFLASH, "selector_rank": 8, "selector_top_k": 6}
+CONFIGS = {"eagle3": EAGLE3, "eagle3.1": EAGLE3, "peagle": PEAGLE, "dflash": DFLASH, "dspark": DSPARK,
+           "dflash2": DFLASH2}
+BLOCK_FAMILIES = ("dflash", "dspark", "dflash2")  # Qwen3 targets (the engines' DFlash layers normalise q and k)
 PROMPTS = [[5, 9, 2], [1, 7, 3, 9, 4, 11], [60, 2, 33, 33, 8]]
 
 
@@ -31,7 +35,7 @@ def drafter(drafter_type: str, target: Decoder, config: dict | None = None, seed
     """A fresh drafter with every weight moved off its initial value (so a round trip proves something)."""
     torch.manual_seed(seed)
     config = dict(config if config is not None else CONFIGS[drafter_type])
-    vocab = [i for i in range(64) if i % 8 != 7][:config["draft_vocab_size"]] if drafter_type != "dflash" else None
+    vocab = [i for i in range(64) if i % 8 != 7][:config["draft_vocab_size"]] if "draft_vocab_size" in config else None
     model = registry.build_model(drafter_type, config, target, vocab)
     with torch.no_grad():
         for parameter in model.parameters():

@@ -9,6 +9,8 @@ import torch
 import transformers
 from speculators.models.eagle3.core import Eagle3DraftModel
 from speculators.models.dflash.core import DFlashDraftModel
+from speculators.models.dflash2.core import DFlash2DraftModel
+from speculators.models.dspark.core import DSparkDraftModel
 from speculators.models.peagle.core import PEagleDraftModel
 from speculators.models.attention import create_float_mask
 
@@ -94,4 +96,56 @@ with torch.no_grad():
 diff = (logits - data["logits"][0, 1:]).abs().max().item()
 print(f"dflash max |speculators - eyas| logits = {diff:.3e} over {tuple(logits.shape)}")
 assert diff < 1e-4
+
+
+def block_states(m, data):
+    """speculators' backbone over [root, MASK x (G-1)] after the context: its final-normed states [G, E]."""
+    C, G = data["context_len"], m.block_size
+    ctx = m.hidden_norm(m.fc(data["features"].float()))
+    block = torch.full((1, G), m.mask_token_id); block[0, 0] = data["root"]
+    x = m.embed_tokens(block)
+    pos = torch.arange(C + G)[None]
+    pe = m.rotary_emb(x, pos)
+    for layer in m.layers:
+        x = layer(hidden_states=x, target_hidden=ctx, attention_mask=None, position_ids=pos, use_cache=False,
+                  position_embeddings=pe)
+    return m.norm(x)[0]
+
+
+# ---- DSpark: every slot drafts; the Markov bias of the token before it; the confidence of [hidden ; w1(prev)] --
+s = eager(DSparkDraftModel.from_pretrained(f"{root}/dspark")).float().eval()
+data = torch.load(f"{root}/dspark.pt")
+print("dspark class", type(s).__name__, "markov", s.config.markov_rank, s.config.markov_head_type, "from anchor",
+      s.config.sample_from_anchor, "confidence", s.confidence_head is not None)
+assert s.config.sample_from_anchor and s.confidence_head is not None
+with torch.no_grad():
+    hidden = block_states(s, data)  # [G, E]: slot k drafts the token at anchor + k + 1
+    prev = torch.tensor([data["root"], *data["tokens"][:-1]])[None]  # the anchor, then each drafted token
+    emb = s.markov_head.prev_embeddings(prev)
+    logits = (s.lm_head(hidden)[None] + s.markov_head.block_bias(prev_token_ids=prev, hidden_states=hidden[None],
+                                                                 prev_emb=emb))[0]
+    confidence = s.confidence_head(torch.cat([hidden[None], emb], -1)).sigmoid()[0]
+diff = (logits.softmax(-1) - data["probs"]).abs().max().item()
+conf_diff = (confidence - data["confidence"]).abs().max().item()
+unary_diff = (s.lm_head(hidden) - data["unary"]).abs().max().item()
+print(f"dspark max |speculators - eyas| backbone logits = {unary_diff:.3e}, walk probs = {diff:.3e}, "
+      f"confidence = {conf_diff:.3e}; tokens {logits.argmax(-1).tolist()} vs eyas {data['tokens']}")
+assert unary_diff < 1e-4 and diff < 1e-5 and conf_diff < 1e-5 and logits.argmax(-1).tolist() == data["tokens"]
+# ---- DFlash2: the dynamic convolutions in the backbone; the selector over the unary top-k after each drafted token ---
+f = eager(DFlash2DraftModel.from_pretrained(f"{root}/dflash2")).float().eval()
+data = torch.load(f"{root}/dflash2.pt")
+print("dflash2 class", type(f).__name__, "conv", f.config.conv_kernel_size, f.config.conv_group_size, "selector",
+      f.config.selector_rank, f.config.selector_top_k)
+with torch.no_grad():
+    hidden = block_states(f, data)[1:]  # slots 1..G-1 draft
+    unary = f.lm_head(hidden)
+    prev = torch.tensor([data["root"], *data["tokens"][:-1]])
+    candidates, scores = f.candidate_selector.select(unary, hidden, prev)
+    picks = candidates.gather(-1, scores.argmax(-1, keepdim=True))[:, 0]
+    probs = torch.zeros_like(unary).scatter(-1, candidates, scores.softmax(-1))
+unary_diff = (unary - data["unary"][1:]).abs().max().item()
+diff = (probs - data["probs"]).abs().max().item()
+print(f"dflash2 max |speculators - eyas| unary logits = {unary_diff:.3e}, selector probs = {diff:.3e}; tokens "
+      f"{picks.tolist()} vs eyas {data['tokens']}")
+assert unary_diff < 1e-4 and diff < 1e-5 and picks.tolist() == data["tokens"]
 print("OK")

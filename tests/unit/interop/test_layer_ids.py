@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from interop_testing import LLAMA, QWEN3, drafter, tiny
+from interop_testing import BLOCK_FAMILIES, LLAMA, QWEN3, drafter, tiny
 
 from eyas.interop import layer_ids, write_export
 from eyas.models.config import CheckpointError
@@ -32,12 +32,18 @@ ENGINE_CAPTURE = {  # config.json -> the 0-based layers whose inputs the engine 
     ("eagle3", "vllm"): lambda c: list(c["eagle_aux_hidden_state_layer_ids"]),
     ("dflash", "sglang"): lambda c: [j + 1 for j in c["dflash_config"]["target_layer_ids"]],  # capture before j+1
     ("dflash", "vllm"): lambda c: [j + 1 for j in c["dflash_config"]["target_layer_ids"]],  # eagle3_utils adds 1
+    # DSpark and DFlash2 are read through DFlash's config (SGLang's parse_dflash_draft_config, vLLM's DFlash model)
+    ("dspark", "sglang"): lambda c: [j + 1 for j in c["dflash_config"]["target_layer_ids"]],
+    ("dspark", "vllm"): lambda c: [j + 1 for j in c["dflash_config"]["target_layer_ids"]],
+    ("dflash2", "vllm"): lambda c: [j + 1 for j in c["dflash_config"]["target_layer_ids"]],
+    # vLLM's speculators adapter: eagle_aux_hidden_state_layer_ids = the ids (capture points) for the DFlash family
+    ("dspark", "speculators"): lambda c: list(c["aux_hidden_state_layer_ids"]),
 }
 
 
 @pytest.mark.parametrize("drafter_type,fmt", list(ENGINE_CAPTURE))
 def test_exported_ids_select_the_trained_states(tmp_path, drafter_type, fmt):
-    target = tiny(LLAMA if drafter_type == "eagle3" else QWEN3)
+    target = tiny(QWEN3 if drafter_type in BLOCK_FAMILIES else LLAMA)
     model = drafter(drafter_type, target)
     tokens_1T = torch.tensor([[3, 14, 15, 9, 26]])
     engine = layer_inputs(target, tokens_1T)

@@ -5,7 +5,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from interop_testing import DFLASH, EAGLE3, LLAMA, QWEN3, drafter, tiny
+from interop_testing import DFLASH, DSPARK, EAGLE3, LLAMA, QWEN3, drafter, tiny
 from safetensors.torch import load_file, save_file
 
 from eyas.drafters import registry
@@ -93,3 +93,58 @@ def test_exports_eyas_refuses(llama, tmp_path):
     out = write_export(drafter("dflash", qwen3), "sglang", tmp_path / "e", "tiny")
     with pytest.raises(CheckpointError, match="without q/k norms|qk_norm false"):
         registry.load_model(out, llama)
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    return tiny(QWEN3)
+
+
+def test_dflash_family_exports_eyas_refuses(qwen3, tmp_path):
+    with pytest.raises(CheckpointError, match="no SGLang format.*sglang#35371"):
+        write_export(drafter("dflash2", qwen3), "sglang", tmp_path / "a", "tiny")
+    with pytest.raises(CheckpointError, match="draft vocabulary"):
+        write_export(drafter("dspark", qwen3, {**DSPARK, "draft_vocab_size": 40}), "vllm", tmp_path / "b", "tiny")
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"markov_head_type": "gated"}, "vanilla Markov head"),
+    ({"enable_confidence_head": False}, "enable_confidence_head=false"),
+    ({"confidence_head_with_markov": False}, "confidence_head_with_markov=false"),
+    ({"sample_from_anchor": False}, "sample_from_anchor=false"),
+    ({"markov_rank": 0}, "markov_rank=0"),
+    ({"fc_norm": True}, "fc_norm=True"),  # a per-tap norm before fc (as EAGLE-3.1 and some DSpark engines have)
+    ({"markov_rank": 4}, "eyas block disagrees")])  # the eyas block says 8: edited by hand
+def test_a_dspark_eyas_cannot_run_exactly_is_refused(qwen3, tmp_path, changes, match):
+    out = write_export(drafter("dspark", qwen3), "sglang", tmp_path / "sg", "tiny")
+    config = json.loads((out / "config.json").read_text())
+    config["dflash_config"] = {k: v for k, v in config["dflash_config"].items() if k not in changes}
+    (out / "config.json").write_text(json.dumps({**config, **changes}))
+    with pytest.raises(CheckpointError, match=match):
+        registry.load_model(out, qwen3)
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"output_multiplier": 2.0}, "no output_multiplier"),
+    ({"final_logit_softcapping": 30.0}, "no final_logit_softcapping"),
+    ({"input_embedding_scale": 0.5}, "no input_embedding_scale"),
+    ({"selector_top_k": None}, r"no \['selector_top_k'\]"),
+    ({"sample_from_anchor": True}, "sample_from_anchor=true")])
+def test_a_dflash2_eyas_cannot_run_exactly_is_refused(qwen3, tmp_path, changes, match):
+    out = write_export(drafter("dflash2", qwen3), "vllm", tmp_path / "vl", "tiny")
+    config = json.loads((out / "config.json").read_text())
+    config["dflash_config"].update(changes)
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=match):
+        registry.load_model(out, qwen3)
+
+
+@pytest.mark.parametrize("kind, changes, match", [
+    ("dspark", {"sample_from_anchor": False}, "sample_from_anchor=False"),
+    ("dflash2", {"sample_from_anchor": True}, "sample_from_anchor=True"),
+    ("dspark", {"markov_head_type": "rnn"}, "vanilla Markov head")])
+def test_a_speculators_checkpoint_eyas_cannot_run_exactly_is_refused(qwen3, tmp_path, kind, changes, match):
+    out = write_export(drafter(kind, qwen3), "speculators", tmp_path / kind, "tiny")
+    edit_config(out, **changes)
+    with pytest.raises(CheckpointError, match=match):
+        registry.load_model(out, qwen3)

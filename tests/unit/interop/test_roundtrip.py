@@ -1,30 +1,32 @@
-"""Export -> import round trips: the engine-format checkpoint loads back as the same eyas drafter, and it drafts
-bit-identical trees (tokens, parents, confidences, draft distributions) on fixed prompts through the real loop."""
+"""Export -> import round trips: the engine-format checkpoint loads back as the same eyas drafter (config and every
+weight bit-identical, so the same logits), and it drafts bit-identical trees (tokens, parents, confidences, draft
+distributions) and the same greedy output (vanilla's) on fixed prompts through the real loop."""
 import json
 
 import pytest
 import torch
-from interop_testing import EAGLE3, PROMPTS, QWEN3, Recorder, drafter, tiny
+from interop_testing import BLOCK_FAMILIES, CONFIGS, EAGLE3, PROMPTS, QWEN3, Recorder, drafter, tiny
 
 from eyas.decoding.generate import generate
 from eyas.drafters import registry
 from eyas.interop import write_export
 from eyas.methods import load_drafter
 
-CASES = [(kind, fmt) for kind in ("eagle3", "dflash", "eagle3.1") for fmt in ("sglang", "vllm", "speculators")] + [
-    ("peagle", "vllm"), ("peagle", "speculators")]
+CASES = [(kind, fmt) for kind in ("eagle3", "dflash", "eagle3.1", "dspark") for fmt in ("sglang", "vllm", "speculators")
+         ] + [("peagle", "vllm"), ("peagle", "speculators"), ("dflash2", "vllm"), ("dflash2", "speculators")]
 
 
 @pytest.fixture(scope="module")
 def targets():
-    return {"eagle3": tiny(), "dflash": tiny(QWEN3), "eagle3.1": tiny(), "peagle": tiny()}
+    return {kind: tiny(QWEN3) if kind in BLOCK_FAMILIES else tiny() for kind in CONFIGS}
 
 
-def drafted_trees(path, target) -> list:
-    recorder = Recorder(load_drafter(path, target))
+def drafted_trees(path, target) -> tuple[list, list[list[int]]]:
+    """(every tree the checkpoint's drafter proposed, the greedy speculative output) on PROMPTS."""
+    recorder, outputs = Recorder(load_drafter(path, target)), []
     for prompt in PROMPTS:
-        generate(target, prompt, 12, drafter=recorder)
-    return recorder.trees
+        outputs.append(generate(target, prompt, 12, drafter=recorder).token_ids)
+    return recorder.trees, outputs
 
 
 @pytest.mark.parametrize("drafter_type,fmt", CASES)
@@ -35,9 +37,13 @@ def test_export_import_drafts_identical_trees(targets, tmp_path, drafter_type, f
     out = write_export(model, fmt, tmp_path / fmt, "tiny")
     assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors"]
     loaded = registry.load_model(out, target)
-    assert loaded.config == model.config and loaded.target_taps == model.target_taps
+    assert type(loaded) is type(model) and loaded.config == model.config and loaded.target_taps == model.target_taps
     assert loaded.draft_vocab == model.draft_vocab
-    want, got = drafted_trees(tmp_path / "eyas", target), drafted_trees(out, target)
+    mine = model.state_dict()
+    assert loaded.state_dict().keys() == mine.keys()  # the same weights: the same logits
+    assert all(torch.equal(tensor, mine[name]) for name, tensor in loaded.state_dict().items())
+    (want, want_out), (got, got_out) = drafted_trees(tmp_path / "eyas", target), drafted_trees(out, target)
+    assert got_out == want_out == [generate(target, p, 12).token_ids for p in PROMPTS]  # greedy: vanilla's tokens
     assert len(want) == len(got) >= len(PROMPTS)
     assert sum(tree.tokens_N.numel() - 1 for tree in want) > 0  # it drafted something
     for a, b in zip(want, got):
@@ -127,3 +133,25 @@ def test_the_eagle3_family_writes_its_own_keys(targets, tmp_path):
     assert not {"fc_norm", "norm_output", "parallel_drafting", "mask_token_id"} & set(config)
     with pytest.raises(CheckpointError, match="no SGLang format"):
         write_export(drafter("peagle", targets["peagle"]), "sglang", tmp_path / "pe-sg", "tiny")
+
+
+@pytest.mark.parametrize("drafter_type,fmt", [("dspark", "sglang"), ("dspark", "speculators"), ("dflash2", "vllm"),
+                                              ("dflash2", "speculators")])
+def test_a_dflash_family_checkpoint_trained_elsewhere_loads_by_its_engine_keys(targets, tmp_path, drafter_type, fmt):
+    """No eyas block: the family's own keys (Markov rank; convolution and selector sizes) rebuild the drafter, with
+    eyas's defaults for the training-only settings, and it drafts what eyas's own checkpoint drafts."""
+    target = targets[drafter_type]
+    model = drafter(drafter_type, target)
+    registry.save_drafter(model, tmp_path / "eyas", "tiny")
+    out = write_export(model, fmt, tmp_path / fmt, "tiny")
+    config = json.loads((out / "config.json").read_text())
+    del config["eyas"]
+    (out / "config.json").write_text(json.dumps(config))
+    loaded = registry.load_model(out, target)
+    fresh = type(model.config)()  # the training-only settings fall back to the family's defaults
+    assert loaded.config.num_anchors == fresh.num_anchors and loaded.config.loss_decay == fresh.loss_decay
+    architecture = ("num_layers", "block_size", "num_taps", "mask_token_id", "markov_rank", "markov_head_type",
+                    "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+    assert all(getattr(loaded.config, n) == getattr(model.config, n) for n in architecture if hasattr(fresh, n))
+    (want, want_out), (got, got_out) = drafted_trees(tmp_path / "eyas", target), drafted_trees(out, target)
+    assert got_out == want_out and [t.tokens_N.tolist() for t in got] == [t.tokens_N.tolist() for t in want]

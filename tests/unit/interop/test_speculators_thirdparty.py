@@ -1,6 +1,8 @@
-"""Third-party load: the ``speculators`` package (0.9.0) loads eyas's EAGLE-3, EAGLE-3.1, P-EAGLE and DFlash exports
-with its own classes (Eagle3DraftModel / PEagleDraftModel / DFlashDraftModel.from_pretrained) and its draft logits
-equal eyas's within 1e-4 (float32).
+"""Third-party load: the ``speculators`` package (0.9.0) loads eyas's EAGLE-3, EAGLE-3.1, P-EAGLE, DFlash, DSpark and
+DFlash2 exports with its own classes (Eagle3DraftModel / PEagleDraftModel / DFlashDraftModel / DSparkDraftModel /
+DFlash2DraftModel.from_pretrained) and its draft logits equal eyas's within 1e-4 (float32); for DSpark and DFlash2 its
+Markov head / candidate selector, fed the tokens eyas's greedy walk drafted, gives the same distributions, the same
+tokens and (DSpark) the same confidences.
 
 speculators pins transformers <= 5.19, older than eyas's, so it runs in a subprocess from a separate tool folder:
 ``make test`` installs it (with --no-deps) into .venv-tools/speculators, put before .venv's site-packages on
@@ -18,6 +20,8 @@ import torch
 from interop_testing import QWEN3, drafter, tiny
 from safetensors.torch import save_file
 
+from eyas.drafters.dflash2 import DFlash2Drafter
+from eyas.drafters.dspark import DSparkDrafter
 from eyas.drafters.peagle import PEagleDrafter
 from eyas.drafters.trees import TreeSpec
 from eyas.interop import write_export
@@ -92,6 +96,18 @@ def test_speculators_loads_exports_with_equal_logits(tmp_path):
     write_export(block, "speculators", tmp_path / "dflash", verifier_dir(qwen3, tmp_path / "verifier-qwen3"))
     torch.save({"features": torch.cat([context[k] for k in block.target_taps], -1), "root": int(tokens_1T[0, -1]),
                 "context_len": C, "logits": block.logits(hidden_1GE).float()}, tmp_path / "dflash.pt")
+
+    for kind, drafter_cls in (("dspark", DSparkDrafter), ("dflash2", DFlash2Drafter)):  # one pass, then the walk
+        family = drafter(kind, qwen3)
+        walker = drafter_cls(family, TreeSpec(mode="block"))
+        walker.begin(tokens_1T[0, :C].tolist(), {k: context[k][0] for k in family.target_taps})
+        walked = walker.walk(int(tokens_1T[0, -1]), 0.0, None)
+        states_GE = walker.draft_states(int(tokens_1T[0, -1]))
+        write_export(family, "speculators", tmp_path / kind, verifier_dir(qwen3, tmp_path / f"verifier-{kind}"))
+        torch.save({"features": torch.cat([context[k] for k in family.target_taps], -1),
+                    "root": int(tokens_1T[0, -1]), "context_len": C, "tokens": walked[0], "probs": walked[1].float(),
+                    "confidence": walked[2].float() if kind == "dspark" else None,
+                    "unary": family.logits(states_GE).float()}, tmp_path / f"{kind}.pt")
 
     script = Path(__file__).with_name("speculators_check.py")
     run = speculators_run([str(script), str(tmp_path)])

@@ -79,3 +79,16 @@ def test_non_drafter_methods_and_missing_pieces(monkeypatch, tmp_path):
     monkeypatch.setenv("EYAS_PYTHON", str(tmp_path / "no-python"))
     with pytest.raises(ConfigError, match="make setup"):
         vllm_app.eyas_python()
+
+
+@pytest.mark.parametrize("method", ["dspark", "dflash"])
+def test_block_drafters_are_exported_too(monkeypatch, method):
+    """vLLM's dspark and dflash (DFlash2 too) methods read a drafter checkpoint: it goes through jobs.export."""
+    exported = []
+    monkeypatch.setattr(vllm_app, "export_drafter", lambda drafter, target: exported.append(drafter) or "/exported")
+    args = llm_config("/t", "/my-drafter")
+    args["llm_configs"][0]["engine_kwargs"]["speculative_config"] = {"method": method, "model": "/my-drafter",
+                                                                    "num_speculative_tokens": 4}
+    del args["llm_configs"][0]["accelerator_config"]
+    [llm] = vllm_app.prepare_args(args)["llm_configs"]
+    assert exported == ["/my-drafter"] and llm["engine_kwargs"]["speculative_config"]["model"] == "/exported"
