@@ -1,11 +1,13 @@
 """Serving load test: speculative against vanilla serving, throughput and latency at several concurrencies, one run.
 
     python -m jobs.load [--config serving/configs/tiny.yaml] [--target PATH] [--arg KEY=VALUE ...]
-        [--concurrency 1,4,8] [--requests-per-level N] [--max-tokens N] [--suite code|prose|all]
-        [--max-prompt-chars N] [--temperature T] [--baseline replica|twin] [--out load.json]
+        [--concurrency 1,4,8] [--requests-per-level N] [--max-tokens N] [--passes N]
+        [--suite code|prose|all|chat|humaneval | --prompts-file FILE.jsonl] [--max-prompt-chars N]
+        [--temperature T] [--baseline replica|twin] [--out load.json]
     python -m jobs.load --soak MINUTES [--soak-concurrency N] [--max-rss-growth-mb MB] [--config ...] [--out soak.json]
     python -m jobs.load --endpoint URL [--engine eyas|vllm|llamacpp|other] [--model NAME] [--concurrency 1,4,8]
-        [--requests-per-level N] [--max-tokens N] [--suite ...|--prompts-file FILE.jsonl] [--label NAME] [--out ...]
+        [--requests-per-level N] [--max-tokens N] [--passes N] [--suite ...|--prompts-file FILE.jsonl] [--label NAME]
+        [--out ...]
 
 ``--endpoint URL`` loads a server that is already running instead, any OpenAI-compatible one (eyas's, vLLM's,
 llama-server; jobs.peers.endpoint), with the ``openai`` client: per concurrency level tokens/s, p50/p99 latency and
@@ -34,12 +36,16 @@ per level, so slow drifts of the machine hit both alike. Greedy by default, so b
 tokens (in float32, and in bfloat16 where ``Decoder.verify_is_exact`` holds for the batch's rows; elsewhere in
 bfloat16 near-ties in the argmax can flip). At temperature 0 the report checks it: ``greedy_identical`` is the share
 of a level's requests whose speculative text equals vanilla's for the same request (same prompt, same seed) at the
-same concurrency.
+same concurrency (and pass).
 
-Per (mode, c): tokens/s (generated tokens over the level's wall time), p50/p99 request latency, p50 time to first
-token, mean tau, mean drafted nodes per sequence and cycle (``draft_nodes``: 0 for vanilla); ``speedup`` = spec
-tokens/s over vanilla tokens/s at the same c; ``scaling`` = tokens/s over the same mode's at the lowest
-concurrency. Writes load.json ``{"commit", "machine", "config", "results": [...]}``.
+The traffic (``--suite``, ``--prompts-file``) and ``--passes N``, which sends the same traffic N times and reports
+each pass against vanilla's of the same pass: jobs/traffic.py.
+
+Per (mode, c, pass): tokens/s (generated tokens over the level's wall time), p50/p99 request latency, p50 time to
+first token, mean tau, mean drafted nodes per sequence and cycle (``draft_nodes``: 0 for vanilla); ``speedup`` = spec
+tokens/s over vanilla tokens/s at the same c and pass; ``scaling`` = tokens/s over the same mode's at the lowest
+concurrency. Writes load.json ``{"commit", "machine", "config", "results": [...]}``; ``config.shares_answers`` says
+whether the replica drafts from a shared index of its answers.
 
 ``--soak MINUTES`` instead deploys the configured application alone (one replica, route /spec) and runs jobs.soak's
 mixed load on it for that long (streaming, non-streaming, chat, sampled, seeded, over-long, malformed, dropped
@@ -63,18 +69,19 @@ from typing import Any
 import yaml
 from ray import serve
 
-from eyas import corpus
 from eyas.config import ConfigError, apply_overrides
+from eyas.datasets import DatasetError
 from eyas.decoding.tp import free_port
 from eyas.files import writable_path, write_text_atomic
+from eyas.methods import reads_history
 from eyas_ray.cluster import init_ray
 from eyas_ray.deploy import run_config
 from eyas_ray.serve_config import LiveSettings, ServeArgs
 from jobs.bench import git_commit, machine
-from jobs.peers.endpoint import ENGINES, measure, print_rows
+from jobs.peers.endpoint import ENGINES, WARMUP_PROMPT, measure, print_rows
 from jobs.soak import percentile, print_report, soak
+from jobs.traffic import MODES, SUITES, concurrency_levels, rounds, traffic_prompts
 
-MODES = ("spec", "vanilla")
 BASELINES = ("replica", "twin")
 DRAFTING_OFF = {1: 0}  # the replica baseline's schedule: no row drafts at any batch size
 
@@ -143,8 +150,9 @@ async def one_request(client, url: str, body: dict[str, Any]) -> dict[str, Any]:
             "draft_nodes": final["spec"]["mean_draft_nodes"], "text": "".join(text)}
 
 
-async def run_level(base_url: str, mode: str, model: str, prompts: list[str], concurrency: int, num_requests: int,
-                    max_tokens: int, temperature: float, route: str | None = None) -> dict[str, Any]:
+async def run_level(base_url: str, mode: str, model: str, prompts: list[str | list[int]], concurrency: int,
+                    num_requests: int, max_tokens: int, temperature: float, route: str | None = None
+                    ) -> dict[str, Any]:
     """One (mode, concurrency) measurement against ``route`` (default: the mode's own, /spec or /vanilla)."""
     import httpx
 
@@ -178,15 +186,17 @@ async def run_level(base_url: str, mode: str, model: str, prompts: list[str], co
 
 
 def add_ratios(results: list[dict[str, Any]], greedy: bool = False) -> None:
-    """Each row's speedup over vanilla and scaling over its mode's lowest concurrency; with ``greedy``, the spec
-    rows' ``greedy_identical`` (the share of requests whose text is vanilla's at the same concurrency). The rows'
-    ``texts`` are dropped."""
-    by_key = {(r["mode"], r["concurrency"]): r for r in results}
+    """Each row's speedup over vanilla (same concurrency and pass) and scaling over its mode's lowest concurrency
+    (same pass); with ``greedy``, the spec rows' ``greedy_identical`` (the share of requests whose text is
+    vanilla's at the same concurrency and pass). The rows' ``texts`` are dropped. A row without ``pass`` is pass 1."""
+    for r in results:
+        r.setdefault("pass", 1)
+    by_key = {(r["mode"], r["concurrency"], r["pass"]): r for r in results}
     lowest = min(r["concurrency"] for r in results)
     for r in results:
-        vanilla = by_key.get(("vanilla", r["concurrency"]))
+        vanilla = by_key.get(("vanilla", r["concurrency"], r["pass"]))
         r["speedup"] = r["tokens_per_s"] / vanilla["tokens_per_s"] if vanilla else None
-        r["scaling"] = r["tokens_per_s"] / by_key[(r["mode"], lowest)]["tokens_per_s"]
+        r["scaling"] = r["tokens_per_s"] / by_key[(r["mode"], lowest, r["pass"])]["tokens_per_s"]
         r["greedy_identical"] = None
         if greedy and r["mode"] != "vanilla" and vanilla and r.get("texts") and vanilla.get("texts"):
             same = [text == vanilla["texts"].get(i) for i, text in r["texts"].items()]
@@ -196,31 +206,36 @@ def add_ratios(results: list[dict[str, Any]], greedy: bool = False) -> None:
 
 
 def print_table(results: list[dict[str, Any]]) -> None:
-    print(f"{'mode':8} {'conc':>4} {'tok/s':>8} {'speedup':>7} {'scaling':>7} {'p50 s':>7} {'p99 s':>7} "
+    print(f"{'mode':8} {'conc':>4} {'pass':>4} {'tok/s':>8} {'speedup':>7} {'scaling':>7} {'p50 s':>7} {'p99 s':>7} "
           f"{'ttft50':>7} {'tau':>5} {'nodes':>5} {'same':>5}")
-    for r in sorted(results, key=lambda r: (r["concurrency"], r["mode"])):
+    for r in sorted(results, key=lambda r: (r["concurrency"], r["pass"], r["mode"])):
         tau = f"{r['tau']:.2f}" if r["tau"] is not None else "-"
         same = f"{r['greedy_identical']:.2f}" if r.get("greedy_identical") is not None else "-"
-        print(f"{r['mode']:8} {r['concurrency']:>4} {r['tokens_per_s']:>8.1f} {r['speedup']:>7.2f} "
+        print(f"{r['mode']:8} {r['concurrency']:>4} {r['pass']:>4} {r['tokens_per_s']:>8.1f} {r['speedup']:>7.2f} "
               f"{r['scaling']:>7.2f} {r['latency_p50_s']:>7.3f} {r['latency_p99_s']:>7.3f} {r['ttft_p50_s']:>7.3f} "
               f"{tau:>5} {r.get('draft_nodes', 0.0):>5.2f} {same:>5}")
     print("nodes: drafted nodes per sequence and cycle; same: the share of a level's requests whose speculative text "
-          "equals vanilla's (greedy runs only)")
+          "equals vanilla's in the same pass (greedy runs only)")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="serving/configs/tiny.yaml", help="a Serve config (serving/configs)")
-    parser.add_argument("--target", help="override the application's args.target")
+    parser.add_argument("--target", help="override the application's args.target (with --endpoint: the chat "
+                        "suite's tokenizer)")
     parser.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE",
                         help="override an application arg, e.g. max_batch_size=4 or spec.num_draft=6")
     parser.add_argument("--concurrency", default="1,4,8", help="comma-separated client counts")
     parser.add_argument("--requests-per-level", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--suite", choices=("code", "prose", "all"), default="all")
+    parser.add_argument("--passes", type=int, default=1, help="send the same traffic this many times")
+    parser.add_argument("--suite", choices=SUITES, default="all")
+    parser.add_argument("--prompts-file", help="one {\"prompt\": ...} JSON object a line, instead of --suite")
     parser.add_argument("--num-prompts", type=int, default=16)
-    parser.add_argument("--max-prompt-chars", type=int, default=400, help="cut longer prompts (small contexts)")
+    parser.add_argument("--max-prompt-chars", type=int, default=400,
+                        help="cut longer completion prompts to their end (small contexts)")
+    parser.add_argument("--max-prompt-tokens", type=int, default=256, help="skip longer chat prompts")
     parser.add_argument("--port", type=int, help="HTTP port (default: a free one)")
     parser.add_argument("--baseline", choices=BASELINES, default="replica",
                         help="vanilla is the same replica with drafting off (replica), or a second, vanilla-method "
@@ -231,7 +246,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine", choices=ENGINES, help="with --endpoint: the engine (default: /v1/models' owned_by)")
     parser.add_argument("--model", help="with --endpoint: the model name (default: the first of /v1/models)")
     parser.add_argument("--label", help="with --endpoint: the run's name in the report's rows (default: the engine)")
-    parser.add_argument("--prompts-file", help="with --endpoint: one {\"prompt\": ...} JSON object a line")
     parser.add_argument("--soak-concurrency", type=int, default=6, help="closed-loop clients in the soak")
     parser.add_argument("--max-rss-growth-mb", type=float, default=256.0,
                         help="fail the soak when the replica's and workers' RSS grows more than this")
@@ -240,12 +254,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.endpoint:
         return run_endpoint(args)
     try:
-        levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
+        levels = concurrency_levels(args)
         if args.soak is not None and not (args.soak > 0 and args.soak_concurrency >= 1):
             raise ConfigError(f"--soak {args.soak} --soak-concurrency {args.soak_concurrency}: give minutes > 0 "
                               "and at least one client")
-        if not levels or min(levels) < 1:
-            raise ConfigError(f"--concurrency {args.concurrency!r}: give positive integers like 1,4,8")
         writable_path(args.out)
         path = Path(args.config)
         if not path.is_file():
@@ -255,8 +267,11 @@ def main(argv: list[str] | None = None) -> int:
         configs = app_configs(config, args.target, port, args.arg)
         model = configs["spec"]["applications"][0]["args"].get("model_name")
         schedules = {"spec": configured_schedule(configs["spec"]["applications"][0]), "vanilla": DRAFTING_OFF}
-        prompts = [p[-args.max_prompt_chars:] for p in corpus.heldout_prompts(args.suite, args.num_prompts)]
-    except (ConfigError, ValueError) as err:
+        prompts = traffic_prompts(args, configs["spec"]["applications"][0]["args"].get("target"))
+        if args.soak is not None and not all(isinstance(p, str) for p in prompts):
+            raise ConfigError("--soak writes chat and completion requests around prompt texts: give --suite "
+                              "code|prose|all|humaneval or --prompts-file")
+    except (ConfigError, ValueError, DatasetError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 
@@ -278,24 +293,26 @@ def main(argv: list[str] | None = None) -> int:
         return run_soak(args, path, configs["spec"], base_url, model, prompts)
     handle = serve.get_app_handle("load-spec") if args.baseline == "replica" else None
 
-    def measure(mode: str, concurrency: int, num_requests: int, max_tokens: int) -> dict[str, Any]:
+    def measure(mode: str, traffic: list[str | list[int]], concurrency: int, num_requests: int, max_tokens: int
+                ) -> dict[str, Any]:
         route = None
         if handle is not None:  # one replica plays both modes: set its schedule first (between two rounds)
             handle.set_speculation.remote(schedules[mode]).result()
             route = "/spec"
-        return asyncio.run(run_level(base_url, mode, model, prompts, concurrency, num_requests, max_tokens,
+        return asyncio.run(run_level(base_url, mode, model, traffic, concurrency, num_requests, max_tokens,
                                      args.temperature, route))
 
     results = []
     try:
-        for mode in MODES:  # warm-up: first requests pay for lazy initialisation
-            measure(mode, 1, 2, 8)
-        for n, concurrency in enumerate(levels):
-            for mode in (MODES if n % 2 == 0 else MODES[::-1]):
-                result = measure(mode, concurrency, max(args.requests_per_level, concurrency), args.max_tokens)
-                print(f"[load] {mode} c={concurrency}: {result['tokens_per_s']:.1f} tok/s "
-                      f"p50={result['latency_p50_s']:.3f}s p99={result['latency_p99_s']:.3f}s", flush=True)
-                results.append(result)
+        for mode in MODES:  # warm-up (first requests pay for lazy initialisation), off the traffic's prompts
+            measure(mode, [WARMUP_PROMPT], 1, 2, 8)
+        for n, concurrency, mode in rounds(levels, args.passes):
+            result = measure(mode, prompts, concurrency, max(args.requests_per_level, concurrency), args.max_tokens)
+            result["pass"] = n
+            tau = f" tau={result['tau']:.2f}" if result["tau"] is not None else ""
+            print(f"[load] {mode} c={concurrency} pass {n}: {result['tokens_per_s']:.1f} tok/s "
+                  f"p50={result['latency_p50_s']:.3f}s p99={result['latency_p99_s']:.3f}s{tau}", flush=True)
+            results.append(result)
     finally:
         for mode in deployed:
             serve.delete(f"load-{mode}")
@@ -305,7 +322,9 @@ def main(argv: list[str] | None = None) -> int:
                          "concurrency": levels, "requests_per_level": args.requests_per_level,
                          "baseline": args.baseline, "schedules": {m: {str(k): v for k, v in schedules[m].items()}
                                                                   for m in MODES},
-                         "max_prompt_chars": args.max_prompt_chars,
+                         "passes": args.passes, "shares_answers": shares_answers(serve_args["spec"]),
+                         "prompts": args.prompts_file or args.suite, "num_prompts": len(prompts),
+                         "max_prompt_chars": args.max_prompt_chars, "max_prompt_tokens": args.max_prompt_tokens,
                          "max_tokens": args.max_tokens, "temperature": args.temperature, "suite": args.suite},
               "results": results}
     out = Path(args.out)
@@ -333,42 +352,30 @@ def run_soak(args: argparse.Namespace, path: Path, config: dict[str, Any], base_
     return 0 if result["ok"] else 1
 
 
-def endpoint_prompts(args: argparse.Namespace) -> list[str]:
-    """--prompts-file's prompts, else the held-out corpus suite's; each cut to --max-prompt-chars."""
-    if args.prompts_file:
-        path = Path(args.prompts_file)
-        if not path.is_file():
-            raise ConfigError(f"--prompts-file {path}: file does not exist")
-        prompts = [json.loads(line)["prompt"] for line in path.read_text().splitlines() if line.strip()]
-        if not prompts:
-            raise ConfigError(f"--prompts-file {path}: no prompts (one {{\"prompt\": ...}} a line)")
-        prompts = prompts[:args.num_prompts]
-    else:
-        prompts = corpus.heldout_prompts(args.suite, args.num_prompts)
-    return [p[-args.max_prompt_chars:] for p in prompts]
+def shares_answers(args: ServeArgs) -> bool:
+    """Whether the replica keeps a shared index of its finished answers that its drafters read."""
+    return args.share_answers and reads_history(args.spec)
 
 
 def run_endpoint(args: argparse.Namespace) -> int:
     """--endpoint: load a running server (no Ray), write the report, print the table."""
     try:
-        levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
-        if not levels or min(levels) < 1:
-            raise ConfigError(f"--concurrency {args.concurrency!r}: give positive integers like 1,4,8")
+        levels = concurrency_levels(args)
         writable_path(args.out)
-        prompts = endpoint_prompts(args)
-    except (ConfigError, ValueError, KeyError) as err:
+        prompts = traffic_prompts(args, args.target)
+    except (ConfigError, ValueError, DatasetError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     server, rows = measure(args.endpoint, prompts, levels, args.requests_per_level, args.max_tokens,
-                           args.temperature, args.engine, args.model)
+                           args.temperature, args.engine, args.model, args.passes)
     for row in rows:
         row["label"] = args.label or server["engine"]
         row.pop("texts")
     report = {"commit": git_commit(), "machine": machine(),
               "config": {**server, "concurrency": levels, "requests_per_level": args.requests_per_level,
-                         "max_tokens": args.max_tokens, "temperature": args.temperature,
+                         "max_tokens": args.max_tokens, "temperature": args.temperature, "passes": args.passes,
                          "prompts": args.prompts_file or args.suite, "num_prompts": len(prompts),
-                         "max_prompt_chars": args.max_prompt_chars},
+                         "max_prompt_chars": args.max_prompt_chars, "max_prompt_tokens": args.max_prompt_tokens},
               "results": rows}
     write_text_atomic(Path(args.out), json.dumps(report, indent=2))
     print_rows(rows)

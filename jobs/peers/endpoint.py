@@ -22,6 +22,9 @@ from jobs.peers.acceptance import Acceptance, delta, from_eyas_spec, from_llamac
 from jobs.soak import percentile
 
 ENGINES = ("eyas", "vllm", "llamacpp", "other")
+# the warm-up's prompt, none of the traffic's: a server that drafts from its earlier answers (eyas's shared suffix
+# index) must not have seen the traffic before the first pass
+WARMUP_PROMPT = "Warm-up: count from one to ten."
 
 
 def api_base(endpoint: str) -> str:
@@ -74,7 +77,7 @@ def openai_client(base: str, engine: str, concurrency: int):
     return openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="none", http_client=http_client, max_retries=0)
 
 
-async def one_request(client, model: str, prompt: str, max_tokens: int, temperature: float, seed: int
+async def one_request(client, model: str, prompt: str | list[int], max_tokens: int, temperature: float, seed: int
                       ) -> dict[str, Any]:
     """Stream one completion: latency, time to first token, generated tokens, text, and the acceptance the
     engine reported in the response (eyas ``spec``, llama-server ``timings``)."""
@@ -106,8 +109,8 @@ async def one_request(client, model: str, prompt: str, max_tokens: int, temperat
             "text": "".join(text), "acceptance": reported}
 
 
-async def run_level(base: str, engine: str, model: str, prompts: list[str], concurrency: int, num_requests: int,
-                    max_tokens: int, temperature: float) -> dict[str, Any]:
+async def run_level(base: str, engine: str, model: str, prompts: list[str | list[int]], concurrency: int,
+                    num_requests: int, max_tokens: int, temperature: float) -> dict[str, Any]:
     """One concurrency level; the row jobs.load reports (``texts``: request index -> text, for comparisons)."""
     queue = list(range(num_requests))
     records: list[dict[str, Any]] = []
@@ -149,33 +152,36 @@ def level_row(engine: str, concurrency: int, records: list[dict[str, Any]], seco
             "texts": {r["index"]: r["text"] for r in records}}
 
 
-def measure(endpoint: str, prompts: list[str], levels: list[int], requests_per_level: int, max_tokens: int,
-            temperature: float, engine: str | None = None, model: str | None = None) -> tuple[dict[str, Any], list]:
-    """Warm-up, then every level in turn: ({"endpoint", "engine", "model"}, rows)."""
+def measure(endpoint: str, prompts: list[str | list[int]], levels: list[int], requests_per_level: int,
+            max_tokens: int, temperature: float, engine: str | None = None, model: str | None = None,
+            passes: int = 1) -> tuple[dict[str, Any], list]:
+    """Warm-up (a prompt of its own), then every level in turn, ``passes`` times: ({"endpoint", "engine",
+    "model"}, rows, each with its ``pass``)."""
     base = api_base(endpoint)
     found_model, found_engine = served_model(base)
     engine, model = engine or found_engine, model or found_model
-    asyncio.run(run_level(base, engine, model, prompts, 1, 2, 8, temperature))  # lazy initialisation, compiles
+    asyncio.run(run_level(base, engine, model, [WARMUP_PROMPT], 1, 2, 8, temperature))  # lazy initialisation
     rows = []
-    for concurrency in levels:
-        row = asyncio.run(run_level(base, engine, model, prompts, concurrency, max(requests_per_level, concurrency),
-                                    max_tokens, temperature))
-        rate = f" acceptance={row['acceptance']:.3f}" if row["acceptance"] is not None else ""
-        print(f"[load] {engine} c={concurrency}: {row['tokens_per_s']:.1f} tok/s p50={row['latency_p50_s']:.3f}s "
-              f"ttft50={row['ttft_p50_s']:.3f}s{rate}", flush=True)
-        rows.append(row)
+    for n in range(1, passes + 1):
+        for concurrency in levels:
+            row = asyncio.run(run_level(base, engine, model, prompts, concurrency,
+                                        max(requests_per_level, concurrency), max_tokens, temperature))
+            row["pass"] = n
+            rate = f" acceptance={row['acceptance']:.3f}" if row["acceptance"] is not None else ""
+            print(f"[load] {engine} c={concurrency} pass {n}: {row['tokens_per_s']:.1f} tok/s "
+                  f"p50={row['latency_p50_s']:.3f}s ttft50={row['ttft_p50_s']:.3f}s{rate}", flush=True)
+            rows.append(row)
     return {"endpoint": endpoint, "engine": engine, "model": model}, rows
 
 
 def print_rows(rows: list[dict[str, Any]]) -> None:
-    print(f"{'engine':9} {'conc':>4} {'tok/s':>8} {'p50 s':>7} {'p99 s':>7} {'ttft50':>7} {'ttft99':>7} {'tau':>5} "
-          f"{'accept':>6}  per position")
+    print(f"{'engine':9} {'conc':>4} {'pass':>4} {'tok/s':>8} {'p50 s':>7} {'p99 s':>7} {'ttft50':>7} {'ttft99':>7} "
+          f"{'tau':>5} {'accept':>6}  per position")
     for r in rows:
         tau = f"{r['tau']:.2f}" if r["tau"] is not None else "-"
         rate = f"{r['acceptance']:.3f}" if r["acceptance"] is not None else "-"
         positions = " ".join(f"{a:.2f}" for a in r["acceptance_per_position"] or []) or "-"
-        print(f"{r['engine']:9} {r['concurrency']:>4} {r['tokens_per_s']:>8.1f} {r['latency_p50_s']:>7.3f} "
-              f"{r['latency_p99_s']:>7.3f} {r['ttft_p50_s']:>7.3f} {r['ttft_p99_s']:>7.3f} {tau:>5} {rate:>6}  "
-              f"{positions}")
+        print(f"{r['engine']:9} {r['concurrency']:>4} {r.get('pass', 1):>4} {r['tokens_per_s']:>8.1f} "
+              f"{r['latency_p50_s']:>7.3f} {r['latency_p99_s']:>7.3f} {r['ttft_p50_s']:>7.3f} {r['ttft_p99_s']:>7.3f} "
+              f"{tau:>5} {rate:>6}  {positions}")
     print("accept: accepted over drafted tokens; per position: the share of draft rounds accepting position k")
-

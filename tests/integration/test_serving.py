@@ -356,6 +356,33 @@ def test_jobs_load_measures_spec_and_vanilla(serve_port, random_checkpoint, tmp_
     assert "load-vanilla" not in serve.status().applications  # both deleted after the run
 
 
+@pytest.mark.parametrize("share", [True, False])
+def test_jobs_load_passes_draft_more_the_second_time_only_with_shared_answers(serve_port, random_checkpoint,
+                                                                             tmp_path, share):
+    """``--passes 2`` sends the same traffic twice to one replica of the suffix method: with its shared index of
+    finished answers on, pass 2 drafts from pass 1's answers (tau rises); with it off both passes draft alike; every
+    answer of every pass is vanilla's."""
+    from jobs import load
+
+    out = tmp_path / "load.json"
+    assert load.main(["--config", str(REPO_ROOT / "serving" / "configs" / "micro.yaml"), "--target",
+                      str(random_checkpoint), "--port", str(serve_port), "--arg", "spec={method: suffix, num_nodes: 8}",
+                      "--arg", f"share_answers={str(share).lower()}", "--concurrency", "1", "--passes", "2",
+                      "--suite", "code", "--num-prompts", "3", "--requests-per-level", "3", "--max-tokens", "24",
+                      "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["config"]["passes"] == 2 and report["config"]["shares_answers"] is share
+    rows = {(r["mode"], r["pass"]): r for r in report["results"]}
+    assert set(rows) == {(mode, n) for mode in ("spec", "vanilla") for n in (1, 2)}
+    assert rows[("spec", 1)]["greedy_identical"] == rows[("spec", 2)]["greedy_identical"] == 1.0
+    assert rows[("vanilla", 1)]["tau"] == rows[("vanilla", 2)]["tau"] == 1.0
+    first, second = rows[("spec", 1)]["tau"], rows[("spec", 2)]["tau"]
+    if share:
+        assert second > first + 0.5, (first, second)
+    else:
+        assert second == first
+
+
 # ---------------------------------------------------------------- autoscaling
 
 

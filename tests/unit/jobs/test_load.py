@@ -70,3 +70,63 @@ def test_a_bad_user_config_or_baseline_stops_before_ray_starts(tmp_path, capsys)
     with pytest.raises(SystemExit):
         main(["--config", str(path), "--baseline", "neighbour"])
     assert not (tmp_path / "load.json").exists()
+
+
+def test_passes_run_outermost_and_spec_meets_the_traffic_first():
+    from jobs.traffic import rounds
+
+    assert rounds([1], 2) == [(1, 1, "spec"), (1, 1, "vanilla"), (2, 1, "vanilla"), (2, 1, "spec")]
+    # one pass: spec and vanilla alternate level by level, as before passes existed
+    assert rounds([1, 4, 8], 1) == [(1, 1, "spec"), (1, 1, "vanilla"), (1, 4, "vanilla"), (1, 4, "spec"),
+                                    (1, 8, "spec"), (1, 8, "vanilla")]
+    assert [(p, c) for p, c, _ in rounds([1, 2], 2)][::2] == [(1, 1), (1, 2), (2, 1), (2, 2)]
+
+
+def test_each_pass_is_compared_with_vanillas_of_the_same_pass():
+    def row(mode, n, tokens_per_s, texts):
+        return {"mode": mode, "concurrency": 1, "pass": n, "tokens_per_s": tokens_per_s, "texts": texts}
+
+    results = [row("spec", 1, 20.0, {0: "a", 1: "b"}), row("vanilla", 1, 10.0, {0: "a", 1: "b"}),
+               row("spec", 2, 60.0, {0: "a", 1: "x"}), row("vanilla", 2, 12.0, {0: "a", 1: "b"})]
+    add_ratios(results, greedy=True)
+    assert [r["speedup"] for r in results] == [2.0, 1.0, 5.0, 1.0]
+    assert [r["scaling"] for r in results] == [1.0] * 4  # over the same mode and pass at the lowest concurrency
+    assert [r["greedy_identical"] for r in results] == [1.0, None, 0.5, None]
+
+
+def test_traffic_from_a_file_a_suite_or_chat_token_ids(tmp_path, monkeypatch, chat_tokenizer):
+    from argparse import Namespace
+
+    from eyas import datasets
+    from jobs import traffic
+
+    def args(**given):
+        return Namespace(**{"prompts_file": None, "suite": "code", "num_prompts": 2, "max_prompt_chars": 5,
+                            "max_prompt_tokens": 64, **given})
+
+    file = tmp_path / "p.jsonl"
+    file.write_text('{"prompt": "one two three"}\n\n{"prompt": "four"}\n{"prompt": "five"}\n')
+    assert traffic.traffic_prompts(args(prompts_file=str(file)), None) == ["three", "four"]  # cut to their end
+    file.write_text('{"text": "no prompt key"}\n')
+    with pytest.raises(ConfigError, match=r"p.jsonl:1: expected one JSON object"):
+        traffic.traffic_prompts(args(prompts_file=str(file)), None)
+    assert all(len(p) <= 5 for p in traffic.traffic_prompts(args(), None))
+    # chat: ShareGPT first turns in the target's chat template, sent as token ids (the over-long one skipped)
+    monkeypatch.setattr(datasets, "first_user_turns", lambda split, downloader=None: ["a b " * 40, "hello there"])
+    monkeypatch.setattr(traffic, "load_tokenizer", lambda path: chat_tokenizer)
+    [ids] = traffic.traffic_prompts(args(suite="chat"), str(tmp_path))
+    assert chat_tokenizer.decode(ids) == "<|im_start|> user hello there <|im_end|> <|im_start|> assistant"
+    with pytest.raises(ConfigError, match="--suite chat .* give --target"):
+        traffic.traffic_prompts(args(suite="chat"), None)
+
+
+def test_bad_passes_or_a_soak_on_token_ids_stop_before_ray_starts(tmp_path, monkeypatch, capsys):
+    from jobs import load
+
+    out = str(tmp_path / "load.json")
+    micro = str(REPO / "serving" / "configs" / "micro.yaml")
+    assert main(["--config", micro, "--target", "/t", "--passes", "0", "--out", out]) == 2
+    assert "--passes 0: give at least 1" in capsys.readouterr().err
+    monkeypatch.setattr(load, "traffic_prompts", lambda args, target: [[1, 2, 3]])
+    assert main(["--config", micro, "--target", "/t", "--soak", "1", "--suite", "chat", "--out", out]) == 2
+    assert "--soak writes chat and completion requests around prompt texts" in capsys.readouterr().err

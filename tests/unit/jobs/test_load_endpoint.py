@@ -11,7 +11,7 @@ import pytest
 
 from jobs.load import main
 from jobs.peers import acceptance
-from jobs.peers.endpoint import api_base, measure, metrics_root
+from jobs.peers.endpoint import WARMUP_PROMPT, api_base, measure, metrics_root
 
 DATA = Path(__file__).parent / "data"
 
@@ -75,6 +75,7 @@ class FakeEngine(BaseHTTPRequestHandler):
     engine = "eyas"
     has_metrics = True
     peers: set = set()
+    prompts: list = []
     drafts = 0
 
     def log_message(self, *args) -> None:
@@ -106,6 +107,7 @@ class FakeEngine(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         type(self).peers.add(self.client_address[1])
         request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).prompts.append(request["prompt"])
         assert request["stream"] and request["stream_options"] == {"include_usage": True}
         type(self).drafts += 2
         chunks = [{"choices": [{"index": 0, "text": f" w{i}", "finish_reason": None}]} for i in range(4)]
@@ -123,7 +125,7 @@ class FakeEngine(BaseHTTPRequestHandler):
 @pytest.fixture()
 def fake_server():
     def start(engine: str, has_metrics: bool = True) -> str:
-        handler = type("Handler", (FakeEngine,), {"engine": engine, "peers": set(), "drafts": 0,
+        handler = type("Handler", (FakeEngine,), {"engine": engine, "peers": set(), "prompts": [], "drafts": 0,
                                                   "has_metrics": has_metrics})
         server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
         threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -173,3 +175,10 @@ def test_endpoint_cli_writes_the_report(fake_server, tmp_path, capsys):
     assert row["label"] == "vllm-eagle3" and "texts" not in row and row["acceptance"] == pytest.approx(0.5)
     assert "vllm" in capsys.readouterr().out
     assert main(["--endpoint", url, "--prompts-file", str(tmp_path / "missing.jsonl"), "--out", str(out)]) == 2
+
+
+def test_passes_send_the_same_traffic_again_after_a_warm_up_of_its_own(fake_server):
+    url = fake_server("eyas")
+    _, rows = measure(url, [[5, 6, 7], "p"], [1], 2, 4, 0.0, passes=2)  # a chat prompt goes as its token ids
+    assert [(row["pass"], row["concurrency"]) for row in rows] == [(1, 1), (2, 1)]
+    assert fake_server.handler.prompts == [WARMUP_PROMPT] * 2 + [[5, 6, 7], "p"] * 2

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eyas.config import ConfigError
+from eyas.methods import reads_history
 from eyas_ray.serve_config import ServeArgs
 from serving.protocol import (MAX_CHOICES, MAX_PROMPTS, MAX_STOP_STRINGS, ApiError, ChatBody, CompletionBody, Limits,
                               chat_prompt_ids, check_lengths, check_model, parse_body, stop_strings)
@@ -253,7 +254,8 @@ def test_api_key_comes_from_the_environment(monkeypatch):
     assert args.api_key == "s3cret" and ServeArgs(target="/x").api_key is None
 
 
-@pytest.mark.parametrize("name", ["tiny.yaml", "micro.yaml", "smollm2.yaml", "smollm2-bf16.yaml"])
+@pytest.mark.parametrize("name", ["tiny.yaml", "micro.yaml", "smollm2.yaml", "smollm2-bf16.yaml",
+                                  "smollm2-suffix.yaml"])
 def test_shipped_serve_configs_are_valid(name):
     config = yaml.safe_load((REPO / "serving" / "configs" / name).read_text())
     assert config["http_options"]["host"] == "127.0.0.1"
@@ -284,6 +286,23 @@ def test_the_bfloat16_serve_config_is_the_float32_one_but_for_dtype_schedule_and
     assert spec16 == sweep["spec"] and spec32 == {"method": "ngram", "num_draft": 6, "max_matches": 4}
     schedule = ServeArgs.from_args({**args16, "spec": spec16, "dtype": "bfloat16"}).schedule  # that sweep's output
     assert [schedule.max_draft_nodes(b) for b in (1, 2, 4, 8)] == [3, 2, 2, 0]
+
+
+def test_the_suffix_serve_config_is_the_bfloat16_one_but_for_spec_schedule_and_the_shared_index():
+    bfloat16, suffix = (yaml.safe_load((REPO / "serving" / "configs" / name).read_text())
+                        for name in ("smollm2-bf16.yaml", "smollm2-suffix.yaml"))
+    args16, args = bfloat16["applications"][0].pop("args"), suffix["applications"][0].pop("args")
+    assert bfloat16 == suffix
+    # the shared index is set explicitly (its default is on): a reader sees the switch
+    assert args.pop("share_answers") is True and args.pop("shared_answer_tokens") == 200_000
+    spec, schedule = args.pop("spec"), args.pop("speculation_by_batch")
+    assert {k: v for k, v in args16.items() if k not in ("spec", "speculation_by_batch")} == args
+    served = ServeArgs.from_args({**args, "spec": spec, "speculation_by_batch": schedule})
+    assert served.spec.method == "suffix" and reads_history(served.spec) and served.share_answers
+    # every verify within 64 rows at every batch size (where greedy bfloat16 stays exact on this CPU)
+    budgets = [served.schedule.max_draft_nodes(b) for b in (1, 2, 4, 8)]
+    assert budgets == [None, 8, 4, 0] and spec["num_nodes"] == 16
+    assert [b * (1 + (n if n is not None else 16)) for b, n in zip((1, 2, 4, 8), budgets)] == [17, 18, 20, 8]
 
 
 def test_back_pressure_needs_serve_to_hand_the_replica_more_than_it_admits():
