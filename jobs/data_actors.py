@@ -133,7 +133,7 @@ def plan_kept_features(cfg: DataConfig, out: Path, target_dir: Path) -> dict[str
     if not cfg.keep_taps:
         return None
     dtype = dtypes.resolve(cfg.dtype, "cuda" if cfg.use_gpu else "cpu")
-    target = load_target(target_dir)  # float32, on the CPU: only its fingerprint is read
+    target = load_target(target_dir, fuse=False)  # float32, on the CPU: only its weights' fingerprint is read
     taps = stored_taps(target, cfg.keep_taps)
     directory = own_feature_dir(out / "features", cache_base(target), taps, dtype)
     return {"directory": str(directory), "taps": list(taps), "dtype": dtype}

@@ -16,7 +16,7 @@ from eyas.config import ConfigError, from_dict, load_config, to_dict
 from eyas.models import load_target
 from eyas.train.config import DataConfig, TrainConfig, data_path, target_path
 from eyas.train.data import SequenceDataset, collate, regenerate, response_row, shard_path
-from eyas.train.feature_cache import ARGMAX, FeatureCache, row_file, sequence_key, stored_taps
+from eyas.train.feature_cache import ARGMAX, FeatureCache, cache_base, row_file, sequence_key, stored_taps
 from eyas.train.kept_features import TapRecorder
 from eyas.train.trainer import Trainer
 
@@ -122,6 +122,8 @@ def test_a_trainer_reads_the_kept_features_and_runs_no_target_forward(home):
     rows = SequenceDataset(out, "train").rows
     assert result["kept_rows"] == result["rows"] == 8
     assert result["positions"] == sum(len(r["prompt_ids"]) + len(r["response_ids"]) for r in rows)
+    # the job names the cache by an unfused float32 load of the target (seconds faster), the trainer by a fused one
+    assert cache_base(load_target(home_target(), fuse=False)) == cache_base(load_target(home_target()))
     caches = [m.parent for m in (out / "features").glob("*/cache.json")]
     assert len(caches) == 1 and json.loads((caches[0] / "cache.json").read_text())["taps"] == [1, 2, 3]
     for row in rows + SequenceDataset(out, "heldout").rows:
