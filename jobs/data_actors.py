@@ -139,7 +139,7 @@ def plan_kept_features(cfg: DataConfig, out: Path, target_dir: Path) -> dict[str
     return {"directory": str(directory), "taps": list(taps), "dtype": dtype}
 
 
-def report_unkept(cfg: DataConfig, out: Path, kept: dict[str, Any], todo: list[tuple[str, int]]) -> None:
+def report_unkept(out: Path, kept: dict[str, Any], todo: list[tuple[str, int]]) -> None:
     """Say how many sequences of the shards already on disk have no kept features (built before keep_taps, or
     their features deleted): training computes theirs (a --force rebuild keeps them)."""
     building = set(todo)

@@ -235,7 +235,7 @@ def build_missing_shards(cfg: DataConfig, out: Path, target_dir: Path, covered: 
                          kept: dict[str, Any] | None) -> dict[str, Any]:
     todo = pending_shards(cfg, out, covered)
     if kept:
-        report_unkept(cfg, out, kept, todo)
+        report_unkept(out, kept, todo)
     if not todo:
         print(f"[data] {out}: every shard is already there", flush=True)
         return {}

@@ -180,10 +180,10 @@ def test_shards_built_before_keep_taps_are_reported_and_their_features_left_to_t
     out, _ = regenerate_data(data_config(), kept=False)
     cfg = data_config()
     kept = plan_kept_features(cfg, out, home_target())
-    report_unkept(cfg, out, kept, todo=[("heldout", 0)])  # the held-out shard is about to be built again
+    report_unkept(out, kept, todo=[("heldout", 0)])  # the held-out shard is about to be built again
     assert "8 of the 8 sequences already on disk have no kept features" in capsys.readouterr().out
     regenerate_data(cfg)
-    report_unkept(cfg, out, kept, todo=[])
+    report_unkept(out, kept, todo=[])
     assert "no kept features" not in capsys.readouterr().out
 
 
