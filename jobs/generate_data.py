@@ -9,7 +9,8 @@ eyas/train/data.py) and ``data.json`` (what produced them, counts, timings): wri
 
 source=regenerate: train prompts from ``eyas.corpus`` (held-out prompts for the held-out split) are tokenized on the
 driver (cut to ``max_prompt_tokens``) and continued by the target, ``batch_size`` prompts per batched forward, on
-Ray actors (one per CPU, or per GPU with ``use_gpu``); each actor loads the target once and answers whole shards.
+Ray actors (one per CPU, or per GPU with ``use_gpu``; jobs.data_actors); each actor loads the target once and
+answers whole shards.
 source=sharegpt: the same, with ShareGPT first human turns (``eyas.datasets``, train / held-out split by a hash of
 the conversation id) rendered with the target's chat template; prompts over ``max_prompt_tokens`` are skipped, and
 the loss mask covers the target's answer only (the template's system, user and assistant-header tokens are
@@ -18,8 +19,18 @@ decode runs 4-6x float32's with AMX tiles; float32 elsewhere). source=corpus: fi
 held-out documents (EAGLE-1's fixed-data setting), cut on the driver; no target forward is needed.
 source=mix: the rows of ``parts``, built data sets of the same target, joined part after part (train into train,
 held-out into held-out); no target forward. A mix is rebuilt whole on every run, into a temp directory renamed
-into place at the end (its feature cache kept: the features are named by sequence), so it always holds its parts'
-current rows.
+into place at the end (its feature cache kept, and its parts' feature caches hard-linked into it: the features are
+named by sequence), so it always holds its parts' current rows.
+
+keep_taps (regenerate, sharegpt): the Regenerators also keep the target's hidden states at those taps, its
+final-normed state and its greedy next token at every position of prompt + answer, from the very forwards that
+answer (the prefill, each decode step, and one more step that feeds the last answer tokens), and write them into the
+disk feature cache a drafter trainer opens (``$EYAS_HOME/data/<name>/features/<key>/<sequence>.safetensors``, named
+as eyas.train.feature_cache names them: by the target's float32 weights, the taps, the answering dtype, and each
+sequence's token ids), so a training with ``train.feature_cache: disk`` on taps among these runs no target forward.
+A shard's features are written before the shard itself: a shard on disk has all of its features, and a rerun that
+skips a shard skips its features too. Progress and ``data.json`` report positions/s (prompt + answer positions
+written per second).
 
 Shards are the unit of work and of restart: shard i of a split holds sequences [i * shard_size, (i+1) * shard_size)
 and is written atomically, so a rerun skips the shards already on disk and builds missing or unreadable ones. A
@@ -31,27 +42,24 @@ a different one stops with an error unless ``--force`` (which starts over).
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from eyas import corpus, datasets
+from eyas import corpus
 from eyas.config import ConfigError, to_dict
-from eyas.models import dtypes, load_target, load_tokenizer, torch_dtype
+from eyas.models import load_tokenizer
 from eyas.models.config import ModelConfig
-from eyas.progress import Progress
-from eyas.threads import configure_threads
 from eyas.train.config import DataConfig, data_path, target_path
-from eyas.train.data import (ShardError, check_complete, corpus_chunks, num_shards, read_rows, regenerate,
-                             response_row, shard_is_complete, shard_path, write_shard)
-from eyas_ray.cluster import init_ray
+from eyas.train.data import (ShardError, check_complete, corpus_chunks, num_shards, read_rows, shard_is_complete,
+                             shard_path, write_shard)
+from eyas.train.feature_cache import MANIFEST
 from jobs.common import job_argparser, load_job_config
+from jobs.data_actors import KEPT_TMP_TAG, plan_kept_features, regenerate_shards, report_unkept, split_plan
 
 DATA_FILE = "data.json"
-ACTOR_RESTARTS = 3  # per Regenerator actor: restarts after its process died, each retrying the shard it had
 
 
 def check_target(cfg: DataConfig) -> Path:
@@ -59,7 +67,11 @@ def check_target(cfg: DataConfig) -> Path:
     if not (directory / "config.json").is_file():
         raise FileNotFoundError(f"target={cfg.target!r}: {directory} holds no checkpoint; build it first, e.g. "
                                 "`python -m jobs.train_target --config jobs/configs/target-tiny.yaml`")
-    context = ModelConfig.from_file(directory / "config.json").max_position_embeddings
+    model = ModelConfig.from_file(directory / "config.json")
+    context = model.max_position_embeddings
+    if any(tap > model.num_layers for tap in cfg.keep_taps):
+        raise ConfigError(f"keep_taps={list(cfg.keep_taps)}: the target has {model.num_layers} layers (taps 0 to "
+                          f"{model.num_layers}, {model.num_layers} being the final-normed state)")
     if cfg.source != "corpus" and cfg.max_prompt_tokens + cfg.max_new_tokens > context:
         raise ConfigError(f"max_prompt_tokens={cfg.max_prompt_tokens} + max_new_tokens={cfg.max_new_tokens} exceeds "
                           f"the target's context of {context} tokens")
@@ -84,10 +96,6 @@ def check_stamp(cfg: DataConfig, out: Path, force: bool) -> dict[str, Any]:
         raise ConfigError(f"{out} was generated with different settings ({changed}); rerun with --force to "
                           f"regenerate it, or choose another name=...")
     return meta
-
-
-def split_plan(cfg: DataConfig) -> dict[str, int]:
-    return {"train": cfg.num_prompts, "heldout": cfg.num_heldout_prompts}
 
 
 def covered_plan(out: Path, meta: dict[str, Any]) -> dict[str, int]:
@@ -123,116 +131,6 @@ def pending_shards(cfg: DataConfig, out: Path, covered: dict[str, int]) -> list[
     return todo
 
 
-# ---------------------------------------------------------------- regenerate: Ray actors
-
-
-def prompt_ids(cfg: DataConfig, tokenizer: Any, split: str, count: int) -> list[list[int]]:
-    """The first ``count`` prompts of ``split`` as token ids (fewer when the source has fewer).
-
-    regenerate: corpus prompts with the tokenizer's special tokens (BOS), cut to ``max_prompt_tokens`` (suite
-    docstring: longer ones skipped, as a cut one would not end where HumanEval's do); with ``exclude_humaneval``
-    the train prompts that share a function with HumanEval are dropped first.
-    sharegpt: chat-templated first human turns; the template writes the special tokens, longer prompts are skipped.
-    """
-    if cfg.source == "sharegpt":
-        return [ids for _, ids in datasets.chat_prompt_ids(split, count, tokenizer, cfg.max_prompt_tokens)]
-    whole = cfg.suite == "docstring"  # a cut docstring prompt would lose the closing quotes it must end with
-    num = None if cfg.exclude_humaneval or whole else count
-    texts = corpus.train_prompts(num, cfg.suite) if split == "train" else corpus.heldout_prompts(cfg.suite, num)
-    if cfg.exclude_humaneval and split == "train":
-        texts = datasets.without_humaneval(texts)
-    ids = (tokenizer(text).input_ids for text in texts)
-    if whole:
-        return [p for p in ids if len(p) <= cfg.max_prompt_tokens][:count]
-    return [p[:cfg.max_prompt_tokens] for p in ids][:count]
-
-
-def plan_prompts(cfg: DataConfig, target_dir: Path) -> dict[str, list[list[int]]]:
-    tokenizer = load_tokenizer(target_dir)
-    tokenizer.model_max_length = 10**9  # we cut or skip prompts ourselves; silences the long-input warning
-    prompts = {split: prompt_ids(cfg, tokenizer, split, count) for split, count in split_plan(cfg).items()}
-    fitting = f" of at most {cfg.max_prompt_tokens} tokens" if cfg.source == "sharegpt" else ""
-    for split, count in split_plan(cfg).items():
-        if len(prompts[split]) < count:
-            print(f"[data] {split}: the {cfg.source} source has only {len(prompts[split])} prompts{fitting} "
-                  f"(asked for {count})", flush=True)
-    return prompts
-
-
-class Regenerator:
-    """Holds the target; answers one shard of prompts per call (created as a Ray actor by ``regenerate_shards``)."""
-
-    def __init__(self, cfg_dict: dict[str, Any], target_dir: str, use_gpu: bool) -> None:
-        configure_threads(cpu_budget=1)  # the actor's num_cpus=1 (regenerate_shards)
-        self.cfg = DataConfig(**cfg_dict) if not isinstance(cfg_dict, DataConfig) else cfg_dict
-        device = "cuda" if use_gpu else "cpu"
-        self.dtype = dtypes.resolve(self.cfg.dtype, device)
-        self.target = load_target(target_dir, dtype=torch_dtype(self.dtype), device=device)
-        tokenizer = load_tokenizer(target_dir)
-        eos = set(self.target.config.eos_token_ids)
-        if tokenizer.eos_token_id is not None:
-            eos.add(tokenizer.eos_token_id)
-        self.eos = sorted(eos)
-
-    def run(self, split: str, index: int, prompts: list[list[int]], out_dir: str) -> dict[str, int]:
-        """Answer one shard's prompts (token ids) and write its rows in prompt order. Batches are formed from
-        prompts of similar length (sorted), so left padding wastes little of each batched forward."""
-        cfg = self.cfg
-        kept = [i for i, p in enumerate(prompts) if p]
-        order = sorted(kept, key=lambda i: (len(prompts[i]), i))
-        generator = torch.Generator(device=self.target.device)
-        generator.manual_seed(cfg.seed * 1_000_003 + index * 2 + (split == "heldout"))
-        responses: dict[int, list[int]] = {}
-        for start in range(0, len(order), cfg.batch_size):
-            chunk = order[start:start + cfg.batch_size]
-            answers = regenerate(self.target, [prompts[i] for i in chunk], cfg.max_new_tokens, self.eos,
-                                 cfg.temperature, cfg.top_p, generator if cfg.temperature > 0 else None)
-            responses.update(zip(chunk, answers))
-        # the prompt (template, system, user turn, assistant header) is loss-masked: only the answer is learnt
-        rows = [response_row(prompts[i], responses[i]) for i in kept]
-        write_shard(shard_path(Path(out_dir), split, index), rows)
-        return {"prompts": len(prompts), "rows": len(rows), "skipped": len(prompts) - len(kept),
-                "new_tokens": sum(map(len, responses.values())), "dtype": self.dtype}
-
-
-def regenerate_shards(cfg: DataConfig, out: Path, target_dir: Path, todo: list[tuple[str, int]]) -> dict[str, int]:
-    import ray
-    from ray.util import ActorPool
-
-    prompts = plan_prompts(cfg, target_dir)
-    tasks = [(split, index, prompts[split][index * cfg.shard_size:(index + 1) * cfg.shard_size])
-             for split, index in todo]
-    tasks = [task for task in tasks if task[2]]
-    init_ray()
-    resource = "GPU" if cfg.use_gpu else "CPU"
-    available = int(ray.cluster_resources().get(resource, 0))
-    if available < 1:
-        raise RuntimeError(f"use_gpu={cfg.use_gpu}: the Ray cluster has no {resource}")
-    num_actors = min(cfg.num_workers or available, len(tasks))
-    # an actor whose process dies (OOM, a lost node, a kill) is restarted and its shard redone by Ray; a shard is
-    # written whole under its own name, so a redone one replaces nothing and none is counted twice
-    actor_cls = ray.remote(num_cpus=1, num_gpus=1 if cfg.use_gpu else 0, max_restarts=ACTOR_RESTARTS,
-                           max_task_retries=ACTOR_RESTARTS)(Regenerator)
-    actors = [actor_cls.remote(to_dict(cfg), str(target_dir), cfg.use_gpu) for _ in range(num_actors)]
-    print(f"[data] {len(tasks)} shards on {num_actors} actors ({resource})", flush=True)
-    totals = {"prompts": 0, "rows": 0, "skipped": 0, "new_tokens": 0}
-    answered_in: set[str] = set()
-    progress = Progress(f"generate_data {cfg.name}", total=sum(len(t[2]) for t in tasks), every_s=10.0)
-    start = time.monotonic()
-    pool = ActorPool(actors)
-    for result in pool.map_unordered(lambda actor, task: actor.run.remote(*task, str(out)), tasks):
-        for key in totals:
-            totals[key] += result[key]
-        if result["dtype"] not in answered_in:
-            answered_in.add(result["dtype"])
-            print(f"[data] the target answers in {result['dtype']} (dtype={cfg.dtype})", flush=True)
-        elapsed = max(time.monotonic() - start, 1e-9)
-        progress.update(totals["prompts"], rows=totals["rows"], new_tok_s=round(totals["new_tokens"] / elapsed))
-    for actor in actors:
-        ray.kill(actor)
-    return {**totals, "dtype": ",".join(sorted(answered_in))}
-
-
 # ---------------------------------------------------------------- corpus: fixed chunks, on the driver
 
 
@@ -240,7 +138,7 @@ def corpus_shards(cfg: DataConfig, out: Path, target_dir: Path, todo: list[tuple
     """Pack documents as ``<bos> doc <eos>`` with the target's tokenizer and cut consecutive chunks."""
     tokenizer = load_tokenizer(target_dir)
     tokenizer.model_max_length = 10**9  # whole documents are tokenized, then cut into chunks
-    totals = {"prompts": 0, "rows": 0, "skipped": 0, "new_tokens": 0}
+    totals = {"prompts": 0, "rows": 0, "skipped": 0, "new_tokens": 0, "positions": 0}
     for split, count in split_plan(cfg).items():
         indices = [index for s, index in todo if s == split]
         if not indices or count == 0:
@@ -258,6 +156,7 @@ def corpus_shards(cfg: DataConfig, out: Path, target_dir: Path, todo: list[tuple
             if shard:
                 write_shard(shard_path(out, split, index), shard)
                 totals["rows"] += len(shard)
+                totals["positions"] += sum(len(row["response_ids"]) for row in shard)
         print(f"[data] {split}: {len(rows)} chunks of {cfg.chunk_tokens} tokens", flush=True)
     return totals
 
@@ -300,12 +199,29 @@ def mix(cfg: DataConfig, out: Path) -> dict[str, Any]:
     write_meta(building, json.loads((out / DATA_FILE).read_text()))  # "complete": false, as build() pinned it
     if (out / "features").is_dir():
         (out / "features").rename(building / "features")
+    for _, directory, _ in parts:
+        link_features(directory / "features", building / "features")
     out.rename(old)
     building.rename(out)
     shutil.rmtree(old, ignore_errors=True)
     print(f"[data] {out}: " + " + ".join(f"{name} ({meta['rows']['train']})" for name, _, meta in parts), flush=True)
     return {"parts": {name: {"content_key": meta["content_key"], "rows": meta["rows"]} for name, _, meta in parts},
             "rows": counts["train"] + counts["heldout"]}
+
+
+def link_features(part: Path, mix_features: Path) -> None:
+    """A part's feature caches (kept by its build, ``keep_taps``, or computed by a training on it) into the mix's:
+    rows are named by sequence and caches by target, taps and dtype, so the part's files are the mix's rows'
+    features. Hard links (a copy where the file system has none); rows the mix has already are kept."""
+    for manifest in sorted(part.glob(f"*/{MANIFEST}")):
+        cache = mix_features / manifest.parent.name
+        cache.mkdir(parents=True, exist_ok=True)
+        for file in [manifest, *manifest.parent.glob("*.safetensors")]:
+            if not (cache / file.name).exists():
+                try:
+                    os.link(file, cache / file.name)
+                except OSError:
+                    shutil.copy2(file, cache / file.name)
 
 
 def count_rows(out: Path) -> dict[str, int]:
@@ -315,15 +231,19 @@ def count_rows(out: Path) -> dict[str, int]:
             for split in ("train", "heldout")}
 
 
-def build_missing_shards(cfg: DataConfig, out: Path, target_dir: Path, covered: dict[str, int]) -> dict[str, Any]:
+def build_missing_shards(cfg: DataConfig, out: Path, target_dir: Path, covered: dict[str, int],
+                         kept: dict[str, Any] | None) -> dict[str, Any]:
     todo = pending_shards(cfg, out, covered)
+    if kept:
+        report_unkept(out, kept, todo)
     if not todo:
         print(f"[data] {out}: every shard is already there", flush=True)
         return {}
     done = sum(num_shards(n, cfg.shard_size) for n in split_plan(cfg).values()) - len(todo)
     print(f"[data] {out}: {len(todo)} shards to build ({done} already done)", flush=True)
-    build_shards = corpus_shards if cfg.source == "corpus" else regenerate_shards
-    return build_shards(cfg, out, target_dir, todo)
+    if cfg.source == "corpus":
+        return corpus_shards(cfg, out, target_dir, todo)
+    return regenerate_shards(cfg, out, target_dir, todo, kept)
 
 
 def build(cfg: DataConfig, force: bool = False) -> Path:
@@ -335,15 +255,21 @@ def build(cfg: DataConfig, force: bool = False) -> Path:
     # pinned before any shard is written: a rerun after a kill checks its settings, and readers refuse the data set
     write_meta(out, {"name": cfg.name, "config": to_dict(cfg), "content_key": cfg.content_key(), "complete": False,
                      **({"covered": covered} if covered else {})})
+    kept = plan_kept_features(cfg, out, target_dir)
     start = time.monotonic()
-    totals = mix(cfg, out) if cfg.source == "mix" else build_missing_shards(cfg, out, target_dir, covered)
+    totals = mix(cfg, out) if cfg.source == "mix" else build_missing_shards(cfg, out, target_dir, covered, kept)
     seconds = time.monotonic() - start
-    for stale in out.glob("*/.shard-*.tmp"):  # a shard's temp file, left by a process killed while writing it
+    # temp files of a process killed while writing them: a shard's, or a kept feature row's
+    for stale in [*out.glob("*/.shard-*.tmp"), *out.glob(f"features/*/.*.{KEPT_TMP_TAG}*.tmp")]:
         stale.unlink()
     counts = count_rows(out)
+    if "positions" in totals:
+        totals["positions_per_s"] = round(totals["positions"] / max(seconds, 1e-9), 1)
     meta = {"name": cfg.name, "config": to_dict(cfg), "content_key": cfg.content_key(), "rows": counts,
             "complete": True, "last_run": {**totals, "seconds": seconds},
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    if kept:
+        meta["kept_features"] = {**kept, "directory": str(Path(kept["directory"]).relative_to(out))}
     if cfg.source != "mix":
         meta["covered"] = {}
         for split, count in split_plan(cfg).items():
@@ -352,8 +278,9 @@ def build(cfg: DataConfig, force: bool = False) -> Path:
                 print(f"[data] {out}: {counts[split]} {split} sequences, more than the {count} asked for: an earlier, "
                       f"larger build's, kept (--force builds exactly {count})", flush=True)
     write_meta(out, meta)
+    rate = f", {totals['positions_per_s']:.0f} positions/s" if totals.get("positions") else ""
     print(f"[data] {out}: {counts['train']} train + {counts['heldout']} held-out sequences "
-          f"({seconds:.1f}s this run)", flush=True)
+          f"({seconds:.1f}s this run{rate})", flush=True)
     return out
 
 
@@ -375,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # Through the importable module: Ray actors must import Regenerator by name, not from __main__.
+    # Through the importable module, so that what it defines is jobs.generate_data's, never __main__'s.
     from jobs.generate_data import main as importable_main
 
     raise SystemExit(importable_main())

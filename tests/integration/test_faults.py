@@ -4,10 +4,12 @@
   ``jobs.train_drafter``: training goes on and publishes its drafter; the gap is warned, naming what was not logged;
   the end of the run does not crash, and a dead server costs seconds per call, not MLflow's default minutes;
 - a ``jobs.generate_data`` Regenerator actor's process killed while it works: the job finishes, and every shard is
-  there once, holding exactly its planned prompts.
+  there once, holding exactly its planned prompts, with every one of its kept features (``keep_taps``) whole and
+  no temp file left; a rerun finds everything built and writes nothing.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -21,6 +23,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 from integration_testing import wait_until, write_regenerated_data
 
@@ -174,11 +177,13 @@ def test_a_killed_regenerator_actor_is_replaced_and_every_shard_is_there_once(ho
     from eyas.config import load_config
     from eyas.train.config import DataConfig, target_path
     from eyas.train.data import num_shards
-    from jobs.generate_data import build, plan_prompts
+    from jobs.data_actors import plan_prompts
+    from jobs.generate_data import build
 
     cfg = load_config(DataConfig, REPO / "jobs" / "configs" / "data-micro.yaml", [
         "name=data-killed", "target=target-rand", "num_prompts=48", "num_heldout_prompts=8", "shard_size=4",
-        "max_new_tokens=64", "batch_size=4", "num_workers=2"])  # long enough to kill an actor mid-run
+        "max_new_tokens=64", "batch_size=4", "num_workers=2",  # long enough to kill an actor mid-run
+        "keep_taps=[1, 2]"])
     out = home / "data" / "data-killed"
     outcome: dict = {}
 
@@ -211,3 +216,19 @@ def test_a_killed_regenerator_actor_is_replaced_and_every_shard_is_there_once(ho
         assert [row["prompt_ids"] for row in rows] == prompts[split][:count]
         assert all(row["response_ids"] for row in rows)
     assert not list(out.glob("*/.shard-*")), "a temp file of the killed actor was left behind"
+
+    from safetensors.torch import load_file
+
+    from eyas.train.feature_cache import ARGMAX, row_file, sequence_key
+
+    meta = json.loads((out / "data.json").read_text())
+    cache = out / meta["kept_features"]["directory"]
+    assert meta["kept_features"]["taps"] == [1, 2, 3] and meta["last_run"]["positions_per_s"] > 0
+    assert not list(cache.glob(".*.tmp")), "a temp feature file of the killed actor was left behind"
+    for split in planned:
+        for row in (r for f in sorted((out / split).glob("shard-*.parquet")) for r in pq.read_table(f).to_pylist()):
+            ids = row["prompt_ids"] + row["response_ids"]
+            assert load_file(str(row_file(cache, sequence_key(torch.tensor(ids)))))[ARGMAX].shape == (len(ids),)
+    files = {f: f.stat().st_mtime_ns for f in out.rglob("*") if f.is_file() and f.name != "data.json"}
+    build(cfg)  # a rerun: every shard and its features are there
+    assert {f: f.stat().st_mtime_ns for f in out.rglob("*") if f.is_file() and f.name != "data.json"} == files

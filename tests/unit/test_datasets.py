@@ -197,7 +197,7 @@ def test_generate_data_drops_humaneval_prompts(monkeypatch):
     from types import SimpleNamespace
 
     from eyas.train.config import DataConfig
-    from jobs.generate_data import prompt_ids
+    from jobs.data_actors import prompt_ids
 
     train = corpus.train_prompts(4, suite="docstring")
     clash = {"task_id": "HumanEval/0", "prompt": train[1].split("\n", 1)[0] + "\n    pass\n"}

@@ -115,9 +115,10 @@ def checkpoint_dir(path: str | Path) -> Path:
 
 
 def load_target(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                tp: TensorParallel | None = None) -> Decoder:
+                tp: TensorParallel | None = None, fuse: bool = True) -> Decoder:
     """Build the native decoder from an HF checkpoint directory or a ``.gguf`` file (converted once, cached);
-    one tensor-parallel shard when tp is given."""
+    one tensor-parallel shard when tp is given. ``fuse=False`` skips laying the weights out for inference
+    (``Decoder.fuse``, seconds on a CPU): for a caller that only reads the weights, e.g. to name the target."""
     directory = checkpoint_dir(path)
     if not directory.is_dir():
         raise CheckpointError(f"{directory}: checkpoint directory does not exist")
@@ -152,7 +153,7 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.float32, device: st
     model.to(device=device)
     model.eval()
     model.requires_grad_(False)
-    return model.fuse()
+    return model.fuse() if fuse else model
 
 
 def load_tokenizer(path: str | Path):

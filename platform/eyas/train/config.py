@@ -97,6 +97,10 @@ class DataConfig:
     dtype: Literal["auto", "float32", "bfloat16"] = "float32"  # while answering; auto: bfloat16 on GPU, AVX512_BF16 CPU
     # drop prompts that share a function with HumanEval (the bench's code suite, never trained on); fetches it
     exclude_humaneval: bool = False
+    # written as the disk feature cache under <name>/features/ that train.feature_cache: disk reads, so training runs
+    # no target forward; the union of several drafters' taps serves each. Stored in the answering dtype (a float32
+    # training, train.feature_dtype float32, needs dtype: float32)
+    keep_taps: tuple[int, ...] = ()  # target taps kept from the answering forwards, e.g. [2, 15, 27]; [] = none
 
     def __post_init__(self) -> None:
         _name(self.name, "name")
@@ -112,6 +116,11 @@ class DataConfig:
                 "source: mix needs the data sets to join (parts: [a, b]), and only source: mix takes them")
         require(self.name not in self.parts, "parts", list(self.parts),
                 f"must not include the mix itself ({self.name})")
+        require(all(tap >= 0 for tap in self.keep_taps) and len(set(self.keep_taps)) == len(self.keep_taps),
+                "keep_taps", list(self.keep_taps), "must be distinct layer numbers >= 0")
+        require(not self.keep_taps or self.source in ("regenerate", "sharegpt"), "keep_taps", list(self.keep_taps),
+                f"only a source the target answers (regenerate, sharegpt) keeps its taps, not source: {self.source} "
+                "(training computes them)")
 
     def content_key(self) -> dict[str, Any]:
         """The fields that decide what a shard holds: a rerun may only reuse shards written under the same key."""

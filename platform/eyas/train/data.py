@@ -30,6 +30,7 @@ import torch
 from eyas.models.decoder import Decoder
 from eyas.decoding.verify import process_logits
 from eyas.models.features import TrainBatch
+from eyas.train.kept_features import TapRecorder
 
 SPLITS = ("train", "heldout")
 COLUMNS = ("prompt_ids", "response_ids", "loss_mask")
@@ -48,7 +49,7 @@ class ShardError(ValueError):
 @torch.inference_mode()
 def regenerate(target: Decoder, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                eos_token_ids: Sequence[int] = (), temperature: float = 0.0, top_p: float = 1.0,
-               generator: torch.Generator | None = None) -> list[list[int]]:
+               generator: torch.Generator | None = None, recorder: TapRecorder | None = None) -> list[list[int]]:
     """The target's continuation of every prompt, batched: prompts are left-padded and masked out.
 
     Rows stop at their first EOS (kept) or at ``max_new_tokens``. Greedy when temperature is 0; otherwise
@@ -63,11 +64,16 @@ def regenerate(target: Decoder, prompts: Sequence[Sequence[int]], max_new_tokens
     breaks (row b's slot s holds position s - pad_b, so the decoder would let it see pad_b keys too many). Every
     real token of row b is shifted by the same pad_b, so the distance between a query and a key is their slot
     distance: the window is applied here, in slots, and the decoder's looser mask ANDed on top changes nothing.
+
+    ``recorder`` (a TapRecorder over B rows and P + max_new_tokens slots) keeps the taps of every forward; the last
+    answer tokens, which generation alone never feeds back, get one more decode step, so every position of
+    prompt + answer has its features (``recorder.rows``: row b's are slots [P - len(prompt_b), P + len(answer_b))).
     """
     assert prompts and all(len(p) > 0 for p in prompts), "regenerate: every prompt needs at least one token"
     B, P = len(prompts), max(len(p) for p in prompts)
     S = P + max_new_tokens
     device = target.device
+    taps = recorder.taps if recorder is not None else ()
     pad_B = torch.tensor([P - len(p) for p in prompts], device=device)
     tokens_BP = torch.zeros(B, P, dtype=torch.long, device=device)
     valid_BS = torch.zeros(B, S, dtype=torch.bool, device=device)
@@ -79,7 +85,10 @@ def regenerate(target: Decoder, prompts: Sequence[Sequence[int]], max_new_tokens
     eye_PP = torch.eye(P, dtype=torch.bool, device=device)
     mask_BPP = (window_SS[None, :P, :P] & valid_BS[:, None, :P]) | eye_PP[None]
     cache = target.new_cache(B, S)
-    logits_BTV, _ = target(tokens_BP, positions_BP, cache, mask=mask_BPP, logits_slice=slice(-1, None))
+    logits_BTV, hidden = target(tokens_BP, positions_BP, cache, mask=mask_BPP, logits_slice=slice(-1, None),
+                                taps=taps)
+    if recorder is not None:
+        recorder.record(0, hidden)
 
     eos = set(eos_token_ids)
     out: list[list[int]] = [[] for _ in range(B)]
@@ -90,13 +99,18 @@ def regenerate(target: Decoder, prompts: Sequence[Sequence[int]], max_new_tokens
             if not done[b]:
                 out[b].append(token)
                 done[b] = token in eos
-        if all(done) or step + 1 == max_new_tokens:
+        last = all(done) or step + 1 == max_new_tokens
+        if last and recorder is None:
             break
         valid_BS[:, P + step] = True
         positions_B1 = (P + step - pad_B)[:, None]
         span = P + step + 1
         mask_B1S = valid_BS[:, None, :span] & window_SS[None, span - 1:span, :span]
-        logits_BTV, _ = target(next_B[:, None], positions_B1, cache, mask=mask_B1S)
+        logits_BTV, hidden = target(next_B[:, None], positions_B1, cache, mask=mask_B1S, taps=taps)
+        if recorder is not None:
+            recorder.record(P + step, hidden, logits_BTV)
+        if last:
+            break
     return out
 
 

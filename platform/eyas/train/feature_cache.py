@@ -65,19 +65,37 @@ def stored_taps(target: Decoder, taps: Sequence[int]) -> tuple[int, ...]:
     return tuple(sorted(set(taps) | {target.config.num_layers}))
 
 
+def cache_name(base: str, stored: Sequence[int], dtype: str) -> str:
+    """A cache's directory name: the target (``base``), the taps it stores and the dtype of the forward."""
+    key = [base, list(stored)] + ([dtype] if dtype != "float32" else [])  # float32 caches keep their older key
+    return hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
+
+
+def own_feature_dir(root: Path, base: str, stored: Sequence[int], dtype: str) -> Path:
+    """``root/<key>``, the cache of features computed by a ``dtype`` forward of the target ``base`` (``cache_base``)
+    holding the taps ``stored`` (``stored_taps``), made with its manifest when new. The trainer opens it through
+    ``open_feature_dir``; jobs.generate_data writes the features it keeps (``keep_taps``) into it."""
+    own = Path(root) / cache_name(base, stored, dtype)
+    own.mkdir(parents=True, exist_ok=True)
+    if not (own / MANIFEST).is_file():
+        tmp = own / f".{MANIFEST}.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps({"base": base, "taps": list(stored), "layout": LAYOUT, "dtype": dtype}))
+        tmp.replace(own / MANIFEST)
+    return own
+
+
 def open_feature_dir(root: Path, target: Decoder, taps: Sequence[int],
                      dtype: str = "float32") -> tuple[Path, tuple[int, ...], str]:
     """(directory, the taps it stores, the dtype of its forward) for a drafter reading ``taps`` computed by a
-    ``dtype`` forward: its own cache (``root/<key>``, the key naming the target's weights, the taps and a bfloat16
-    forward) when that exists, else a cache of the same target whose taps include these, in the same dtype or in
-    float32 (EAGLE-1 and Medusa read the final state that EAGLE-3's and DFlash's caches keep as well; a bfloat16 run
-    reads float32 features, never the reverse), else a new own cache. Sequences a reused cache lacks are computed
-    with all of its taps and its dtype, so it stays whole for the drafter that made it."""
+    ``dtype`` forward: its own cache (``own_feature_dir``) when that exists, else a cache of the same target whose
+    taps include these, in the same dtype or in float32 (EAGLE-1 and Medusa read the final state that EAGLE-3's and
+    DFlash's caches keep as well; a bfloat16 run reads float32 features, never the reverse; jobs.generate_data's
+    ``keep_taps`` cache is one of these), else a new own cache. Sequences a reused cache lacks are computed with all
+    of its taps and its dtype, so it stays whole for the drafter that made it."""
     torch_dtype(dtype, "train.feature_dtype")  # a name the target loads in, or ValueError
     base = cache_base(target)
     wanted = stored_taps(target, taps)
-    key = [base, list(wanted)] + ([dtype] if dtype != "float32" else [])  # float32 caches keep their older key
-    own = root / hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
+    own = root / cache_name(base, wanted, dtype)
     if not own.is_dir() and root.is_dir():
         for manifest in sorted(root.glob(f"*/{MANIFEST}")):
             held = json.loads(manifest.read_text())
@@ -85,12 +103,23 @@ def open_feature_dir(root: Path, target: Decoder, taps: Sequence[int],
             if (held.get("base") == base and set(wanted) <= set(held.get("taps", ()))
                     and held_dtype in (dtype, "float32")):
                 return manifest.parent, tuple(held["taps"]), held_dtype
-    own.mkdir(parents=True, exist_ok=True)
-    if not (own / MANIFEST).is_file():
-        tmp = own / f".{MANIFEST}.{os.getpid()}.tmp"
-        tmp.write_text(json.dumps({"base": base, "taps": list(wanted), "layout": LAYOUT, "dtype": dtype}))
-        tmp.replace(own / MANIFEST)
-    return own, wanted, dtype
+    return own_feature_dir(root, base, wanted, dtype), wanted, dtype
+
+
+def row_file(directory: Path, key: str) -> Path:
+    """Where a cache keeps the features of the sequence named ``key`` (``sequence_key``)."""
+    return Path(directory) / f"{key}.safetensors"
+
+
+def write_row(directory: Path, key: str, row: dict[int | str, torch.Tensor], tag: str | None = None) -> None:
+    """One sequence's features (taps by layer, ``ARGMAX``) as ``row_file``, atomically (a temp file renamed into
+    place: a reader or a rerun never sees half of one). ``tag`` names the temp file's writer (default: the pid)."""
+    from safetensors.torch import save_file
+
+    file = row_file(directory, key)
+    tmp = file.with_name(f".{file.name}.{tag or os.getpid()}.tmp")
+    save_file({str(t): v.contiguous().cpu() for t, v in row.items()}, str(tmp))
+    tmp.replace(file)
 
 
 def as_float32(features: TargetFeatures) -> TargetFeatures:
@@ -168,7 +197,7 @@ class FeatureCache:
         if key in self.memory:
             return self.memory[key]
         if self.directory is not None:
-            file = self.directory / f"{key}.safetensors"
+            file = row_file(self.directory, key)
             if file.is_file():
                 from safetensors.torch import load_file
 
@@ -181,9 +210,4 @@ class FeatureCache:
         if self.mode == "memory":
             self.memory[key] = row
         if self.directory is not None:
-            from safetensors.torch import save_file
-
-            file = self.directory / f"{key}.safetensors"
-            tmp = file.with_name(f".{file.name}.{os.getpid()}.tmp")
-            save_file({str(t): v.contiguous().cpu() for t, v in row.items()}, str(tmp))
-            tmp.replace(file)
+            write_row(self.directory, key, row)

@@ -117,7 +117,12 @@ def test_a_mix_joins_its_parts_and_follows_them_when_they_grow(home, capsys):
 
     first = SequenceDataset(build(corpus_config()), "train").rows
     short = build(corpus_config(name="rand-short", num_prompts=4, chunk_tokens=16))
+    part_cache = short / "features" / "c0ffee"  # a part's feature cache (kept by its build, or a training's)
+    part_cache.mkdir(parents=True)
+    for name in ("cache.json", "row.safetensors"):
+        (part_cache / name).write_text(name)
     out = build(mix_config())
+    assert (out / "features" / "c0ffee" / "row.safetensors").samefile(part_cache / "row.safetensors")
     assert SequenceDataset(out, "train").rows == first + SequenceDataset(short, "train").rows
     assert len(SequenceDataset(out, "heldout")) == 3 + 3
     meta = json.loads((out / "data.json").read_text())

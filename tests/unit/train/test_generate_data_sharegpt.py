@@ -50,7 +50,7 @@ def templated(tokenizer, text: str) -> list[int]:
 
 
 def test_prompts_are_chat_templated_split_and_long_ones_skipped(chat_home, chat_tokenizer):
-    from jobs.generate_data import plan_prompts
+    from jobs.data_actors import plan_prompts
 
     plan = plan_prompts(chat_config(), chat_home / "targets" / "chat-rand")
     train_texts = [t for t in datasets.first_user_turns("train") if len(t.split()) + 5 <= 10]
@@ -61,7 +61,7 @@ def test_prompts_are_chat_templated_split_and_long_ones_skipped(chat_home, chat_
 
 def test_a_shard_learns_the_answer_only(chat_home, tmp_path):
     from eyas.models import load_target
-    from jobs.generate_data import Regenerator, plan_prompts
+    from jobs.data_actors import Regenerator, plan_prompts
 
     cfg = chat_config()
     target_dir = chat_home / "targets" / "chat-rand"
@@ -70,7 +70,9 @@ def test_a_shard_learns_the_answer_only(chat_home, tmp_path):
     target = load_target(target_dir)
     rows = SequenceDataset(tmp_path, "train").rows
     assert result == {"prompts": 4, "rows": 4, "skipped": 0,
-                      "new_tokens": sum(len(row["response_ids"]) for row in rows), "dtype": "float32"}
+                      "new_tokens": sum(len(row["response_ids"]) for row in rows),
+                      "positions": sum(len(row["prompt_ids"]) + len(row["response_ids"]) for row in rows),
+                      "kept_rows": 0, "dtype": "float32"}
     assert sorted(prompts, key=len) != prompts  # the batches ran in another order than the rows are written
     assert [row["prompt_ids"] for row in rows] == prompts  # prompt order kept (batches ran sorted by length)
     for prompt, row in zip(prompts, rows):
@@ -82,7 +84,7 @@ def test_a_shard_learns_the_answer_only(chat_home, tmp_path):
 def test_hand_built_example_mask(chat_home, tmp_path, chat_tokenizer):
     """'hello there' -> <|im_start|> user hello there <|im_end|> <|im_start|> assistant (7 prompt tokens, mask 0),
     then the target's answer (mask 1)."""
-    from jobs.generate_data import Regenerator
+    from jobs.data_actors import Regenerator
 
     prompt = [1, 3, 6, 7, 2, 1, 4]
     assert chat_tokenizer(datasets.render_chat_prompt(chat_tokenizer, "hello there"),
@@ -95,7 +97,7 @@ def test_hand_built_example_mask(chat_home, tmp_path, chat_tokenizer):
 
 
 def test_sharegpt_needs_a_chat_template_and_pins_the_data_set(chat_home, make_chat_tokenizer):
-    from jobs.generate_data import plan_prompts
+    from jobs.data_actors import plan_prompts
 
     target_dir = chat_home / "targets" / "chat-rand"
     for file in target_dir.glob("chat_template.*"):  # save_pretrained would keep the old template file
@@ -112,7 +114,7 @@ def test_sharegpt_needs_a_chat_template_and_pins_the_data_set(chat_home, make_ch
 @pytest.mark.parametrize("dtype", ["bfloat16", "auto"])
 def test_a_shard_answered_in_another_dtype_is_that_dtype_s_greedy_answer(chat_home, tmp_path, dtype):
     from eyas.models import dtypes, load_target
-    from jobs.generate_data import Regenerator, plan_prompts
+    from jobs.data_actors import Regenerator, plan_prompts
 
     cfg = chat_config(dtype=dtype)
     target_dir = chat_home / "targets" / "chat-rand"
