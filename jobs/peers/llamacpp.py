@@ -10,8 +10,8 @@
   free local port, waits for /health and always stops it (jobs.peers.server.running). ``complete`` sends one greedy request by token ids, so
   every engine sees the very prompt tokens eyas decodes, and returns the tokens and llama-server's own ``timings``.
 - Per-position acceptance: with ``LLAMA_TRACE=1`` llama-server logs ``accepted A/N draft tokens`` once per verify
-  step; ``draft_steps`` reads them from the server's log and ``per_depth_accept`` turns them into eyas's n-alpha
-  (acceptance at depth d given depths < d were accepted; eyas.decoding.stats).
+  step; ``draft_steps`` reads them from the server's log and ``accepted_per_position`` counts, per draft position,
+  the steps that accepted it (jobs.peers.acceptance's definition, vLLM's).
 """
 from __future__ import annotations
 
@@ -202,16 +202,6 @@ def complete(base_url: str, prompt_ids: list[int], max_new_tokens: int, timeout_
 def draft_steps(log_text: str) -> list[tuple[int, int]]:
     """(accepted, drafted) per verify step, from a llama-server log written with ``LLAMA_TRACE=1``."""
     return [(int(a), int(n)) for a, n in ACCEPT_LINE.findall(log_text)]
-
-
-def per_depth_accept(steps: list[tuple[int, int]], depth: int) -> list[float]:
-    """eyas's n-alpha per depth 1..depth: among the steps that drafted depth d after accepting depths < d, the share
-    that accepted it (0.0 where no step reached d)."""
-    rates = []
-    for d in range(1, depth + 1):
-        offered = [accepted for accepted, drafted in steps if drafted >= d and accepted >= d - 1]
-        rates.append(sum(a >= d for a in offered) / len(offered) if offered else 0.0)
-    return rates
 
 
 def accepted_per_position(steps: list[tuple[int, int]]) -> list[int]:

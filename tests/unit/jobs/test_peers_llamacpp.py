@@ -133,26 +133,6 @@ def test_draft_steps_come_from_the_trace_lines():
     assert llamacpp.draft_steps(TRACE_LOG) == [(2, 3), (0, 3), (3, 3), (1, 2)]
 
 
-def test_per_depth_accept_is_conditional_like_eyas_n_alpha():
-    steps = llamacpp.draft_steps(TRACE_LOG)
-    # depth 1: 4 steps drafted it, 3 accepted; depth 2: 3 steps reached it (accepted depth 1, drafted >= 2), 2
-    # accepted; depth 3: 2 reached it (the 2-token draft did not draft depth 3), 1 accepted
-    assert llamacpp.per_depth_accept(steps, 3) == [0.75, 2 / 3, 0.5]
-    assert llamacpp.per_depth_accept([], 2) == [0.0, 0.0]
-
-
-def test_parity_verdict_needs_close_acceptance_and_lossless_output():
-    from jobs.peers.llamacpp_parity import EngineRun, verdict
-
-    same = [[1, 2], [3]]
-    eyas = EngineRun([0.50, 0.40, 0.30], same, same)
-    close = EngineRun([0.52, 0.36, 0.30], same, same)
-    assert verdict(eyas, close, 0.05)["passed"] and verdict(eyas, close, 0.05)["max_gap"] == 0.04
-    assert not verdict(eyas, EngineRun([0.50, 0.30, 0.30], same, same), 0.05)["passed"]  # depth 2 off by 0.1
-    lossy = EngineRun([0.50, 0.40, 0.30], [[1, 2], [4]], same)
-    assert lossy.same_as_vanilla == 0.5 and not verdict(eyas, lossy, 0.05)["passed"]
-
-
 def test_accepted_per_position_counts_steps_unconditionally():
     assert llamacpp.accepted_per_position(llamacpp.draft_steps(TRACE_LOG)) == [3, 2, 1]
     assert llamacpp.accepted_per_position([]) == []
