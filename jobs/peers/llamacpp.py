@@ -125,14 +125,15 @@ def ngram_spec_args(size_n: int = 3, size_m: int = 4) -> tuple[str, ...]:
 
 
 def server_command(model_gguf: str | Path, threads: int, port: int, draft_gguf: str | Path | None = None,
-                   spec_args: tuple[str, ...] = (), ctx_size: int = DEFAULT_CTX_SIZE) -> list[str]:
-    """One slot, ``threads`` for decode and prefill (the draft model too), bound to localhost."""
-    if threads < 1:
-        raise ConfigError(f"threads {threads}: must be >= 1")
+                   spec_args: tuple[str, ...] = (), ctx_size: int = DEFAULT_CTX_SIZE, slots: int = 1) -> list[str]:
+    """``slots`` sequences decoded together (one by default), ``ctx_size`` tokens of context each, ``threads`` for
+    decode and prefill (the draft model too), bound to localhost."""
+    if threads < 1 or slots < 1:
+        raise ConfigError(f"threads {threads}, slots {slots}: must be >= 1")
     if spec_args and draft_gguf is None and "draft-" in " ".join(spec_args):
         raise ConfigError(f"spec_args {' '.join(spec_args)}: a draft-model speculation needs draft_gguf")
     command = [str(llama_server_bin()), "-m", str(model_gguf), "-t", str(threads), "-tb", str(threads),
-               "-np", "1", "-c", str(ctx_size), "--host", "127.0.0.1", "--port", str(port), "--no-webui"]
+               "-np", str(slots), "-c", str(ctx_size * slots), "--host", "127.0.0.1", "--port", str(port), "--no-webui"]
     if draft_gguf is not None:
         command += ["-md", str(draft_gguf), "-td", str(threads), "-tbd", str(threads)]
     return command + list(spec_args)
@@ -159,11 +160,12 @@ def server_env(trace: bool = False, environ: dict[str, str] | None = None) -> di
 @contextmanager
 def llama_server(model_gguf: str | Path, threads: int, draft_gguf: str | Path | None = None,
                  spec_args: tuple[str, ...] = (), port: int | None = None, log_path: str | Path | None = None,
-                 trace: bool = False, timeout_s: float = 300.0) -> Iterator[str]:
+                 trace: bool = False, timeout_s: float = 300.0, slots: int = 1,
+                 ctx_size: int = DEFAULT_CTX_SIZE) -> Iterator[str]:
     """A llama-server for the ``with`` block; yields its base URL once /health answers and always stops it. Its
     output goes to ``log_path`` (default: a temporary file); ``trace`` logs each verify step's acceptance there."""
     port = port or free_port()
-    command = server_command(model_gguf, threads, port, draft_gguf, spec_args)
+    command = server_command(model_gguf, threads, port, draft_gguf, spec_args, ctx_size, slots)
     with running(command, server_env(trace), f"http://127.0.0.1:{port}", "llama-server", timeout_s,
                  Path(log_path) if log_path else None) as base_url:
         yield base_url

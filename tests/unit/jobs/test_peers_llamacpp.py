@@ -76,6 +76,8 @@ def test_server_command_serves_one_slot_on_localhost_with_the_threads(fake_build
     text = " ".join(command)
     assert "-m t.gguf -t 2 -tb 2 -np 1" in text and "--host 127.0.0.1 --port 8123" in text
     assert "-md" not in command
+    several = " ".join(llamacpp.server_command("t.gguf", 1, 8123, slots=8, ctx_size=1024))
+    assert "-np 8 -c 8192" in several  # the context is shared out among the slots
 
 
 def test_server_command_drafts_with_an_eagle3_gguf(fake_build):
