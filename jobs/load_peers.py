@@ -38,6 +38,9 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, ContextManager
 
+import ray
+from ray import serve
+
 from eyas.config import ConfigError, eyas_home, resolve_path
 from eyas.cpu import cpu_features
 from eyas.datasets import SUITES, suite_prompts
@@ -45,6 +48,8 @@ from eyas.decoding.tp import free_port
 from eyas.files import writable_path, write_text_atomic
 from eyas.methods import resolve_checkpoint
 from eyas.models import CheckpointError, load_tokenizer
+from eyas_ray.cluster import init_ray
+from eyas_ray.deploy import run_config
 from jobs.bench import git_commit
 from jobs.bench_peers import cpu_lock, loadavg, target_gguf, without_openmp_policy
 from jobs.export import export_drafter
@@ -90,10 +95,6 @@ def eyas_spec(method: str, cell: Cell) -> dict[str, Any]:
 @contextlib.contextmanager
 def eyas_server(method: str, cell: Cell) -> Any:
     """eyas's Serve application for the ``with`` block, on the local Ray and Serve port this run started."""
-    from ray import serve
-
-    from eyas_ray.deploy import run_config
-
     name = f"load-peers-{method}"
     app = {"name": name, "route_prefix": "/", "import_path": "serving.app:build_app",
            "args": {"target": str(cell.target_dir), "model_name": "target", "spec": eyas_spec(method, cell),
@@ -114,10 +115,6 @@ def eyas_server(method: str, cell: Cell) -> Any:
 @contextlib.contextmanager
 def local_ray() -> Any:
     """A local Ray for eyas's cells (jobs.load's way: eyas_ray.cluster.init_ray), shut down after them."""
-    import ray
-
-    from eyas_ray.cluster import init_ray
-
     init_ray(num_cpus=max(os.cpu_count() or 1, 4), log_to_driver=False, include_dashboard=False)
     try:
         yield
