@@ -118,6 +118,14 @@ def eagle3_spec_args(num_draft: int) -> tuple[str, ...]:
     return ("--spec-type", "draft-eagle3", "--spec-draft-n-max", str(num_draft), "--spec-draft-p-min", "0")
 
 
+def dflash_spec_args(num_draft: int) -> tuple[str, ...]:
+    """llama-server's DFlash: one block of up to ``num_draft`` tokens a draft step (clamped to the drafter's block
+    size), every position drafted (p-min 0)."""
+    if num_draft < 1:
+        raise ConfigError(f"num_draft {num_draft}: must be >= 1")
+    return ("--spec-type", "draft-dflash", "--spec-draft-n-max", str(num_draft), "--spec-draft-p-min", "0")
+
+
 def ngram_spec_args(size_n: int = 3, size_m: int = 4) -> tuple[str, ...]:
     """llama-server's prompt-lookup ngram: match the last ``size_n`` tokens, draft ``size_m``."""
     return ("--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(size_n),
