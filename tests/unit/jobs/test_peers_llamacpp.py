@@ -87,6 +87,13 @@ def test_server_command_drafts_with_an_eagle3_gguf(fake_build):
     assert text.endswith("--spec-type draft-eagle3 --spec-draft-n-max 3 --spec-draft-p-min 0")
 
 
+def test_server_command_drafts_with_a_dflash_gguf(fake_build):
+    text = " ".join(llamacpp.server_command("t.gguf", 1, 8123, "d.gguf", llamacpp.dflash_spec_args(4)))
+    assert text.endswith("-md d.gguf -td 1 -tbd 1 --spec-type draft-dflash --spec-draft-n-max 4 --spec-draft-p-min 0")
+    with pytest.raises(ConfigError, match="num_draft 0"):
+        llamacpp.dflash_spec_args(0)
+
+
 def test_a_draft_speculation_without_a_draft_model_is_refused(fake_build):
     with pytest.raises(ConfigError, match="needs draft_gguf"):
         llamacpp.server_command("t.gguf", 1, 8123, None, llamacpp.eagle3_spec_args(3))
