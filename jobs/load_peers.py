@@ -35,6 +35,7 @@ import json
 import os
 import shutil
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ContextManager
 
@@ -62,18 +63,27 @@ NGRAM_MATCH = 3        # the longest prompt n-gram matched (vLLM's prompt_lookup
 CONTEXT_TOKENS = 2048  # context per sequence in every engine
 
 
+@dataclass
 class Cell:
-    """What one engine needs to serve every method: the target, the drafter, the run's sizes."""
+    """What every (engine, method) cell gets: the target, the drafter and its exports, the run's sizes."""
+    target_dir: Path
+    drafter_dir: Path | None      # None when no EAGLE-3 cell runs
+    workdir: Path                 # exports and GGUFs go here
+    dtype: str
+    threads: int
+    num_draft: int
+    levels: list[int]             # concurrencies
+    eyas_port: int                # the local Serve's HTTP port, one for every eyas cell
+    exports: dict[str, Path] = field(default_factory=dict)
 
-    def __init__(self, args: argparse.Namespace, target_dir: Path, drafter_dir: Path | None, workdir: Path) -> None:
-        self.args, self.target_dir, self.drafter_dir, self.workdir = args, target_dir, drafter_dir, workdir
-        self.max_concurrency = max(args.levels)
-        self.exports: dict[str, Path] = {}
+    @property
+    def max_concurrency(self) -> int:
+        return max(self.levels)
 
     def export(self, fmt: str) -> Path:
         """The drafter in an engine's format (jobs.export, with its train/serve checks), written once a run."""
         if fmt not in self.exports:
-            gguf_type = {"float32": "f32", "bfloat16": "bf16"}[self.args.dtype]
+            gguf_type = {"float32": "f32", "bfloat16": "bf16"}[self.dtype]
             out = self.workdir / (f"drafter-{gguf_type}.gguf" if fmt == "gguf" else f"drafter-{fmt}")
             if out.is_dir():
                 shutil.rmtree(out)
@@ -89,7 +99,7 @@ def eyas_spec(method: str, cell: Cell) -> dict[str, Any]:
     return {"vanilla": {"method": "vanilla"},
             "ngram": {"method": "ngram", "num_draft": NGRAM_DRAFT, "max_matches": 1},
             "eagle3": {"method": "eagle3", "drafter": str(cell.drafter_dir), "tree": "chain",
-                       "depth": cell.args.num_draft}}[method]
+                       "depth": cell.num_draft}}[method]
 
 
 @contextlib.contextmanager
@@ -98,16 +108,16 @@ def eyas_server(method: str, cell: Cell) -> Any:
     name = f"load-peers-{method}"
     app = {"name": name, "route_prefix": "/", "import_path": "serving.app:build_app",
            "args": {"target": str(cell.target_dir), "model_name": "target", "spec": eyas_spec(method, cell),
-                    "dtype": cell.args.dtype, "max_batch_size": cell.max_concurrency,
+                    "dtype": cell.dtype, "max_batch_size": cell.max_concurrency,
                     "max_waiting_requests": cell.max_concurrency, "max_len": CONTEXT_TOKENS,
                     "share_answers": False, "replica_cpus": 0.5,
-                    "worker_cpus": 1, "torch_threads": cell.args.threads},
+                    "worker_cpus": 1, "torch_threads": cell.threads},
            "deployments": [{"name": "EyasServer", "num_replicas": 1,
                             "max_ongoing_requests": 2 * cell.max_concurrency + 2}]}
-    run_config({"http_options": {"host": "127.0.0.1", "port": cell.args.eyas_port}, "proxy_location": "HeadOnly",
+    run_config({"http_options": {"host": "127.0.0.1", "port": cell.eyas_port}, "proxy_location": "HeadOnly",
                 "applications": [app]})
     try:
-        yield f"http://127.0.0.1:{cell.args.eyas_port}"
+        yield f"http://127.0.0.1:{cell.eyas_port}"
     finally:
         serve.delete(name)
 
@@ -130,13 +140,13 @@ def vllm_config(method: str, cell: Cell) -> dict[str, Any] | None:
         return {"method": "ngram", "num_speculative_tokens": NGRAM_DRAFT, "prompt_lookup_max": NGRAM_MATCH,
                 "prompt_lookup_min": 1}
     if method == "eagle3":
-        return {"method": "eagle3", "model": str(cell.export("vllm")), "num_speculative_tokens": cell.args.num_draft}
+        return {"method": "eagle3", "model": str(cell.export("vllm")), "num_speculative_tokens": cell.num_draft}
     return None
 
 
 @contextlib.contextmanager
 def vllm_server(method: str, cell: Cell) -> Any:
-    with without_openmp_policy(), vllm.vllm_server(cell.target_dir, cell.args.dtype, cell.args.threads,
+    with without_openmp_policy(), vllm.vllm_server(cell.target_dir, cell.dtype, cell.threads,
                                                    vllm_config(method, cell)) as url:
         yield url
 
@@ -144,13 +154,13 @@ def vllm_server(method: str, cell: Cell) -> Any:
 @contextlib.contextmanager
 def llamacpp_server(method: str, cell: Cell) -> Any:
     """llama-server with one slot per client; ngram-simple or the drafter's GGUF drafting an EAGLE-3 chain."""
-    target = target_gguf(str(cell.target_dir), cell.args.dtype, cell.workdir)
+    target = target_gguf(str(cell.target_dir), cell.dtype, cell.workdir)
     draft, spec_args = None, ()
     if method == "ngram":
         spec_args = llamacpp.ngram_spec_args(NGRAM_MATCH, NGRAM_DRAFT)
     elif method == "eagle3":
-        draft, spec_args = cell.export("gguf"), llamacpp.eagle3_spec_args(cell.args.num_draft)
-    with llamacpp.llama_server(target, cell.args.threads, draft, spec_args, slots=cell.max_concurrency,
+        draft, spec_args = cell.export("gguf"), llamacpp.eagle3_spec_args(cell.num_draft)
+    with llamacpp.llama_server(target, cell.threads, draft, spec_args, slots=cell.max_concurrency,
                                ctx_size=CONTEXT_TOKENS) as url:
         yield url
 
@@ -203,51 +213,61 @@ def same_as_vanilla(rows: list[dict[str, Any]]) -> None:
         r.pop("texts")
 
 
-def run_engine(engine: str, cell: Cell, prompts: list[str]) -> list[dict[str, Any]]:
-    """Every method on one engine, each cell under the lock."""
-    args, rows = cell.args, []
-    for method in args.method_list:
+def run_engine(engine: str, methods: list[str], cell: Cell, prompts: list[str], args: argparse.Namespace
+               ) -> list[dict[str, Any]]:
+    """Every method on one engine, each cell (server start and measurement) under the lock."""
+    rows = []
+    for method in methods:
         print(f"[load_peers] {engine} {method}", file=sys.stderr, flush=True)
         with cpu_lock(args.lock):
             load_before = loadavg()
             with SERVERS[engine](method, cell) as url:
-                _, levels = measure(url, prompts, args.levels, args.requests_per_level, args.max_tokens, 0.0,
+                _, levels = measure(url, prompts, cell.levels, args.requests_per_level, args.max_tokens, 0.0,
                                     engine=engine, model="target")
-        for row in levels:
-            rows.append({"engine": engine, "method": method, **row, "load_before": load_before})
+        rows += [{"engine": engine, "method": method, **row, "load_before": load_before} for row in levels]
     return rows
+
+
+def parse_levels(text: str) -> list[int]:
+    try:
+        levels = [int(c) for c in text.split(",") if c.strip()]
+    except ValueError:
+        levels = []
+    if not levels or min(levels) < 1 or max(levels) > vllm.MAX_NUM_SEQS:
+        raise ConfigError(f"--concurrency {text!r}: give integers in 1..{vllm.MAX_NUM_SEQS}, e.g. 1,4,8")
+    return levels
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     engines = parse_list(args.engines, ENGINES, "--engines")
-    args.method_list = parse_list(args.methods, METHODS, "--methods")
-    args.levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
-    if not args.levels or min(args.levels) < 1 or max(args.levels) > vllm.MAX_NUM_SEQS:
-        raise ConfigError(f"--concurrency {args.concurrency!r}: give integers in 1..{vllm.MAX_NUM_SEQS}, e.g. 1,4,8")
+    methods = parse_list(args.methods, METHODS, "--methods")
+    levels = parse_levels(args.concurrency)
+    for flag in ("threads", "num_draft", "num_prompts", "requests_per_level", "max_tokens"):
+        if getattr(args, flag) < 1:
+            raise ConfigError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be >= 1")
     for engine in engines:
         if TOOLS[engine] is not None:
             TOOLS[engine]()  # a missing tool build fails now, naming its make target
     target_dir = resolve_path(args.target)
     drafter = args.drafter or str(eyas_home() / "drafters" / f"eagle3-{target_dir.name}")
-    drafter_dir = resolve_checkpoint(drafter, "--drafter") if "eagle3" in args.method_list else None
+    drafter_dir = resolve_checkpoint(drafter, "--drafter") if "eagle3" in methods else None
     workdir = resolve_path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     writable_path(args.out)
     prompts = load_prompts(args, target_dir)
-    args.eyas_port = free_port()
-    cell = Cell(args, target_dir, drafter_dir, workdir)
+    cell = Cell(target_dir, drafter_dir, workdir, args.dtype, args.threads, args.num_draft, levels, free_port())
     rows: list[dict[str, Any]] = []
     for engine in engines:
         with local_ray() if engine == "eyas" else contextlib.nullcontext():
-            rows += run_engine(engine, cell, prompts)
+            rows += run_engine(engine, methods, cell, prompts, args)
     same_as_vanilla(rows)
-    settings = {e: {m: SETTINGS[e][m].format(n=args.num_draft) for m in args.method_list} for e in engines}
+    settings = {e: {m: SETTINGS[e][m].format(n=args.num_draft) for m in methods} for e in engines}
     return {"commit": git_commit(),
             "machine": {"cpu_features": cpu_features().to_dict(), "num_cpus": os.cpu_count(),
                         "load_start": loadavg()},
             "config": {"command": " ".join(["python -m jobs.load_peers", *sys.argv[1:]]), "target": str(target_dir),
                        "drafter": str(drafter_dir) if drafter_dir else None, "engines": engines,
-                       "methods": args.method_list, "concurrency": args.levels, "dtype": args.dtype,
+                       "methods": methods, "concurrency": levels, "dtype": args.dtype,
                        "threads": args.threads, "num_draft": args.num_draft,
                        "requests_per_level": args.requests_per_level, "max_tokens": args.max_tokens,
                        "prompts": args.prompts_file or args.suite, "num_prompts": len(prompts), "settings": settings},

@@ -3,7 +3,6 @@ the rendered tables. The servers run in tests/integration/test_load_peers.py."""
 from __future__ import annotations
 
 import json
-import types
 
 import pytest
 
@@ -67,7 +66,7 @@ def test_from_renders_a_report_without_measuring(tmp_path):
 
 
 def test_every_eyas_method_is_a_valid_spec_drafting_the_peers_shapes(tmp_path):
-    cell = types.SimpleNamespace(drafter_dir=tmp_path, args=types.SimpleNamespace(num_draft=3))
+    cell = load_peers.Cell(tmp_path, tmp_path, tmp_path, "float32", 1, 3, [1, 4], 8000)
     specs = {m: SpecConfig(**load_peers.eyas_spec(m, cell)) for m in load_peers_report.METHODS}
     assert specs["ngram"].num_draft == load_peers.NGRAM_DRAFT and specs["ngram"].max_matches == 1  # one chain
     assert specs["eagle3"].tree == "chain" and specs["eagle3"].depth == 3
@@ -83,6 +82,8 @@ def test_bad_engines_methods_and_levels_are_refused(tmp_path, monkeypatch, capsy
     assert "--methods" in capsys.readouterr().err
     assert load_peers.main(["--engines", "eyas", "--concurrency", "1,16", "--out", out]) == 2
     assert "--concurrency" in capsys.readouterr().err
+    assert load_peers.main(["--engines", "eyas", "--threads", "0", "--out", out]) == 2
+    assert "--threads 0" in capsys.readouterr().err
     monkeypatch.setenv("EYAS_LLAMACPP_DIR", str(tmp_path / "no-build"))
     assert load_peers.main(["--engines", "eyas,llamacpp", "--out", out]) == 2
     assert "make tools-llamacpp" in capsys.readouterr().err
