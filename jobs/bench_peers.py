@@ -20,7 +20,8 @@ Every engine stops at the target's end-of-sequence tokens; tok/s is the tokens i
 
 The summary takes each engine's best thread count per dtype and gives eyas's tok/s over each peer's (eyas/peer:
 1.0 is parity, above 1 eyas is faster). q8_0 is llama.cpp's alone (eyas and vLLM have no int8 path here). The JSON
-also records the CPU (model, ISA flags), the commit and the load average before and after each measurement.
+also records the CPU (``machine.cpu_features``: eyas.cpu's model, kind and ISA flags), the commit and the load
+average before and after each measurement.
 """
 from __future__ import annotations
 
@@ -47,10 +48,6 @@ from eyas.threads import OPENMP_KNOBS, configure_threads
 from jobs.bench import git_commit, load_prompts
 from jobs.bench_peers_report import DTYPES, ENGINE_DTYPES, ENGINE_NAMES, ENGINES, GGUF_TYPE, markdown, summary
 from jobs.peers import llamacpp
-from jobs.peers.ggml_isa import cpu_flags
-
-ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni", "avx512vbmi", "avx_vnni", "amx_tile",
-             "amx_bf16", "amx_int8")
 
 
 @dataclass
@@ -287,11 +284,10 @@ def run(args: argparse.Namespace) -> dict:
               flush=True)
     references = {m.dtype: m.outputs for m in measured if m.engine == "eyas"}
     rows = [m.row(references.get(m.dtype)) for m in measured]
-    flags = cpu_flags(Path("/proc/cpuinfo").read_text()) if Path("/proc/cpuinfo").is_file() else frozenset()
+    features = cpu_features()
     return {"commit": git_commit(),
-            "machine": {"cpu_model": cpu_features().model, "cpu_features": cpu_features().to_dict(),
-                        "num_cpus": os.cpu_count(),
-                        "isa": [f for f in ISA_FLAGS if f in flags], "load_start": loadavg()},
+            "machine": {"cpu_model": features.model, "cpu_features": features.to_dict(), "num_cpus": os.cpu_count(),
+                        "load_start": loadavg()},
             "config": {"target": target_path, "engines": engines, "dtypes": dtypes, "threads": threads,
                        "suites": list(prompts), "num_prompts": args.num_prompts,
                        "max_new_tokens": args.max_new_tokens, "command": " ".join(["python -m jobs.bench_peers",

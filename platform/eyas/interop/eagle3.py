@@ -139,6 +139,9 @@ def export_weights(model: Eagle3Model) -> dict[str, torch.Tensor]:
         else:
             key = name
         state[key] = tensor.detach().float().contiguous().cpu()
+    if not model.draft_vocab:
+        # the full vocabulary: the engines build no id mapping then, and vLLM refuses a d2t it has no parameter for
+        return state
     d2t_X = model.d2t.cpu()
     state["d2t"] = (d2t_X - torch.arange(d2t_X.numel())).contiguous()  # target id minus draft id
     t2d_V = torch.zeros(model.target_config.vocab_size, dtype=torch.bool)

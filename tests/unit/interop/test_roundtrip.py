@@ -75,6 +75,22 @@ def test_eagle3_tensors_and_reduced_vocab_maps(targets, tmp_path):
     assert "Trained for target: `tiny`" in (out / "README.md").read_text()
 
 
+def test_a_full_vocabulary_eagle3_exports_no_id_maps_and_loads_back(targets, tmp_path):
+    """vLLM builds no draft-to-target mapping when draft_vocab_size is the vocabulary, and refuses a d2t tensor."""
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    model = registry.build_model("eagle3", {"ttt_steps": 2}, targets["eagle3"]).eval()  # no draft vocabulary
+    assert not model.draft_vocab
+    out = write_export(model, "vllm", tmp_path / "full", "tiny")
+    assert not {"d2t", "t2d"} & set(load_file(str(out / "model.safetensors")))
+    assert json.loads((out / "config.json").read_text())["draft_vocab_size"] == 64
+    loaded = registry.load_model(out, targets["eagle3"])
+    assert not loaded.draft_vocab
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, loaded.state_dict()[name]), name
+
+
 def test_export_is_atomic_and_never_overwrites(targets, tmp_path):
     model = drafter("eagle3", targets["eagle3"])
     (tmp_path / "taken").mkdir()

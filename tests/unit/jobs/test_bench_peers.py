@@ -31,7 +31,9 @@ ROWS = [row("eyas", "bfloat16", 1, 24.6), row("eyas", "bfloat16", 2, 19.6),
 
 
 def report(rows=ROWS) -> dict:
-    return {"commit": "abc1234", "machine": {"cpu_model": "AMD EPYC", "num_cpus": 2, "isa": ["avx2", "avx512f"],
+    features = {"model": "AMD EPYC", "kind": "avx512", "flags": ["avx2", "avx512f"], "amx_listed": False,
+                "amx_usable": None}
+    return {"commit": "abc1234", "machine": {"cpu_model": "AMD EPYC", "cpu_features": features, "num_cpus": 2,
                                              "load_start": [1.0, 1.0, 1.0]},
             "config": {"target": "/x/smollm2-135m", "engines": ["eyas", "llamacpp", "vllm"],
                        "suites": ["humaneval", "chat"], "num_prompts": 8,
@@ -73,6 +75,7 @@ def test_detail_table_and_page_carry_every_row_and_the_run(tmp_path):
     page = bench_peers_report.markdown(report())
     assert "| llama.cpp | float32 | 2 | 35.0 | 35.0 | 35.0 | 31.5 | 0.50 | t |" in page
     assert "commit abc1234" in page and "AMD EPYC" in page and "load before each measurement 1.50-1.50" in page
+    assert "ISA: avx2 avx512f)" in page  # machine.cpu_features, the report's one source for the CPU
     path = tmp_path / "bench_peers.json"
     path.write_text(json.dumps(report()))
     assert bench_peers.main(["--from", str(path), "--report", str(tmp_path / "p.md")]) == 0

@@ -76,6 +76,8 @@ def test_server_command_serves_one_slot_on_localhost_with_the_threads(fake_build
     text = " ".join(command)
     assert "-m t.gguf -t 2 -tb 2 -np 1" in text and "--host 127.0.0.1 --port 8123" in text
     assert "-md" not in command
+    several = " ".join(llamacpp.server_command("t.gguf", 1, 8123, slots=8, ctx_size=1024))
+    assert "-np 8 -c 8192" in several  # the context is shared out among the slots
 
 
 def test_server_command_drafts_with_an_eagle3_gguf(fake_build):
@@ -83,6 +85,13 @@ def test_server_command_drafts_with_an_eagle3_gguf(fake_build):
     text = " ".join(command)
     assert "-md d.gguf -td 1 -tbd 1" in text
     assert text.endswith("--spec-type draft-eagle3 --spec-draft-n-max 3 --spec-draft-p-min 0")
+
+
+def test_server_command_drafts_with_a_dflash_gguf(fake_build):
+    text = " ".join(llamacpp.server_command("t.gguf", 1, 8123, "d.gguf", llamacpp.dflash_spec_args(4)))
+    assert text.endswith("-md d.gguf -td 1 -tbd 1 --spec-type draft-dflash --spec-draft-n-max 4 --spec-draft-p-min 0")
+    with pytest.raises(ConfigError, match="num_draft 0"):
+        llamacpp.dflash_spec_args(0)
 
 
 def test_a_draft_speculation_without_a_draft_model_is_refused(fake_build):
@@ -131,26 +140,6 @@ slot update_slots: id  0 | task 0 | accepted  1/ 2 draft tokens
 
 def test_draft_steps_come_from_the_trace_lines():
     assert llamacpp.draft_steps(TRACE_LOG) == [(2, 3), (0, 3), (3, 3), (1, 2)]
-
-
-def test_per_depth_accept_is_conditional_like_eyas_n_alpha():
-    steps = llamacpp.draft_steps(TRACE_LOG)
-    # depth 1: 4 steps drafted it, 3 accepted; depth 2: 3 steps reached it (accepted depth 1, drafted >= 2), 2
-    # accepted; depth 3: 2 reached it (the 2-token draft did not draft depth 3), 1 accepted
-    assert llamacpp.per_depth_accept(steps, 3) == [0.75, 2 / 3, 0.5]
-    assert llamacpp.per_depth_accept([], 2) == [0.0, 0.0]
-
-
-def test_parity_verdict_needs_close_acceptance_and_lossless_output():
-    from jobs.peers.llamacpp_parity import EngineRun, verdict
-
-    same = [[1, 2], [3]]
-    eyas = EngineRun([0.50, 0.40, 0.30], same, same)
-    close = EngineRun([0.52, 0.36, 0.30], same, same)
-    assert verdict(eyas, close, 0.05)["passed"] and verdict(eyas, close, 0.05)["max_gap"] == 0.04
-    assert not verdict(eyas, EngineRun([0.50, 0.30, 0.30], same, same), 0.05)["passed"]  # depth 2 off by 0.1
-    lossy = EngineRun([0.50, 0.40, 0.30], [[1, 2], [4]], same)
-    assert lossy.same_as_vanilla == 0.5 and not verdict(eyas, lossy, 0.05)["passed"]
 
 
 def test_accepted_per_position_counts_steps_unconditionally():
