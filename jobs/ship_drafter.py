@@ -76,8 +76,9 @@ def check_replacement(bench: dict[str, Any], method: str, name: str) -> None:
 def shipped_megabytes(exclude: str) -> float:
     if not SHIPPED_DRAFTERS.is_dir():
         return 0.0
-    return sum(f.stat().st_size for f in SHIPPED_DRAFTERS.rglob("*")
-               if f.is_file() and f.relative_to(SHIPPED_DRAFTERS).parts[0] != exclude) / 1e6
+    return sum(f.stat().st_size for f in SHIPPED_DRAFTERS.rglob("*")  # ".<name>.staging": this run's own copy
+               if f.is_file() and f.relative_to(SHIPPED_DRAFTERS).parts[0] not in (exclude, f".{exclude}.staging")
+               and not f.relative_to(SHIPPED_DRAFTERS).parts[0].startswith(".")) / 1e6
 
 
 def model_card(name: str, meta: dict[str, Any], training: dict[str, Any], bench: dict[str, Any], method: str,
@@ -91,7 +92,7 @@ def model_card(name: str, meta: dict[str, Any], training: dict[str, Any], bench:
             and ("acc_1" in k or "sim_tau" in k)}
     setup = bench.get("config", {})
     lines = [f"# {name}", "",
-             f"A {meta['drafter_type']} drafter for `{meta['target']}`, shipped with eyas in bfloat16 "
+             f"A `{meta['drafter_type']}` drafter for `{meta['target']}`, shipped with eyas in bfloat16 "
              f"({megabytes:.1f} MB). `spec: {{method: {method}, drafter: {name}}}` serves it; `jobs.bench` uses it "
              f"when `$EYAS_HOME/drafters/{name}` holds none (`{method}{SHIPPED}` always); training warm-starts from it "
              f"with `drafter.init_from: {name}`.", "",
@@ -106,7 +107,7 @@ def model_card(name: str, meta: dict[str, Any], training: dict[str, Any], bench:
              *[line for line in training.get("commands", [])],
              f"python -m jobs.train_drafter --config jobs/configs/{source}.yaml",
              "python -m jobs.bench " + " ".join(str(setup.get("command", "")).split()[1:]),
-             f"python -m jobs.ship_drafter {source} --as {name} --bench bench.json",
+             f"python -m jobs.ship_drafter {source} --as {name} --bench BENCH.json",
              "```", "",
              "## Measured", "",
              f"`jobs.bench` at commit `{bench.get('commit', '?')}` on {bench.get('machine', {}).get('cpu_model', '?')}"
