@@ -164,3 +164,9 @@ def test_train_uses_drafters_only_through_the_registry_and_methods():
     # train/ uses drafters (one way: DESIGN.md); what it needs from them is the registry and the method table
     allowed = ("eyas.drafters", "eyas.drafters.registry")
     assert [e for e in imports_of("train", "drafters") if e.split(" ")[1] not in allowed] == []
+
+
+def test_no_two_test_files_share_a_name():
+    """pytest imports test files by basename (no __init__.py in tests/): two of one name fail collection."""
+    names = [path.name for path in (REPO / "tests").rglob("test_*.py")]
+    assert sorted({n for n in names if names.count(n) > 1}) == []

@@ -1,5 +1,5 @@
 """jobs.load_peers without servers: the greedy agreement per level, the engines' settings, the argument checks and
-the rendered tables. The servers run in tests/integration/test_load_peers.py."""
+the rendered tables. The servers run in tests/integration/test_load_peers_engines.py."""
 from __future__ import annotations
 
 import json
