@@ -75,8 +75,10 @@ def test_errors_have_openai_shape(local_server, method, path, body, status):
 
 
 def test_requests_beyond_capacity_get_429_with_retry_after(random_checkpoint):
-    # one row and one waiting place; rounds of 20 ms make each 40-token request take about a second
-    with serve_locally(random_checkpoint, capacity=1, max_waiting=1, pause_s=0.02) as server:
+    # one row and one waiting place; rounds of 60 ms make each 40-token request take about 2.5 s, so all six arrive
+    # while the first two hold the row and the waiting place even on a loaded 2-core machine (20 ms rounds let a
+    # late sixth request find the first one done there once)
+    with serve_locally(random_checkpoint, capacity=1, max_waiting=1, pause_s=0.06) as server:
         body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 40, "temperature": 0}
 
         def post(_: int) -> httpx.Response:
