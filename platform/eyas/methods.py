@@ -52,6 +52,8 @@ class SpecConfig:
     min_match: int | None = None    # suffix: the shortest context suffix that drafts (default 1)
     min_prob: float | None = None   # suffix: a node's least share of the matched occurrences (default 0.1)
     retrieval_prior: float | None = None  # hybrid: the prior acceptance rate of retrieval nodes per depth (0.6)
+    learned_below: float | None = None  # hybrid: run the learned drafter only in cycles whose retrieval depth-1
+                                        # value is below this (null: every cycle)
 
     def __post_init__(self) -> None:
         require(self.method in METHODS, "spec.method", self.method, f"must be one of {sorted(METHODS)}")
@@ -70,6 +72,8 @@ class SpecConfig:
                 "must be in [0, 1]")
         require(self.retrieval_prior is None or 0.0 < self.retrieval_prior < 1.0, "spec.retrieval_prior",
                 self.retrieval_prior, "must be in (0, 1)")
+        require(self.learned_below is None or 0.0 < self.learned_below <= 1.0, "spec.learned_below",
+                self.learned_below, "must be in (0, 1] (or null: the learned drafter runs every cycle)")
         if method.tree is not None:
             self.tree_spec  # noqa: B018 (validate the tree now: a bad one fails at load time, named spec.*)
         if method.parts is not None:
@@ -208,6 +212,7 @@ RETRIEVAL_PROPOSERS = ("ngram", "suffix")
 LEARNED_PROPOSERS = ("draft-lm", "eagle1", "eagle2", "eagle3", "medusa", "dflash", "dflash-ddtree", "eagle3.1",
                      "peagle")
 HYBRID_PROPOSERS = ("ngram", "eagle3")  # spec.proposers' default
+HYBRID_OWN = ("method", "proposers", "num_nodes", "retrieval_prior", "learned_below")  # the hybrid's own settings
 
 
 def hybrid_parts(spec: SpecConfig) -> tuple[SpecConfig, SpecConfig]:
@@ -228,7 +233,7 @@ def hybrid_parts(spec: SpecConfig) -> tuple[SpecConfig, SpecConfig]:
              for name in (retrieval[0], learned[0])}
     for field in dataclasses.fields(spec):
         value = getattr(spec, field.name)
-        if field.name not in ("method", "proposers", "num_nodes", "retrieval_prior") and value is not None \
+        if field.name not in HYBRID_OWN and value is not None \
                 and not any(field.name in names for names in reads.values()):
             require(False, f"spec.{field.name}", value, f"is read by neither of the proposers {list(proposers)}")
     return tuple(SpecConfig(method=name, **{k: getattr(spec, k) for k in names}) for name, names in reads.items())
@@ -238,7 +243,7 @@ def _hybrid(target: Decoder, spec: SpecConfig, history: SuffixIndex | None = Non
     retrieval, learned = (METHODS[part.method].factory(target, part, history) if METHODS[part.method].reads_history
                           else METHODS[part.method].factory(target, part) for part in hybrid_parts(spec))
     prior = retrieval_prior(spec.retrieval_prior)
-    return lambda: HybridDrafter(retrieval(), learned(), spec.num_nodes, prior)
+    return lambda: HybridDrafter(retrieval(), learned(), spec.num_nodes, prior, spec.learned_below)
 
 
 def retrieval_prior(mean: float | None) -> tuple[float, float]:
@@ -286,7 +291,8 @@ METHODS: dict[str, Method] = {
     "peagle": _trained_method("peagle", TreeSpec(mode="block")),  # spec.tree=ddtree: a tree over its K positions
     # a retrieval proposer and a learned drafter in one tree under one node budget (drafters/hybrid.py)
     "hybrid": Method(None, None, ("proposers", "drafter", "draft_model", "num_draft", "max_matches", "datastore",
-                                  "min_match", "min_prob", "retrieval_prior") + TREE_SETTINGS, _hybrid, hybrid_parts,
+                                  "min_match", "min_prob", "retrieval_prior", "learned_below") + TREE_SETTINGS,
+                     _hybrid, hybrid_parts,
                      reads_history=True),
 }
 # a family's own method: what a checkpoint of that family runs when no method is named

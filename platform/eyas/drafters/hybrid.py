@@ -13,6 +13,12 @@ an estimate of the probability that the target accepts its whole path:
                    accepted, the mean of a Beta(RETRIEVAL_PRIOR) per depth updated with this request's own verdicts
   a shared node    the larger of its two values
 
+A learned drafter costs a pass (or several) every cycle it drafts, and where the retrieval tree already holds the
+target's next token with high estimated chance it adds little: with ``learned_below`` set, a cycle runs the learned
+drafter only when the retrieval tree's depth-1 value (the estimated chance that one of its depth-1 candidates is
+the target's token: the sum of their values) is below it. The learned drafter then only queues the committed
+states (base.py: commits without a propose between them) and catches up in its next drafting pass.
+
 A value is clipped to its parent's, so values never grow along a path and the ``num_nodes`` best nodes (ties: the
 shallower, then the earlier) always include their ancestors: the kept nodes form a tree.
 
@@ -117,9 +123,11 @@ class HybridDrafter:
     name = "hybrid"
 
     def __init__(self, retrieval: Any, learned: Any, num_nodes: int | None = None,
-                 prior: tuple[float, float] = RETRIEVAL_PRIOR) -> None:
+                 prior: tuple[float, float] = RETRIEVAL_PRIOR, learned_below: float | None = None) -> None:
         self.retrieval, self.learned = retrieval, learned
         self.prior = prior  # the Beta prior of the retrieval estimate (spec.retrieval_prior)
+        self.learned_below = learned_below  # spec.learned_below: None, the learned drafter drafts every cycle
+        self.cycles = self.learned_cycles = 0  # this request's cycles, and those the learned drafter drafted in
         self.max_draft_nodes = min(num_nodes or learned.max_draft_nodes,
                                    retrieval.max_draft_nodes + learned.max_draft_nodes)
         self.target_taps = tuple(dict.fromkeys((*retrieval.target_taps, *learned.target_taps)))
@@ -130,6 +138,7 @@ class HybridDrafter:
     def begin(self, prompt_ids: list[int], taps: dict[int, torch.Tensor]) -> None:
         self.estimate = RetrievalEstimate(self.prior)  # learned per request
         self._last, self._committed = None, []
+        self.cycles = self.learned_cycles = 0
         self.retrieval.begin(prompt_ids, taps)
         self.learned.begin(prompt_ids, taps)
 
@@ -139,11 +148,22 @@ class HybridDrafter:
             self._learn(self._last, self._committed[1:] + [root_token])
         self._committed = []
         retrieved = self.retrieval.propose(root_token, context_ids, temperature, generator)
-        drafted = self.learned.propose(root_token, context_ids, temperature, generator)
-        parts = [(self.retrieval.name, retrieved, self.estimate.values(retrieved)),
-                 (self.learned.name, drafted, drafted.scores_N.tolist())]
+        parts = [(self.retrieval.name, retrieved, self.estimate.values(retrieved))]
+        self.cycles += 1
+        if self.learned_pays(retrieved, parts[0][2]):
+            self.learned_cycles += 1
+            drafted = self.learned.propose(root_token, context_ids, temperature, generator)
+            parts.append((self.learned.name, drafted, drafted.scores_N.tolist()))
         self._last = merge(parts, self.max_draft_nodes)
         return self._last
+
+    def learned_pays(self, retrieved: DraftTree, values: Sequence[float]) -> bool:
+        """Whether this cycle runs the learned drafter: always without ``learned_below``, else when the retrieval
+        tree's depth-1 value is below it."""
+        if self.learned_below is None:
+            return True
+        depth_one = sum(values[i] for i in range(1, retrieved.num_nodes) if retrieved.parents_list[i] == 0)
+        return depth_one < self.learned_below
 
     def commit(self, tokens: list[int], taps: dict[int, torch.Tensor]) -> None:
         self._committed += tokens

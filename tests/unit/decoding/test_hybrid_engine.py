@@ -3,6 +3,8 @@ learned proposer pair and tree shape, alone and batched under load-adaptive prun
 SpecStats reports acceptance per proposer and depth."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from decoding_testing import NUM_NEW, assert_seeded_sampling_alone_equals_batched
@@ -82,3 +84,18 @@ def test_seeded_sampling_is_the_same_alone_and_batched(setup, random_drafters, r
     target, prompts, eos = setup
     spec = hybrid_spec(learned, {}, random_drafters, random_draft_checkpoint, datastore_dir, retrieval=retrieval)
     assert_seeded_sampling_alone_equals_batched(target, prompts, eos, spec)
+
+
+@pytest.mark.parametrize("learned", LEARNED_PROPOSERS)
+def test_learned_below_skips_the_learned_drafter_where_retrieval_is_sure_and_stays_exact(
+        setup, random_drafters, random_draft_checkpoint, datastore_dir, learned):
+    """Every learned family copes with commits that no propose of its own separates (the cycles it sits out)."""
+    target, prompts, eos = setup
+    spec = dataclasses.replace(hybrid_spec(learned, {}, random_drafters, random_draft_checkpoint, datastore_dir),
+                               learned_below=0.5)
+    drafters = [build_drafter(target, spec) for _ in prompts[:3]]
+    outputs = [generate(target, ids, NUM_NEW, drafter=drafter, eos_token_ids=eos).token_ids
+               for ids, drafter in zip(prompts[:3], drafters)]
+    assert outputs == [generate(target, ids, NUM_NEW, eos_token_ids=eos).token_ids for ids in prompts[:3]]
+    cycles = sum(d.cycles for d in drafters)
+    assert 0 < sum(d.learned_cycles for d in drafters) < cycles  # both kinds of cycle happened

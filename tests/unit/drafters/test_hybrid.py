@@ -157,3 +157,38 @@ def test_the_drafter_reaches_both_parts_and_learns_from_the_verdicts():
         assert part.calls[2] == ("commit", [8, 1, 2])
     drafter.begin([1], {})  # a new request starts from the prior
     assert drafter.estimate.hits == [] and drafter.estimate.misses == []
+
+
+class Silent(Fixed):
+    """A retrieval proposer that finds no match on the roots in ``silent_on``."""
+
+    def __init__(self, name: str, paths: list[list[int]], silent_on: set[int]) -> None:
+        super().__init__(name, paths)
+        self.silent_on = silent_on
+
+    def propose(self, root_token, context_ids, temperature, generator):
+        self.calls.append(("propose", [root_token]))
+        return chain(root_token, []) if root_token in self.silent_on else from_paths(root_token, self.paths, [1.0])
+
+
+def test_learned_below_runs_the_learned_drafter_only_where_retrieval_is_weak():
+    retrieval, learned = Silent("ngram", [[1, 2]], silent_on={5}), Fixed("eagle3", [[4]], scores=[0.9])
+    drafter = HybridDrafter(retrieval, learned, num_nodes=3, learned_below=0.5)
+    drafter.begin([7, 8], {})
+    tree = drafter.propose(8, [7, 8], 0.0, None)  # retrieval's depth 1 at the prior, 0.6 >= 0.5: no learned pass
+    assert set(paths_of(tree)) == {(), (1,), (1, 2)} and all(by == ("ngram",) for by in tree.drafted_by[1:])
+    drafter.commit([8, 1, 2], {})
+    tree = drafter.propose(5, [7, 8, 1, 2, 5], 0.0, None)  # no match: the learned drafter drafts
+    assert set(paths_of(tree)) == {(), (4,)}
+    assert (drafter.cycles, drafter.learned_cycles) == (2, 1)
+    # the learned part saw every commit, with one propose between its begin and the second commit
+    assert [what for what, _ in learned.calls] == ["begin", "commit", "propose"]
+    weak = HybridDrafter(Silent("ngram", [[1, 2]], silent_on=set()), Fixed("eagle3", [[4]], scores=[0.9]),
+                         num_nodes=3, learned_below=0.7)
+    weak.begin([7, 8], {})
+    assert (4,) in paths_of(weak.propose(8, [7, 8], 0.0, None))  # 0.6 < 0.7: it drafts beside retrieval
+    always = HybridDrafter(Silent("ngram", [[1, 2]], silent_on=set()), Fixed("eagle3", [[4]], scores=[0.9]),
+                           num_nodes=3)
+    always.begin([7, 8], {})
+    always.propose(8, [7, 8], 0.0, None)
+    assert always.learned_cycles == always.cycles == 1
