@@ -50,7 +50,7 @@ MEASURE_SUITES = SUITES + ("humaneval", "chat")  # what jobs.bench measures on, 
 
 # SpecConfig fields an inference sweep may search (method / drafter / draft_model are fixed per sweep)
 SPEC_KEYS = ("tree", "depth", "top_k", "num_nodes", "num_draft", "max_matches", "datastore", "min_match", "min_prob",
-             "retrieval_prior", "learned_below")
+             "retrieval_prior", "learned_below", "cost_cut")
 # a schedule sweep's grid: concurrent requests x the most drafted nodes per sequence (serving's speculation_by_batch)
 SCHEDULE_KEYS = ("batch_size", "max_draft_nodes")
 # TrainConfig sections a training sweep may search (drafter.config.* is checked against the family's config)

@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 from eyas import track
 from eyas.config import ConfigError, eyas_home, from_dict, require, resolve_path, to_dict
+from eyas.decoding import costs
 from eyas.drafters import registry
 from eyas.drafters.datastore import Datastore
 from eyas.drafters.draft_lm import DraftLMConfig, DraftLMDrafter
@@ -54,6 +55,8 @@ class SpecConfig:
     retrieval_prior: float | None = None  # hybrid: the prior acceptance rate of retrieval nodes per depth (0.6)
     learned_below: float | None = None  # hybrid: run the learned drafter only in cycles whose retrieval depth-1
                                         # value is below this (null: every cycle)
+    cost_cut: bool | None = None  # hybrid: keep the nodes that maximise expected tokens per second of this
+                                  # machine's verify forward, measured at start (default: false, the whole budget)
 
     def __post_init__(self) -> None:
         require(self.method in METHODS, "spec.method", self.method, f"must be one of {sorted(METHODS)}")
@@ -212,7 +215,7 @@ RETRIEVAL_PROPOSERS = ("ngram", "suffix")
 LEARNED_PROPOSERS = ("draft-lm", "eagle1", "eagle2", "eagle3", "medusa", "dflash", "dflash-ddtree", "eagle3.1",
                      "peagle")
 HYBRID_PROPOSERS = ("ngram", "eagle3")  # spec.proposers' default
-HYBRID_OWN = ("method", "proposers", "num_nodes", "retrieval_prior", "learned_below")  # the hybrid's own settings
+HYBRID_OWN = ("method", "proposers", "num_nodes", "retrieval_prior", "learned_below", "cost_cut")  # the hybrid's own settings
 
 
 def hybrid_parts(spec: SpecConfig) -> tuple[SpecConfig, SpecConfig]:
@@ -243,7 +246,8 @@ def _hybrid(target: Decoder, spec: SpecConfig, history: SuffixIndex | None = Non
     retrieval, learned = (METHODS[part.method].factory(target, part, history) if METHODS[part.method].reads_history
                           else METHODS[part.method].factory(target, part) for part in hybrid_parts(spec))
     prior = retrieval_prior(spec.retrieval_prior)
-    return lambda: HybridDrafter(retrieval(), learned(), spec.num_nodes, prior, spec.learned_below)
+    curve = costs.verify_curve(target, (spec.num_nodes or MAX_TREE_NODES - 1) + 1) if spec.cost_cut else None
+    return lambda: HybridDrafter(retrieval(), learned(), spec.num_nodes, prior, spec.learned_below, curve)
 
 
 def retrieval_prior(mean: float | None) -> tuple[float, float]:
@@ -291,7 +295,7 @@ METHODS: dict[str, Method] = {
     "peagle": _trained_method("peagle", TreeSpec(mode="block")),  # spec.tree=ddtree: a tree over its K positions
     # a retrieval proposer and a learned drafter in one tree under one node budget (drafters/hybrid.py)
     "hybrid": Method(None, None, ("proposers", "drafter", "draft_model", "num_draft", "max_matches", "datastore",
-                                  "min_match", "min_prob", "retrieval_prior", "learned_below") + TREE_SETTINGS,
+                                  "min_match", "min_prob", "retrieval_prior", "learned_below", "cost_cut") + TREE_SETTINGS,
                      _hybrid, hybrid_parts,
                      reads_history=True),
 }

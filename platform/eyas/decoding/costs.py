@@ -208,6 +208,15 @@ def forward_costs(target: Decoder, context_len: int, sizes: Sequence[int] = CURV
     return {n: Timing(tuple(s)) for n, s in samples.items()}
 
 
+def verify_curve(target: Decoder, max_nodes: int, repeats: int = 3) -> dict[int, float]:
+    """{N: median seconds of a verify forward over N new tokens} at N = 1, the CURVE_SIZES below ``max_nodes`` and
+    ``max_nodes``, after a context of up to 256 tokens: a drafter's quick measure of this machine's t(N) when it
+    starts (about a second on smollm2-135m)."""
+    sizes = sorted({1, max_nodes, *(n for n in CURVE_SIZES if n < max_nodes)})
+    context_len = max(1, min(256, target.config.max_position_embeddings - max_nodes))
+    return {n: timing.median for n, timing in forward_costs(target, context_len, sizes, repeats).items()}
+
+
 def decode_weight_bytes(target: Decoder) -> int:
     """Bytes of weights one decode step reads: every parameter once (a tied LM head once), except an untied
     input embedding, of which a step reads one row."""

@@ -19,6 +19,12 @@ drafter only when the retrieval tree's depth-1 value (the estimated chance that 
 the target's token: the sum of their values) is below it. The learned drafter then only queues the committed
 states (base.py: commits without a propose between them) and catches up in its next drafting pass.
 
+A value estimates the chance that the target accepts the node's path, so the kept nodes' values sum to the tokens a
+cycle is expected to accept, beyond the target's own one. With ``verify_costs`` (t(N), seconds of a verify forward
+over N new tokens, measured on this machine when the method is built: spec.cost_cut), a cycle keeps the best n
+nodes for the n that maximises (1 + their values' sum) / (t(n + 1) + this cycle's drafting time): a weak match
+costs a verify of a few nodes, not of the whole budget, where extra nodes make the forward compute-bound.
+
 A value is clipped to its parent's, so values never grow along a path and the ``num_nodes`` best nodes (ties: the
 shallower, then the earlier) always include their ancestors: the kept nodes form a tree.
 
@@ -32,11 +38,13 @@ Shape legend (docs/SHAPES.md): N tree nodes, root included.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+import time
+from typing import Any, Mapping, Sequence
 
 import torch
 
-from eyas.decoding.tree import DraftTree
+from eyas.decoding.costs import cost_at
+from eyas.decoding.tree import DraftTree, prune
 
 # Beta(alpha, beta) prior of r_d at every depth: mean 0.6, worth 4 verdicts. n-gram acceptance at depth 1 given a
 # match measured 0.6+ on the default target (issue 48); a request's own verdicts outweigh it after a few cycles.
@@ -77,6 +85,20 @@ def merge(parts: Sequence[tuple[str, DraftTree, Sequence[float]]], max_drafted: 
                      torch.tensor([-1] + [new_id[parents[j]] for j in keep[1:]], dtype=torch.long),
                      torch.tensor([values[j] for j in keep], dtype=torch.float32),
                      drafted_by=tuple(tuple(drafted_by[j]) for j in keep))
+
+
+def cut_by_cost(tree: DraftTree, verify_costs: Mapping[int, float], draft_s: float) -> DraftTree:
+    """``tree`` (a merged tree: scores are the values, non-increasing along paths) cut to its best n nodes for the n
+    with the most expected tokens per second, (1 + the n values' sum) / (t(n + 1) + ``draft_s``)."""
+    values = tree.scores_N.tolist()
+    order = sorted(range(1, tree.num_nodes), key=lambda j: (-values[j], j))  # prune's order
+    best_n, best_rate, expected = 0, 1.0 / (cost_at(verify_costs, 1) + draft_s), 1.0
+    for n, j in enumerate(order, start=1):
+        expected += values[j]
+        rate = expected / (cost_at(verify_costs, n + 1) + draft_s)
+        if rate > best_rate:
+            best_n, best_rate = n, rate
+    return prune(tree, best_n)
 
 
 class RetrievalEstimate:
@@ -123,11 +145,13 @@ class HybridDrafter:
     name = "hybrid"
 
     def __init__(self, retrieval: Any, learned: Any, num_nodes: int | None = None,
-                 prior: tuple[float, float] = RETRIEVAL_PRIOR, learned_below: float | None = None) -> None:
+                 prior: tuple[float, float] = RETRIEVAL_PRIOR, learned_below: float | None = None,
+                 verify_costs: Mapping[int, float] | None = None) -> None:
         self.retrieval, self.learned = retrieval, learned
         self.prior = prior  # the Beta prior of the retrieval estimate (spec.retrieval_prior)
         self.learned_below = learned_below  # spec.learned_below: None, the learned drafter drafts every cycle
         self.cycles = self.learned_cycles = 0  # this request's cycles, and those the learned drafter drafted in
+        self.verify_costs = verify_costs  # t(N) in seconds (spec.cost_cut); None: every cycle keeps the budget
         self.max_draft_nodes = min(num_nodes or learned.max_draft_nodes,
                                    retrieval.max_draft_nodes + learned.max_draft_nodes)
         self.target_taps = tuple(dict.fromkeys((*retrieval.target_taps, *learned.target_taps)))
@@ -147,6 +171,7 @@ class HybridDrafter:
         if self._last is not None and self._committed[:1] == self._last.tokens_list[:1]:
             self._learn(self._last, self._committed[1:] + [root_token])
         self._committed = []
+        start = time.perf_counter()
         retrieved = self.retrieval.propose(root_token, context_ids, temperature, generator)
         parts = [(self.retrieval.name, retrieved, self.estimate.values(retrieved))]
         self.cycles += 1
@@ -155,6 +180,8 @@ class HybridDrafter:
             drafted = self.learned.propose(root_token, context_ids, temperature, generator)
             parts.append((self.learned.name, drafted, drafted.scores_N.tolist()))
         self._last = merge(parts, self.max_draft_nodes)
+        if self.verify_costs is not None:
+            self._last = cut_by_cost(self._last, self.verify_costs, time.perf_counter() - start)
         return self._last
 
     def learned_pays(self, retrieved: DraftTree, values: Sequence[float]) -> bool:

@@ -186,6 +186,12 @@ def test_measurements_on_a_tiny_target(target):
         costs.forward_costs(target, context_len=100, sizes=(64,))
 
 
+def test_the_verify_curve_covers_one_token_to_the_budget_within_the_context(target):
+    curve = costs.verify_curve(target, 10, repeats=1)
+    assert sorted(curve) == [1, 2, 4, 8, 10] and all(seconds > 0 for seconds in curve.values())
+    assert sorted(costs.verify_curve(target, 64, repeats=1)) == [1, 2, 4, 8, 16, 32, 64]  # a context of 128 - 64
+
+
 def test_sizes_are_timed_in_a_new_order_every_round(target, monkeypatch):
     """No size always runs right after the largest one (whose pass over memory would colour the next sample)."""
     order, forward = [], target.forward

@@ -22,7 +22,9 @@ CASES = [(retrieval, name, {}) for retrieval in RETRIEVAL_PROPOSERS for name in 
     ("ngram", "medusa", {"tree": "dynamic", "depth": 3}), ("ngram", "dflash-ddtree", {"top_k": 2}),
     ("suffix", "eagle3", {"tree": "chain", "depth": 3, "min_prob": 0.0}),
     ("ngram", "peagle", {"tree": "ddtree", "top_k": 2}),
-    ("suffix", "eagle3", {"tree": "best-first", "depth": 4, "top_k": 3, "min_match": 1, "retrieval_prior": 0.3})]
+    ("suffix", "eagle3", {"tree": "best-first", "depth": 4, "top_k": 3, "min_match": 1, "retrieval_prior": 0.3}),
+    ("suffix", "eagle3", {"tree": "chain", "depth": 1, "cost_cut": True, "learned_below": 0.5}),
+    ("ngram", "dflash", {"cost_cut": True})]
 
 
 def hybrid_spec(learned: str, tree: dict, drafters, draft_dir, datastore_dir, num_nodes: int = 10,

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eyas.decoding.tree import DraftTree, chain, from_paths, prune
-from eyas.drafters.hybrid import RETRIEVAL_PRIOR, HybridDrafter, RetrievalEstimate, merge
+from eyas.drafters.hybrid import RETRIEVAL_PRIOR, HybridDrafter, RetrievalEstimate, cut_by_cost, merge
 
 
 def paths_of(tree: DraftTree) -> dict[tuple[int, ...], int]:
@@ -192,3 +192,26 @@ def test_learned_below_runs_the_learned_drafter_only_where_retrieval_is_weak():
     always.begin([7, 8], {})
     always.propose(8, [7, 8], 0.0, None)
     assert always.learned_cycles == always.cycles == 1
+
+
+def test_the_cost_cut_keeps_the_nodes_worth_their_verify_time():
+    tree = merge([("ngram", from_paths(9, [[1, 2, 3]], [1.0]), [1.0, 0.9, 0.8, 0.1])], 8)
+    flat = {1: 1.0, 64: 1.0}  # extra nodes are free: keep all
+    assert cut_by_cost(tree, flat, 0.0).num_nodes == 4
+    # t(n): 1, 1.1, 1.2, 1.3 + ... : node 3 (value 0.1) adds 0.1 tokens for 0.1 s: 2.8 / 1.3 < 2.7 / 1.2
+    linear = {1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3}
+    cut = cut_by_cost(tree, linear, 0.0)
+    assert cut.tokens_list == [9, 1, 2] and cut.drafted_by == ((), ("ngram",), ("ngram",))
+    # the drafting time already spent makes a node cheaper relative to the cycle: with 3 s of it, 2.8 / 4.3 wins
+    assert cut_by_cost(tree, linear, 3.0).num_nodes == 4
+    steep = {1: 1.0, 2: 2.5}  # a second token costs more than 0.9 tokens are worth: plain decoding
+    assert cut_by_cost(tree, steep, 0.0).num_nodes == 1
+
+
+def test_the_drafter_cuts_each_merged_tree_by_cost():
+    retrieval, learned = Fixed("ngram", [[1, 2, 3]]), Fixed("eagle3", [[4]], scores=[0.05])
+    steep = {1: 1.0, 2: 1.0, 3: 1.5, 8: 10.0}  # two drafted nodes are free, a third costs half a step
+    drafter = HybridDrafter(retrieval, learned, num_nodes=4, verify_costs=steep)
+    drafter.begin([7, 8], {})
+    tree = drafter.propose(8, [7, 8], 0.0, None)
+    assert set(paths_of(tree)) == {(), (1,)}  # 0.6 (1), 0.36 (1, 2): 1.96 / 1.5 < 1.6 / 1.0
