@@ -61,9 +61,11 @@ def test_the_suffix_and_hybrid_knobs_reach_the_trial_spec():
     spec = suffix.trial_section({"num_nodes": 8, "num_draft": 16, "min_match": 1, "min_prob": 0.3})
     assert suffix_config(spec) == SuffixConfig(depth=16, num_nodes=8, min_match=1, min_prob=0.3)
     hybrid = load_sweep(CONFIGS / "hybrid-smollm2.yaml")
-    spec = hybrid.trial_section({"num_nodes": 4, "retrieval_prior": 0.9, "num_draft": 12, "min_match": 1})
+    spec = hybrid.trial_section({"num_nodes": 4, "retrieval_prior": 0.9, "num_draft": 12, "min_match": 1,
+                                 "learned_below": 0.4, "cost_cut": True})
     retrieval, learned = hybrid_parts(spec)
     assert (spec.num_nodes, retrieval_prior(spec.retrieval_prior)) == (4, pytest.approx((3.6, 0.4)))
+    assert (spec.learned_below, spec.cost_cut) == (0.4, True)
     assert suffix_config(retrieval) == SuffixConfig(depth=12, min_match=1) and learned.method == "eagle3"
 
 
