@@ -98,14 +98,16 @@ def test_eagle3_tensors_and_reduced_vocab_maps(targets, tmp_path):
     assert "Trained for target: `tiny`" in (out / "README.md").read_text()
 
 
-def test_a_full_vocabulary_eagle3_exports_no_id_maps_and_loads_back(targets, tmp_path):
-    """vLLM builds no draft-to-target mapping when draft_vocab_size is the vocabulary, and refuses a d2t tensor."""
+@pytest.mark.parametrize("fmt", EXPORTS["eagle3"])
+def test_a_full_vocabulary_eagle3_exports_no_id_maps_and_loads_back(targets, tmp_path, fmt):
+    """vLLM builds no draft-to-target mapping when draft_vocab_size is the vocabulary, and refuses a d2t tensor;
+    speculators registers d2t / t2d only for a reduced vocabulary."""
     from safetensors.torch import load_file
 
     torch.manual_seed(0)
     model = registry.build_model("eagle3", {"ttt_steps": 2}, targets["eagle3"]).eval()  # no draft vocabulary
     assert not model.draft_vocab
-    out = write_export(model, "vllm", tmp_path / "full", "tiny")
+    out = write_export(model, fmt, tmp_path / "full", "tiny")
     assert not {"d2t", "t2d"} & set(load_file(str(out / "model.safetensors")))
     assert json.loads((out / "config.json").read_text())["draft_vocab_size"] == 64
     loaded = registry.load_model(out, targets["eagle3"])
