@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform as host
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -57,6 +56,7 @@ from eyas.threads import configure_threads, current_settings
 from eyas.train.config import SHIPPED_DRAFTERS, shipped_drafter
 from jobs.bench_costs import CostMeasurement, finish_costs, measure_costs
 from jobs.bench_report import plot, print_table, write_page, write_tables
+from jobs.common import git_commit
 
 # transformers' own generate() as a baseline: method -> the extra generate() arguments it runs with
 HF_METHODS = {
@@ -79,14 +79,6 @@ class Tally:
     pass_seconds: list[float] = field(default_factory=list)  # per pass over the prompts (--repeats)
     pass_tokens: list[int] = field(default_factory=list)
     outputs: list[list[int]] = field(default_factory=list)  # the first pass's new tokens per prompt (eyas methods)
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def machine() -> dict:
@@ -170,8 +162,7 @@ class RowParts:
 
 
 def row_parts(label: str, proposers: Sequence[str] | None = None) -> RowParts:
-    """The parts of the row ``label`` (``hybrid``: ``proposers``, else HYBRID_PROPOSERS); spec_for fills in the
-    drafters they read and available() checks that those exist."""
+    """Row ``label``'s parts (a hybrid's: ``proposers``, else HYBRID_PROPOSERS), for spec_for and available()."""
     method = base_method(label)
     names = tuple(proposers or HYBRID_PROPOSERS) if method == "hybrid" else (method,)
     entries = {p: METHODS[p] for p in names if p in METHODS and p != "hybrid"}  # hybrid: the union of its parts'
@@ -183,8 +174,7 @@ def spec_for(label: str, args: argparse.Namespace, target_name: str, overrides: 
     method = base_method(label)
     data = dict(overrides.get(method, {}))
     data["method"] = method
-    entry = METHODS[method]
-    if entry.trained and ("drafter" not in data or label.endswith(SHIPPED)):  # a method reads its family's drafter
+    if METHODS[method].trained and ("drafter" not in data or label.endswith(SHIPPED)):  # its family's drafter
         data["drafter"] = default_drafter(label, args, target_name)
     parts = row_parts(label, data.get("proposers"))
     if method == "hybrid" and parts.trained and "drafter" not in data:  # its learned proposer's family drafter
@@ -202,8 +192,7 @@ def available(method: str, spec: SpecConfig | None, args: argparse.Namespace) ->
         if method.endswith(SHIPPED):
             return f"eyas ships no drafter {Path(spec.drafter).name} (serving/drafters holds the shipped ones)"
         return f"no drafter at {spec.drafter} (train it: python -m jobs.train_drafter --config ...)"
-    if row_parts(method, spec.proposers if spec is not None else None).reads_draft_lm \
-            and not Path(args.draft_model).is_dir():
+    if row_parts(method, spec and spec.proposers).reads_draft_lm and not Path(args.draft_model).is_dir():
         return f"no draft LM at {args.draft_model} (build it: python -m jobs.train_target --config " \
                "jobs/configs/draft-<target>.yaml, e.g. draft-smollm2.yaml)"
     return None
