@@ -33,11 +33,11 @@ from __future__ import annotations
 import argparse
 import json
 import platform as host
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 import torch
 import yaml
@@ -56,6 +56,7 @@ from eyas.threads import configure_threads, current_settings
 from eyas.train.config import SHIPPED_DRAFTERS, shipped_drafter
 from jobs.bench_costs import CostMeasurement, finish_costs, measure_costs
 from jobs.bench_report import plot, print_table, write_page, write_tables
+from jobs.common import git_commit
 
 # transformers' own generate() as a baseline: method -> the extra generate() arguments it runs with
 HF_METHODS = {
@@ -78,14 +79,6 @@ class Tally:
     pass_seconds: list[float] = field(default_factory=list)  # per pass over the prompts (--repeats)
     pass_tokens: list[int] = field(default_factory=list)
     outputs: list[list[int]] = field(default_factory=list)  # the first pass's new tokens per prompt (eyas methods)
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def machine() -> dict:
@@ -160,18 +153,33 @@ def default_drafter(label: str, args: argparse.Namespace, target_name: str) -> s
     return str(shipped if shipped is not None and home and not (built / "config.json").is_file() else built)
 
 
+@dataclass(frozen=True)
+class RowParts:
+    """What a bench row runs: its proposers (a hybrid's, else the row's own method) and what they read."""
+    proposers: tuple[str, ...]
+    trained: tuple[str, ...]  # the proposers that read a trained drafter (spec.drafter), in order
+    reads_draft_lm: bool      # a proposer reads the draft LM (spec.draft_model; hf-assisted's assistant model)
+
+
+def row_parts(label: str, proposers: Sequence[str] | None = None) -> RowParts:
+    """Row ``label``'s parts (a hybrid's: ``proposers``, else HYBRID_PROPOSERS), for spec_for and available()."""
+    method = base_method(label)
+    names = tuple(proposers or HYBRID_PROPOSERS) if method == "hybrid" else (method,)
+    entries = {p: METHODS[p] for p in names if p in METHODS and p != "hybrid"}  # hybrid: the union of its parts'
+    return RowParts(names, tuple(p for p, entry in entries.items() if entry.trained),
+                    any("draft_model" in entry.settings for entry in entries.values()) or method == "hf-assisted")
+
+
 def spec_for(label: str, args: argparse.Namespace, target_name: str, overrides: dict) -> SpecConfig:
     method = base_method(label)
     data = dict(overrides.get(method, {}))
     data["method"] = method
-    entry = METHODS[method]
-    if entry.trained and ("drafter" not in data or label.endswith(SHIPPED)):  # a method reads its family's drafter
+    if METHODS[method].trained and ("drafter" not in data or label.endswith(SHIPPED)):  # its family's drafter
         data["drafter"] = default_drafter(label, args, target_name)
-    parts = (data.get("proposers") or HYBRID_PROPOSERS) if method == "hybrid" else (method,)
-    learned = [p for p in parts if METHODS[p].trained]
-    if method == "hybrid" and learned and "drafter" not in data:  # its learned proposer reads its family's drafter
-        data["drafter"] = default_drafter(learned[0], args, target_name)
-    if any("draft_model" in METHODS[p].settings for p in parts) and "draft_model" not in data:
+    parts = row_parts(label, data.get("proposers"))
+    if method == "hybrid" and parts.trained and "drafter" not in data:  # its learned proposer's family drafter
+        data["drafter"] = default_drafter(parts.trained[0], args, target_name)
+    if parts.reads_draft_lm and "draft_model" not in data:
         data["draft_model"] = args.draft_model
     return from_dict(SpecConfig, data, prefix="spec.")
 
@@ -184,10 +192,7 @@ def available(method: str, spec: SpecConfig | None, args: argparse.Namespace) ->
         if method.endswith(SHIPPED):
             return f"eyas ships no drafter {Path(spec.drafter).name} (serving/drafters holds the shipped ones)"
         return f"no drafter at {spec.drafter} (train it: python -m jobs.train_drafter --config ...)"
-    parts = (spec.proposers or HYBRID_PROPOSERS) if method == "hybrid" else (base_method(method),)
-    needs_draft_lm = any(p in METHODS and "draft_model" in METHODS[p].settings and p != "hybrid" for p in parts) \
-        or method == "hf-assisted"
-    if needs_draft_lm and not Path(args.draft_model).is_dir():
+    if row_parts(method, spec and spec.proposers).reads_draft_lm and not Path(args.draft_model).is_dir():
         return f"no draft LM at {args.draft_model} (build it: python -m jobs.train_target --config " \
                "jobs/configs/draft-<target>.yaml, e.g. draft-smollm2.yaml)"
     return None

@@ -1,7 +1,9 @@
-"""Helpers shared by every job: parse ``--config`` + overrides (progress is eyas.progress, Ray glue eyas_ray)."""
+"""Helpers shared by every job: parse ``--config`` + overrides, the commit a report records (progress is
+eyas.progress, Ray glue eyas_ray)."""
 from __future__ import annotations
 
 import argparse
+import subprocess
 from typing import TypeVar
 
 from eyas.config import load_config
@@ -21,3 +23,12 @@ def job_argparser(description: str) -> argparse.ArgumentParser:
 def load_job_config(cls: type[C], args: argparse.Namespace) -> C:
     """The config dataclass ``cls`` from ``args.config`` and ``args.overrides``."""
     return load_config(cls, args.config, list(args.overrides))
+
+
+def git_commit() -> str:
+    """The checkout's short commit, which every report (bench.json, findings, peers) records; "unknown" outside git."""
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"

@@ -20,23 +20,26 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
+
 from eyas import track
 from eyas.config import ConfigError, resolve_path
 from eyas.drafters import registry
-from eyas.interop import FORMATS, write_export
+from eyas.interop import FORMATS, export_checkpoint, write_export
 from eyas.interop.fingerprint import target_fingerprint
 from eyas.methods import resolve_checkpoint
 from eyas.models import CheckpointError, load_target
 from jobs.peers import llamacpp
 
 GGUF = "gguf"  # not an eyas.interop format: the vllm export, then llama.cpp's converter
+EXPORT_FORMATS = (*FORMATS, GGUF)  # what --to takes
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m jobs.export", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--drafter", required=True, help="drafter checkpoint directory or models:/NAME@ALIAS")
-    parser.add_argument("--to", required=True, choices=(*FORMATS, GGUF), help="the engine format")
+    parser.add_argument("--to", required=True, choices=EXPORT_FORMATS, help="the engine format")
     parser.add_argument("--out", required=True, help="the directory to create (must not exist); gguf: the file")
     parser.add_argument("--target", help="the target checkpoint (default: the one recorded in the drafter)")
     parser.add_argument("--outtype", default="f32", choices=llamacpp.GGUF_OUTTYPES,
@@ -70,15 +73,36 @@ def export_gguf(model, out: str | Path, outtype: str, target_ref: str, target_pa
         return llamacpp.convert_drafter_to_gguf(export_dir, target_path, out, outtype)
 
 
-def export_drafter(drafter: str, to: str, out: str | Path, target: str | None = None,
-                   outtype: str = "f32") -> tuple[str, Path]:
-    """Export ``drafter`` (a directory, models:/ or runs:/) to ``to``'s format at ``out``, after the train/serve
-    checks; returns (the drafter type, the written path)."""
+def load_beside_target(drafter: str, target: str | None = None) -> tuple[torch.nn.Module, dict, str, Path]:
+    """(the drafter ``drafter`` (a directory, models:/ or runs:/) loaded beside its target after the train/serve
+    checks, its meta, the target as named, the target's directory); ``target`` overrides the recorded one."""
     path = resolve_checkpoint(drafter, "--drafter", drafter=True)
     meta = registry.read_meta(path)[1]
     target_ref = str(target or meta["target"])
     target_path = resolve_path(target_ref)
-    model = registry.load_model(path, load_target(target_path), target_dir=target_path)
+    return registry.load_model(path, load_target(target_path), target_dir=target_path), meta, target_ref, target_path
+
+
+def refusals(model: torch.nn.Module) -> dict[str, str]:
+    """``{--to format: why the export refuses model}`` over every format this job writes, asked of the converters
+    themselves (gguf is the vllm export run through llama.cpp's converter, so it shares vllm's verdict); empty
+    when every format takes it. Nothing is written."""
+    refused = {}
+    for fmt in FORMATS:
+        try:
+            export_checkpoint(model, fmt, "check", None)
+        except CheckpointError as err:
+            refused[fmt] = str(err)
+    if "vllm" in refused:
+        refused[GGUF] = refused["vllm"]
+    return refused
+
+
+def export_drafter(drafter: str, to: str, out: str | Path, target: str | None = None,
+                   outtype: str = "f32") -> tuple[str, Path]:
+    """Export ``drafter`` (a directory, models:/ or runs:/) to ``to``'s format at ``out``, after the train/serve
+    checks; returns (the drafter type, the written path)."""
+    model, meta, target_ref, target_path = load_beside_target(drafter, target)
     fingerprint = meta.get("target_fingerprint") or target_fingerprint(model.target_config, target_path)
     if to == GGUF:
         return model.drafter_type, export_gguf(model, out, outtype, target_ref, target_path, fingerprint)

@@ -5,8 +5,11 @@
 The source is a drafter checkpoint (a name under $EYAS_HOME/drafters, or a path) that ``jobs.train_drafter`` wrote;
 the bench is a ``jobs.bench`` run that timed it. The shipped copy holds the weights in bfloat16 (loaders cast them
 to the target's dtype), ``config.json`` with the target named rather than a path of the training machine, and
-``README.md``, the model card: family, target, training data, steps, recipe, the commands, the commit, held-out
-acceptance from training, and tau and speedup per suite from the bench.
+``README.md``, the model card: family, target, steps, recipe, the commands, the commit, held-out acceptance from
+training, and tau and speedup per suite from the bench. Its Data section comes from the training data set's own
+``data.json`` (a mix's parts each from theirs): what the prompts are, how many sequences, how the target answered
+and how many tokens it wrote; its Engines section asks ``jobs.export`` which formats take the drafter (loaded beside
+its target), so a drafter the export refuses says so and why. ``--notes FILE`` adds what the numbers do not say.
 
 Rules, checked before anything is written:
 - The bench must have timed this very drafter (its row's ``drafter`` is the source), beside ``vanilla``.
@@ -27,13 +30,25 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from eyas.config import ConfigError
+from eyas.config import ConfigError, load_config, to_dict
 from eyas.drafters.registry import CONFIG_FILE, WEIGHTS_FILE
-from eyas.train.config import SHIPPED_DRAFTERS, drafter_path
-from jobs.bench import SHIPPED, git_commit
+from eyas.models import CheckpointError
+from eyas.train.config import SHIPPED_DRAFTERS, DataConfig, data_path, drafter_path
+from jobs.bench import SHIPPED
+from jobs.common import git_commit
+from jobs.export import EXPORT_FORMATS, load_beside_target, refusals
+from jobs.generate_data import DATA_FILE
 
 MAX_SHIPPED_MB = 40.0
 CARD_FILE, TRAINING_FILE = "README.md", "training.json"
+DATA_CONFIGS = Path(__file__).resolve().parent / "configs"  # jobs/configs: the data sets' configs in the repository
+# what a regenerated data set's prompts are, by its suite (eyas.corpus's prompt shapes)
+SUITE_PROMPTS = {
+    "docstring": "HumanEval-shaped stdlib prompts (a function's signature and docstring, ending at `\"\"\"\\n`)",
+    "code": "stdlib function prompts (signature, docstring and the first body lines)",
+    "prose": "pydoc prose prompts (a heading and the first sentences of a paragraph)",
+    "all": "stdlib function and pydoc prose prompts, alternating",
+}
 
 
 def bfloat16_state(weights: Path) -> dict[str, torch.Tensor]:
@@ -81,8 +96,91 @@ def shipped_megabytes(exclude: str) -> float:
                and not f.relative_to(SHIPPED_DRAFTERS).parts[0].startswith(".")) / 1e6
 
 
+def data_meta(name: str) -> dict[str, Any]:
+    """A data set's data.json (a name under $EYAS_HOME/data or a path)."""
+    path = data_path(name) / DATA_FILE
+    if not path.is_file():
+        raise ConfigError(f"data set {name}: no {path}; the model card describes the training data from it (ship "
+                          "on the machine that built the data, or copy the data set's data.json files there)")
+    return json.loads(path.read_text())
+
+
+def answer_tokens(meta: dict[str, Any]) -> int | None:
+    """The tokens the target wrote for the data set: its last run's count when that run built every row (a resumed
+    or grown build counts only its own rows), else None."""
+    run, rows = meta.get("last_run") or {}, meta.get("rows") or {}
+    return run["new_tokens"] if "new_tokens" in run and run.get("rows") == sum(rows.values()) else None
+
+
+def describe_data(meta: dict[str, Any]) -> str:
+    """One line of what a data set holds, from its data.json: its size, prompts, and how the target answered."""
+    config, rows = meta.get("config") or {}, meta.get("rows") or {}
+    size = f"{rows.get('train', 0):,} train + {rows.get('heldout', 0):,} held-out sequences"
+    source = config.get("source")
+    if source == "mix":
+        return f"{size}, joining " + " and ".join(f"`{part}`" for part in config.get("parts", []))
+    if source == "corpus":
+        return f"{size}: {config.get('chunk_tokens')}-token chunks of the stdlib/pydoc corpus ({config.get('suite')})"
+    prompts = ("ShareGPT first turns in the target's chat template" if source == "sharegpt"
+               else SUITE_PROMPTS.get(config.get("suite"), f"eyas.corpus {config.get('suite')} prompts"))
+    excluded = ", HumanEval's own functions excluded" if config.get("exclude_humaneval") else ""
+    sampling = ("greedy" if not config.get("temperature")
+                else f"temperature {config['temperature']}, top_p {config.get('top_p')}")
+    dtype = (meta.get("last_run") or {}).get("dtype") or config.get("dtype")
+    tokens = answer_tokens(meta)
+    written = f"{tokens:,} answer tokens" if tokens is not None else "answer tokens not recorded for every row"
+    return (f"{size}: {prompts} of at most {config.get('max_prompt_tokens')} tokens{excluded}, answered by the "
+            f"target itself ({sampling}, {dtype}, at most {config.get('max_new_tokens')} new tokens): {written}")
+
+
+def data_section(data: str) -> list[str]:
+    """The card's Data section: the training data set and, for a mix, each of its parts."""
+    meta = data_meta(data)
+    parts = (meta.get("config") or {}).get("parts") or []
+    return (["## Data", "", f"- `{data}`: {describe_data(meta)}"]
+            + [f"  - `{part}`: {describe_data(data_meta(part))}" for part in parts] + [""])
+
+
+def generate_command(meta: dict[str, Any]) -> str:
+    """The jobs.generate_data command that builds the data set as its data.json records it: the repository's config
+    of its name, with the fields it was built with otherwise as overrides."""
+    config = DATA_CONFIGS / f"{meta['name']}.yaml"
+    if not config.is_file():
+        return f"# {meta['name']}: no jobs/configs/{config.name}; its data.json records the config it was built with"
+    base = json.loads(json.dumps(to_dict(load_config(DataConfig, config))))  # as data.json writes it
+    built = meta.get("config") or {}
+    overrides = [f"{key}={value if isinstance(value, str) else json.dumps(value)}"
+                 for key, value in built.items() if key in base and base[key] != value]
+    return " ".join(["python -m jobs.generate_data --config", f"jobs/configs/{config.name}", *overrides])
+
+
+def data_commands(data: str) -> list[str]:
+    """The commands that build the training data set, its parts first."""
+    meta = data_meta(data)
+    names = [*((meta.get("config") or {}).get("parts") or []), data]
+    return [generate_command(data_meta(name)) for name in names]
+
+
+def engines_section(name: str, refused: dict[str, str]) -> list[str]:
+    """Which engine formats ``jobs.export`` writes the drafter in (``refused``: jobs.export.refusals)."""
+    taken = [fmt for fmt in EXPORT_FORMATS if fmt not in refused]
+    sentences = []
+    if taken:
+        sentences.append(f"`python -m jobs.export --drafter serving/drafters/{name} --to {'|'.join(taken)}` writes "
+                         "it in the engines' own formats (docs/export-import.md).")
+    for reason in dict.fromkeys(refused.values()):
+        formats = "|".join(fmt for fmt in EXPORT_FORMATS if refused.get(fmt) == reason)
+        sentences.append(f"`jobs.export --to {formats}` refuses it: {reason.rstrip('.')}.")
+    if not taken:
+        sentences.append("It runs on eyas's engine only.")
+    return ["## Engines", "", " ".join(sentences), ""]
+
+
 def model_card(name: str, meta: dict[str, Any], training: dict[str, Any], bench: dict[str, Any], method: str,
-               megabytes: float, source: str) -> str:
+               megabytes: float, source: str, refused: dict[str, str], notes: str = "",
+               shipped_commit: str | None = None) -> str:
+    """The card (module docstring); ``refused``: jobs.export.refusals of the drafter; ``shipped_commit``: the commit
+    its weights were shipped at, when a card is written again for weights shipped earlier (default: this one)."""
     config = training.get("config", {})
     if isinstance(config, str):  # older training.json wrote the config as its repr
         config = {}
@@ -104,30 +202,36 @@ def model_card(name: str, meta: dict[str, Any], training: dict[str, Any], bench:
              f"`{json.dumps(config.get('optim', {}), sort_keys=True)}`",
              f"- held-out at the end: `{json.dumps(held, sort_keys=True)}`", "",
              "Commands:", "", "```bash",
+             *(data_commands(config["data"]) if config.get("data") else []),
              *[line for line in training.get("commands", [])],
              f"python -m jobs.train_drafter --config jobs/configs/{source}.yaml",
              "python -m jobs.bench " + " ".join(str(setup.get("command", "")).split()[1:]),
              f"python -m jobs.ship_drafter {source} --as {name} --bench BENCH.json",
              "```", "",
+             *(data_section(config["data"]) if config.get("data") else []),
              "## Measured", "",
              f"`jobs.bench` at commit `{bench.get('commit', '?')}` on {bench.get('machine', {}).get('cpu_model', '?')}"
              f" ({setup.get('dtype', '?')}, greedy, {setup.get('max_new_tokens', '?')} new tokens, "
              f"{setup.get('num_prompts', '?')} prompts a suite, every method in one run); shipped at commit "
-             f"`{git_commit()}`.", "",
+             f"`{shipped_commit or git_commit()}`.", "",
              "| suite | tau | speedup vs vanilla | same as vanilla |", "|---|---|---|---|"]
     for suite, row in bench_rows(bench, method).items():
         lines.append(f"| {suite} | {row.get('tau', float('nan')):.2f} | {row['speedup']:.2f}x | "
                      f"{row.get('same_as_vanilla', '?')} |")
-    return "\n".join(lines) + "\n"
+    lines += ["", *engines_section(name, refused)]
+    if notes.strip():
+        lines += ["## Notes", "", notes.strip(), ""]
+    return "\n".join(lines).rstrip("\n") + "\n"
 
 
-def ship(source_ref: str, name: str, bench_path: Path) -> Path:
+def ship(source_ref: str, name: str, bench_path: Path, notes: str = "") -> Path:
     source = drafter_path(source_ref)
     if not (source / CONFIG_FILE).is_file():
         raise ConfigError(f"{source_ref}: no drafter checkpoint at {source}")
     meta = json.loads((source / CONFIG_FILE).read_text())
     method = meta["drafter_type"]
     bench = read_bench(bench_path, source, method)
+    refused = refusals(load_beside_target(str(source))[0])  # the train/serve checks run too
     destination = SHIPPED_DRAFTERS / name
     if (destination / CONFIG_FILE).is_file():
         check_replacement(bench, method, name)
@@ -145,7 +249,8 @@ def ship(source_ref: str, name: str, bench_path: Path) -> Path:
         (staging / CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         training = json.loads((source / TRAINING_FILE).read_text()) if (source / TRAINING_FILE).is_file() else {}
         (staging / CARD_FILE).write_text(model_card(name, meta, training, bench, method, megabytes,
-                                                    str(training.get("name") or source.resolve().name)))
+                                                    str(training.get("name") or source.resolve().name), refused,
+                                                    notes))
         retired = SHIPPED_DRAFTERS / f".{name}.retired"
         shutil.rmtree(retired, ignore_errors=True)
         if destination.exists():
@@ -163,10 +268,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--as", dest="name", required=True, help="its shipped name, <family>-<target> "
                         "(e.g. eagle3-smollm2-135m), which jobs.bench and the serving configs look up")
     parser.add_argument("--bench", required=True, type=Path, help="a jobs.bench JSON that timed the source")
+    parser.add_argument("--notes", type=Path, help="a Markdown file: the card's Notes section (what the numbers do "
+                        "not say: training time, the tree sweep, how it compares)")
     args = parser.parse_args(argv)
     try:
-        where = ship(args.source, args.name, args.bench)
-    except ConfigError as err:
+        if args.notes is not None and not args.notes.is_file():
+            raise ConfigError(f"--notes {args.notes}: no such file")
+        notes = args.notes.read_text() if args.notes is not None else ""
+        where = ship(args.source, args.name, args.bench, notes)
+    except (ConfigError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(f"[ship] {where} ({(where / WEIGHTS_FILE).stat().st_size / 1e6:.1f} MB); model card {where / CARD_FILE}")

@@ -11,7 +11,6 @@ import json
 import os
 import platform as host
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -24,6 +23,7 @@ import torch
 from eyas import track
 from eyas.config import ConfigError, apply_overrides, eyas_home, flatten, from_dict, require, to_dict
 from eyas.threads import configure_threads
+from jobs.common import git_commit
 
 EXPERIMENT = "eyas-findings"
 OUTCOMES = ("reproduced", "partly", "refuted")
@@ -168,16 +168,6 @@ def run_finding(finding: Finding, settings: Any, scale: str, out: Path | None = 
     print(f"[findings] {finding.name}: run {run.info.run_id} in experiment {settings.experiment}; files in {out}",
           flush=True)
     return run.info.run_id, outcome
-
-
-# jobs.bench records the same two facts for bench.json; the findings keep their own copy because bench.py is being
-# reworked (its cost model) and a finding's record must not break with it. One home for both is a follow-up.
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def machine() -> dict[str, Any]:

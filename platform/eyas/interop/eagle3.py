@@ -94,8 +94,10 @@ def llama_layer_config(model: Eagle3Model) -> dict[str, Any]:
 def engine_ids(model: Eagle3Model, convention: str) -> list[int]:
     taps = list(model.target_taps)
     if len(taps) != 3:
+        fix = " and without last_layer_tap" if getattr(model.config, "last_layer_tap", False) else ""
         raise CheckpointError(f"an EAGLE-3 drafter with {len(taps)} taps {taps} cannot be exported: the engines' fc "
-                              "fuses exactly three target layers (fc.weight [E, 3*target_hidden_size])")
+                              f"fuses exactly three target layers (fc.weight [E, 3*target_hidden_size]); train one "
+                              f"with three taps{fix} to serve it there")
     return layer_ids.to_engine(taps, model.target_config.num_layers, convention)
 
 

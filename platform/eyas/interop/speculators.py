@@ -90,7 +90,7 @@ def eagle3_weights(model) -> dict[str, torch.Tensor]:
     for name, tensor in eagle3.export_weights(model).items():
         state["layers.0." + name[len("midlayer."):] if name.startswith("midlayer.") else name] = tensor
     if not model.draft_vocab:  # speculators registers d2t / t2d only for a reduced draft vocabulary
-        state.pop("d2t"), state.pop("t2d")
+        state.pop("d2t", None), state.pop("t2d", None)  # (eagle3.export_weights writes none for the full one)
     state["embed_tokens.weight"] = model.frozen.embed.weight.detach().float().contiguous().cpu()
     return state
 

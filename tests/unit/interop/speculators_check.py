@@ -22,6 +22,11 @@ def eager(model):
     return model
 
 
+def load(cls, kind):
+    """(speculators' ``cls`` loaded from ROOT/KIND in float32, eager, what eyas computed with it: ROOT/KIND.pt)"""
+    return eager(cls.from_pretrained(f"{root}/{kind}")).float().eval(), torch.load(f"{root}/{kind}.pt")
+
+
 print(f"speculators {speculators.version.version} ({speculators.__file__}), transformers {transformers.__version__}, "
       f"torch {torch.__version__}")
 assert speculators.version.version == "0.9.0", "the check is written against speculators 0.9.0"
@@ -48,12 +53,11 @@ def causal_logits(m, ids, hidden_states):
 
 
 for kind, flags in (("eagle3", False), ("eagle3.1", True)):
-    m = eager(Eagle3DraftModel.from_pretrained(f"{root}/{kind}")).float().eval()
+    m, data = load(Eagle3DraftModel, kind)
     print(kind, "class", type(m).__name__, "aux ids", m.config.eagle_aux_hidden_state_layer_ids, "fc_norm",
           m.config.fc_norm, "norm_output", m.config.norm_output)
     assert m.config.fc_norm == flags and m.config.norm_output == flags and (m.fc_norm is not None) == flags
     assert not any(torch.isnan(p).any() for p in m.state_dict().values() if p.is_floating_point()), "NaN weights left"
-    data = torch.load(f"{root}/{kind}.pt")
     with torch.no_grad():
         logits = causal_logits(m, data["ids"], fused(m, data["hidden"].float()))
         # and through its own forward (ttt_steps=1; default positions 1 + arange, a uniform shift RoPE ignores)
@@ -64,8 +68,7 @@ for kind, flags in (("eagle3", False), ("eagle3.1", True)):
           f"d2t buffer equal to offsets: {m.d2t[:5].tolist()}")
     assert diff < 1e-4 and same_argmax
 # ---- P-EAGLE: the prefix entries, then depths - 1 entries of (mask token, mask_hidden), in one causal pass ---------
-p = eager(PEagleDraftModel.from_pretrained(f"{root}/peagle")).float().eval()
-data = torch.load(f"{root}/peagle.pt")
+p, data = load(PEagleDraftModel, "peagle")
 K, n = data["depths"], data["ids"].shape[1]
 print("peagle class", type(p).__name__, "layers", len(p.layers), "mask id", p.mask_token_id, "mask_hidden",
       tuple(p.mask_hidden.shape))
@@ -76,25 +79,6 @@ with torch.no_grad():
     logits = causal_logits(p, ids, p.fc(hidden))[0, n - 1:]
 diff = (logits - data["logits"]).abs().max().item()
 print(f"peagle max |speculators - eyas| logits = {diff:.3e} over {tuple(logits.shape)} (one pass, {K} depths)")
-assert diff < 1e-4
-# ---- DFlash ------------------------------------------------------------------------------------------------
-d = eager(DFlashDraftModel.from_pretrained(f"{root}/dflash")).float().eval()
-print("dflash class", type(d).__name__, "aux ids", d.config.aux_hidden_state_layer_ids, "mask", d.config.mask_token_id)
-assert not any(torch.isnan(p).any() for n, p in d.state_dict().items() if p.is_floating_point()), "NaN weights left"
-data = torch.load(f"{root}/dflash.pt")
-C, G = data["context_len"], d.block_size
-with torch.no_grad():
-    ctx = d.hidden_norm(d.fc(data["features"].float()))
-    block = torch.full((1, G), d.mask_token_id); block[0, 0] = data["root"]
-    x = d.embed_tokens(block)
-    pos = torch.arange(C + G)[None]
-    pe = d.rotary_emb(x, pos)
-    for layer in d.layers:
-        x = layer(hidden_states=x, target_hidden=ctx, attention_mask=None, position_ids=pos, use_cache=False,
-                  position_embeddings=pe)
-    logits = d.lm_head(d.norm(x))[0, 1:]
-diff = (logits - data["logits"][0, 1:]).abs().max().item()
-print(f"dflash max |speculators - eyas| logits = {diff:.3e} over {tuple(logits.shape)}")
 assert diff < 1e-4
 
 
@@ -112,9 +96,19 @@ def block_states(m, data):
     return m.norm(x)[0]
 
 
+# ---- DFlash ------------------------------------------------------------------------------------------------
+d, data = load(DFlashDraftModel, "dflash")
+print("dflash class", type(d).__name__, "aux ids", d.config.aux_hidden_state_layer_ids, "mask", d.config.mask_token_id)
+assert not any(torch.isnan(p).any() for n, p in d.state_dict().items() if p.is_floating_point()), "NaN weights left"
+with torch.no_grad():
+    logits = d.lm_head(block_states(d, data)[1:])
+diff = (logits - data["logits"][0, 1:]).abs().max().item()
+print(f"dflash max |speculators - eyas| logits = {diff:.3e} over {tuple(logits.shape)}")
+assert diff < 1e-4
+
+
 # ---- DSpark: every slot drafts; the Markov bias of the token before it; the confidence of [hidden ; w1(prev)] --
-s = eager(DSparkDraftModel.from_pretrained(f"{root}/dspark")).float().eval()
-data = torch.load(f"{root}/dspark.pt")
+s, data = load(DSparkDraftModel, "dspark")
 print("dspark class", type(s).__name__, "markov", s.config.markov_rank, s.config.markov_head_type, "from anchor",
       s.config.sample_from_anchor, "confidence", s.confidence_head is not None)
 assert s.config.sample_from_anchor and s.confidence_head is not None
@@ -132,8 +126,7 @@ print(f"dspark max |speculators - eyas| backbone logits = {unary_diff:.3e}, walk
       f"confidence = {conf_diff:.3e}; tokens {logits.argmax(-1).tolist()} vs eyas {data['tokens']}")
 assert unary_diff < 1e-4 and diff < 1e-5 and conf_diff < 1e-5 and logits.argmax(-1).tolist() == data["tokens"]
 # ---- DFlash2: the dynamic convolutions in the backbone; the selector over the unary top-k after each drafted token ---
-f = eager(DFlash2DraftModel.from_pretrained(f"{root}/dflash2")).float().eval()
-data = torch.load(f"{root}/dflash2.pt")
+f, data = load(DFlash2DraftModel, "dflash2")
 print("dflash2 class", type(f).__name__, "conv", f.config.conv_kernel_size, f.config.conv_group_size, "selector",
       f.config.selector_rank, f.config.selector_top_k)
 with torch.no_grad():

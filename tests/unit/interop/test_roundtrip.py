@@ -12,8 +12,19 @@ from eyas.drafters import registry
 from eyas.interop import write_export
 from eyas.methods import load_drafter
 
-CASES = [(kind, fmt) for kind in ("eagle3", "dflash", "eagle3.1", "dspark") for fmt in ("sglang", "vllm", "speculators")
-         ] + [("peagle", "vllm"), ("peagle", "speculators"), ("dflash2", "vllm"), ("dflash2", "speculators")]
+# one row a family: the formats eyas exports it to (SGLang serves no P-EAGLE and no DFlash2)
+EXPORTS = {"eagle3": ("sglang", "vllm", "speculators"), "dflash": ("sglang", "vllm", "speculators"),
+           "eagle3.1": ("sglang", "vllm", "speculators"), "dspark": ("sglang", "vllm", "speculators"),
+           "peagle": ("vllm", "speculators"), "dflash2": ("vllm", "speculators")}
+CASES = [(kind, fmt) for kind, formats in EXPORTS.items() for fmt in formats]
+# checkpoints trained elsewhere (no eyas block), one row a family: (the formats checked, the training-only settings
+# that fall back to the family's defaults)
+FOREIGN = {"eagle3": (("sglang", "vllm", "speculators"), ("ttt_steps",)),
+           "dspark": (("sglang", "speculators"), ("num_anchors", "loss_decay")),
+           "dflash2": (("vllm", "speculators"), ("num_anchors", "loss_decay"))}
+# what the engine keys carry of a family's config (a family checks those of them its config has)
+ARCHITECTURE = ("draft_vocab_size", "num_layers", "block_size", "num_taps", "mask_token_id", "markov_rank",
+                "markov_head_type", "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 
 @pytest.fixture(scope="module")
@@ -21,9 +32,21 @@ def targets():
     return {kind: tiny(QWEN3) if kind in BLOCK_FAMILIES else tiny() for kind in CONFIGS}
 
 
-def drafted_trees(path, target) -> tuple[list, list[list[int]]]:
-    """(every tree the checkpoint's drafter proposed, the greedy speculative output) on PROMPTS."""
-    recorder, outputs = Recorder(load_drafter(path, target)), []
+def exported(model, fmt: str, tmp_path, eyas_block: bool = True):
+    """``model`` saved as eyas's checkpoint (tmp_path/eyas) and exported to ``fmt`` (tmp_path/fmt, returned); without
+    ``eyas_block`` the export's config.json loses what eyas adds, as a checkpoint trained elsewhere has none."""
+    registry.save_drafter(model, tmp_path / "eyas", "tiny")
+    out = write_export(model, fmt, tmp_path / fmt, "tiny")
+    if not eyas_block:
+        config = json.loads((out / "config.json").read_text())
+        del config["eyas"]
+        (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def drafted_trees(proposer, target) -> tuple[list, list[list[int]]]:
+    """(every tree ``proposer`` proposed, the greedy speculative output) on PROMPTS."""
+    recorder, outputs = Recorder(proposer), []
     for prompt in PROMPTS:
         outputs.append(generate(target, prompt, 12, drafter=recorder).token_ids)
     return recorder.trees, outputs
@@ -33,8 +56,7 @@ def drafted_trees(path, target) -> tuple[list, list[list[int]]]:
 def test_export_import_drafts_identical_trees(targets, tmp_path, drafter_type, fmt):
     target = targets[drafter_type]
     model = drafter(drafter_type, target)
-    registry.save_drafter(model, tmp_path / "eyas", "tiny")
-    out = write_export(model, fmt, tmp_path / fmt, "tiny")
+    out = exported(model, fmt, tmp_path)
     assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors"]
     loaded = registry.load_model(out, target)
     assert type(loaded) is type(model) and loaded.config == model.config and loaded.target_taps == model.target_taps
@@ -42,7 +64,8 @@ def test_export_import_drafts_identical_trees(targets, tmp_path, drafter_type, f
     mine = model.state_dict()
     assert loaded.state_dict().keys() == mine.keys()  # the same weights: the same logits
     assert all(torch.equal(tensor, mine[name]) for name, tensor in loaded.state_dict().items())
-    (want, want_out), (got, got_out) = drafted_trees(tmp_path / "eyas", target), drafted_trees(out, target)
+    (want, want_out), (got, got_out) = (drafted_trees(load_drafter(path, target), target)
+                                        for path in (tmp_path / "eyas", out))
     assert got_out == want_out == [generate(target, p, 12).token_ids for p in PROMPTS]  # greedy: vanilla's tokens
     assert len(want) == len(got) >= len(PROMPTS)
     assert sum(tree.tokens_N.numel() - 1 for tree in want) > 0  # it drafted something
@@ -75,14 +98,16 @@ def test_eagle3_tensors_and_reduced_vocab_maps(targets, tmp_path):
     assert "Trained for target: `tiny`" in (out / "README.md").read_text()
 
 
-def test_a_full_vocabulary_eagle3_exports_no_id_maps_and_loads_back(targets, tmp_path):
-    """vLLM builds no draft-to-target mapping when draft_vocab_size is the vocabulary, and refuses a d2t tensor."""
+@pytest.mark.parametrize("fmt", EXPORTS["eagle3"])
+def test_a_full_vocabulary_eagle3_exports_no_id_maps_and_loads_back(targets, tmp_path, fmt):
+    """vLLM builds no draft-to-target mapping when draft_vocab_size is the vocabulary, and refuses a d2t tensor;
+    speculators registers d2t / t2d only for a reduced vocabulary."""
     from safetensors.torch import load_file
 
     torch.manual_seed(0)
     model = registry.build_model("eagle3", {"ttt_steps": 2}, targets["eagle3"]).eval()  # no draft vocabulary
     assert not model.draft_vocab
-    out = write_export(model, "vllm", tmp_path / "full", "tiny")
+    out = write_export(model, fmt, tmp_path / "full", "tiny")
     assert not {"d2t", "t2d"} & set(load_file(str(out / "model.safetensors")))
     assert json.loads((out / "config.json").read_text())["draft_vocab_size"] == 64
     loaded = registry.load_model(out, targets["eagle3"])
@@ -99,31 +124,6 @@ def test_export_is_atomic_and_never_overwrites(targets, tmp_path):
     with pytest.raises(Exception, match="final-NORMED"):  # fails while converting: nothing is left behind
         write_export(drafter("eagle3", targets["eagle3"], {**EAGLE3, "taps": [2, 4, 8]}), "sglang", tmp_path / "x", "tiny")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
-
-
-@pytest.mark.parametrize("fmt", ["sglang", "vllm", "speculators"])
-def test_a_checkpoint_trained_elsewhere_runs_through_the_method_table(targets, tmp_path, fmt):
-    """No eyas block (as SpecForge / speculators / vLLM users ship them): the engine keys alone describe it, and
-    every --drafter consumer (methods.drafter_factory: generate, bench, sweep, serving) takes it."""
-    from eyas.methods import SpecConfig, drafter_factory
-
-    target = targets["eagle3"]
-    model = drafter("eagle3", target)
-    registry.save_drafter(model, tmp_path / "eyas", "tiny")
-    out = write_export(model, fmt, tmp_path / fmt, "tiny")
-    config = json.loads((out / "config.json").read_text())
-    del config["eyas"]
-    (out / "config.json").write_text(json.dumps(config))
-    loaded = registry.load_model(out, target)
-    assert loaded.target_taps == model.target_taps and loaded.draft_vocab == model.draft_vocab
-    assert loaded.config.ttt_steps == 7  # training-only settings fall back to eyas's defaults
-    factory = drafter_factory(target, SpecConfig(method="eagle3", drafter=str(out)))
-    ours, theirs = Recorder(load_drafter(tmp_path / "eyas", target)), Recorder(factory())
-    for recorder in (ours, theirs):
-        generate(target, PROMPTS[1], 12, drafter=recorder)
-    assert len(ours.trees) == len(theirs.trees) > 0
-    for a, b in zip(ours.trees, theirs.trees):
-        assert torch.equal(a.tokens_N, b.tokens_N) and torch.equal(a.scores_N, b.scores_N)
 
 
 def test_the_eagle3_family_writes_its_own_keys(targets, tmp_path):
@@ -151,23 +151,27 @@ def test_the_eagle3_family_writes_its_own_keys(targets, tmp_path):
         write_export(drafter("peagle", targets["peagle"]), "sglang", tmp_path / "pe-sg", "tiny")
 
 
-@pytest.mark.parametrize("drafter_type,fmt", [("dspark", "sglang"), ("dspark", "speculators"), ("dflash2", "vllm"),
-                                              ("dflash2", "speculators")])
-def test_a_dflash_family_checkpoint_trained_elsewhere_loads_by_its_engine_keys(targets, tmp_path, drafter_type, fmt):
-    """No eyas block: the family's own keys (Markov rank; convolution and selector sizes) rebuild the drafter, with
-    eyas's defaults for the training-only settings, and it drafts what eyas's own checkpoint drafts."""
+@pytest.mark.parametrize("drafter_type,fmt", [(kind, fmt) for kind, (formats, _) in FOREIGN.items()
+                                              for fmt in formats])
+def test_a_checkpoint_trained_elsewhere_loads_by_its_engine_keys(targets, tmp_path, drafter_type, fmt):
+    """No eyas block (as SpecForge / speculators / vLLM users ship them): the family's engine keys alone (taps and
+    draft vocabulary; Markov rank; convolution and selector sizes) rebuild the drafter, with the family's defaults for
+    the training-only settings, and every --drafter consumer (methods.drafter_factory: generate, bench, sweep,
+    serving) drafts what eyas's own checkpoint drafts."""
+    from eyas.methods import SpecConfig, drafter_factory
+
     target = targets[drafter_type]
     model = drafter(drafter_type, target)
-    registry.save_drafter(model, tmp_path / "eyas", "tiny")
-    out = write_export(model, fmt, tmp_path / fmt, "tiny")
-    config = json.loads((out / "config.json").read_text())
-    del config["eyas"]
-    (out / "config.json").write_text(json.dumps(config))
+    out = exported(model, fmt, tmp_path, eyas_block=False)
     loaded = registry.load_model(out, target)
-    fresh = type(model.config)()  # the training-only settings fall back to the family's defaults
-    assert loaded.config.num_anchors == fresh.num_anchors and loaded.config.loss_decay == fresh.loss_decay
-    architecture = ("num_layers", "block_size", "num_taps", "mask_token_id", "markov_rank", "markov_head_type",
-                    "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
-    assert all(getattr(loaded.config, n) == getattr(model.config, n) for n in architecture if hasattr(fresh, n))
-    (want, want_out), (got, got_out) = drafted_trees(tmp_path / "eyas", target), drafted_trees(out, target)
-    assert got_out == want_out and [t.tokens_N.tolist() for t in got] == [t.tokens_N.tolist() for t in want]
+    assert loaded.target_taps == model.target_taps
+    assert getattr(loaded, "draft_vocab", None) == getattr(model, "draft_vocab", None)
+    fresh = type(model.config)()
+    assert all(getattr(loaded.config, n) == getattr(fresh, n) for n in FOREIGN[drafter_type][1])
+    assert all(getattr(loaded.config, n) == getattr(model.config, n) for n in ARCHITECTURE if hasattr(fresh, n))
+    factory = drafter_factory(target, SpecConfig(method=drafter_type, drafter=str(out)))
+    want, want_out = drafted_trees(load_drafter(tmp_path / "eyas", target), target)
+    got, got_out = drafted_trees(factory(), target)
+    assert got_out == want_out and len(got) == len(want) > 0
+    for a, b in zip(want, got):
+        assert torch.equal(a.tokens_N, b.tokens_N) and torch.equal(a.scores_N, b.scores_N)

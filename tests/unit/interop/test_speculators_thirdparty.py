@@ -57,33 +57,34 @@ def verifier_dir(target, directory: Path) -> str:
     return str(directory)
 
 
+def export(model, kind: str, target, tmp_path: Path, computed: dict) -> None:
+    """``model`` in speculators' format at tmp_path/KIND (with its verifier), and what eyas computed with it at
+    tmp_path/KIND.pt for speculators_check.py to compare."""
+    write_export(model, "speculators", tmp_path / kind, verifier_dir(target, tmp_path / f"verifier-{kind}"))
+    torch.save(computed, tmp_path / f"{kind}.pt")
+
+
 @torch.no_grad()
 def test_speculators_loads_exports_with_equal_logits(tmp_path):
     tokens_1T = torch.tensor([[3, 14, 15, 9, 26, 5, 35, 8]])
     T = tokens_1T.shape[1]
     target = tiny()
-    eagle = drafter("eagle3", target)
-    _, taps = target(tokens_1T, torch.arange(T)[None], target.new_cache(1, T), taps=eagle.target_taps)
-    prefix = {k: taps[k][:, :-1] for k in eagle.target_taps}  # index i: (embed(t_{i+1}), taps at i), position i
-    _, logits_1TX, _ = eagle.step(tokens_1T[:, 1:], eagle.initial_hidden(prefix), torch.arange(T - 1)[None], None, None)
-    write_export(eagle, "speculators", tmp_path / "eagle3", verifier_dir(target, tmp_path / "verifier-llama"))
-    torch.save({"hidden": torch.cat([prefix[k] for k in eagle.target_taps], -1), "ids": tokens_1T[:, 1:],
-                "logits": logits_1TX.float()}, tmp_path / "eagle3.pt")
+    eagles = {kind: drafter(kind, target) for kind in ("eagle3", "eagle3.1", "peagle")}  # the same taps
+    _, taps = target(tokens_1T, torch.arange(T)[None], target.new_cache(1, T), taps=eagles["eagle3"].target_taps)
+    prefix = {k: taps[k][:, :-1] for k in taps}  # index i: (embed(t_{i+1}), taps at i), position i
+    for kind in ("eagle3", "eagle3.1"):  # EAGLE-3.1: fc_norm, a norm per tap before fc; norm_output
+        eagle = eagles[kind]
+        _, logits_1TX, _ = eagle.step(tokens_1T[:, 1:], eagle.initial_hidden(prefix), torch.arange(T - 1)[None], None,
+                                      None)
+        export(eagle, kind, target, tmp_path, {"hidden": torch.cat([prefix[k] for k in eagle.target_taps], -1),
+                                               "ids": tokens_1T[:, 1:], "logits": logits_1TX.float()})
 
-    eagle31 = drafter("eagle3.1", target)  # fc_norm: a norm per tap before fc; norm_output
-    _, logits_1TX, _ = eagle31.step(tokens_1T[:, 1:], eagle31.initial_hidden(prefix), torch.arange(T - 1)[None], None,
-                                    None)
-    write_export(eagle31, "speculators", tmp_path / "eagle3.1", verifier_dir(target, tmp_path / "verifier-31"))
-    torch.save({"hidden": torch.cat([prefix[k] for k in eagle31.target_taps], -1), "ids": tokens_1T[:, 1:],
-                "logits": logits_1TX.float()}, tmp_path / "eagle3.1.pt")
-
-    parallel = drafter("peagle", target)  # 2 layers, 3 depths: the root's entry and 2 mask entries in one pass
+    parallel = eagles["peagle"]  # 2 layers, 3 depths: the root's entry and 2 mask entries in one pass
     one_pass = PEagleDrafter(parallel, TreeSpec(mode="block"))
     one_pass.begin(tokens_1T[0, :-1].tolist(), {k: prefix[k][0] for k in parallel.target_taps})
-    write_export(parallel, "speculators", tmp_path / "peagle", verifier_dir(target, tmp_path / "verifier-pe"))
-    torch.save({"hidden": torch.cat([prefix[k] for k in parallel.target_taps], -1), "ids": tokens_1T[:, 1:],
-                "depths": one_pass.depth, "logits": one_pass.draft_logits(int(tokens_1T[0, -1]))},
-               tmp_path / "peagle.pt")
+    export(parallel, "peagle", target, tmp_path, {"hidden": torch.cat([prefix[k] for k in parallel.target_taps], -1),
+                                                  "ids": tokens_1T[:, 1:], "depths": one_pass.depth,
+                                                  "logits": one_pass.draft_logits(int(tokens_1T[0, -1]))})
 
     qwen3 = tiny(QWEN3)
     block = drafter("dflash", qwen3)
@@ -93,9 +94,9 @@ def test_speculators_loads_exports_with_equal_logits(tmp_path):
     kv = block.context_kv(block.fuse(context), torch.arange(C)[None])
     hidden_1GE = block.block_hidden(block.embed_block(tokens_1T[:, -1]), torch.arange(C, C + block.block_size)[None],
                                     kv, mask_BQS=None)
-    write_export(block, "speculators", tmp_path / "dflash", verifier_dir(qwen3, tmp_path / "verifier-qwen3"))
-    torch.save({"features": torch.cat([context[k] for k in block.target_taps], -1), "root": int(tokens_1T[0, -1]),
-                "context_len": C, "logits": block.logits(hidden_1GE).float()}, tmp_path / "dflash.pt")
+    block_inputs = {"features": torch.cat([context[k] for k in block.target_taps], -1), "root": int(tokens_1T[0, -1]),
+                    "context_len": C}
+    export(block, "dflash", qwen3, tmp_path, {**block_inputs, "logits": block.logits(hidden_1GE).float()})
 
     for kind, drafter_cls in (("dspark", DSparkDrafter), ("dflash2", DFlash2Drafter)):  # one pass, then the walk
         family = drafter(kind, qwen3)
@@ -103,11 +104,9 @@ def test_speculators_loads_exports_with_equal_logits(tmp_path):
         walker.begin(tokens_1T[0, :C].tolist(), {k: context[k][0] for k in family.target_taps})
         walked = walker.walk(int(tokens_1T[0, -1]), 0.0, None)
         states_GE = walker.draft_states(int(tokens_1T[0, -1]))
-        write_export(family, "speculators", tmp_path / kind, verifier_dir(qwen3, tmp_path / f"verifier-{kind}"))
-        torch.save({"features": torch.cat([context[k] for k in family.target_taps], -1),
-                    "root": int(tokens_1T[0, -1]), "context_len": C, "tokens": walked[0], "probs": walked[1].float(),
-                    "confidence": walked[2].float() if kind == "dspark" else None,
-                    "unary": family.logits(states_GE).float()}, tmp_path / f"{kind}.pt")
+        export(family, kind, qwen3, tmp_path, {**block_inputs, "tokens": walked[0], "probs": walked[1].float(),
+                                               "confidence": walked[2].float() if kind == "dspark" else None,
+                                               "unary": family.logits(states_GE).float()})
 
     script = Path(__file__).with_name("speculators_check.py")
     run = speculators_run([str(script), str(tmp_path)])

@@ -77,3 +77,14 @@ def test_the_hybrid_reads_its_learned_proposers_drafter(tmp_path, monkeypatch):
     lm = spec_for("hybrid", args, "t", {"hybrid": {"proposers": ["ngram", "draft-lm"]}})
     assert lm.drafter is None and "no draft LM" in available("hybrid", lm, args)
     assert available("ngram", spec_for("ngram", args, "t", {}), args) is None
+
+
+def test_a_rows_parts_are_its_proposers_and_what_they_read():
+    """One derivation serves spec_for (which drafters to fill in) and available() (which must exist)."""
+    from jobs.bench import RowParts, row_parts
+
+    assert row_parts("hybrid") == RowParts(("ngram", "eagle3"), ("eagle3",), False)  # HYBRID_PROPOSERS
+    assert row_parts("hybrid", ["suffix", "draft-lm"]) == RowParts(("suffix", "draft-lm"), (), True)
+    assert row_parts("eagle3@shipped") == RowParts(("eagle3",), ("eagle3",), False)
+    assert row_parts("ngram", ["suffix", "eagle3"]) == RowParts(("ngram",), (), False)  # proposers: hybrid only
+    assert row_parts("hf-assisted").reads_draft_lm and not row_parts("hf").reads_draft_lm

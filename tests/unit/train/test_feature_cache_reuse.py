@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from train_testing import epoch_config, train_once
 
-from eyas.config import from_dict
 from eyas.models import load_target
 from eyas.train.config import TrainConfig
 from eyas.train.data import SequenceDataset, read_shard, response_row, shard_path, write_shard
@@ -30,27 +30,7 @@ def write_data(directory: Path, vocab_size: int, seed: int) -> Path:
 
 
 def config(drafter: dict) -> TrainConfig:
-    return from_dict(TrainConfig, {
-        "name": "cache-reuse", "target": "unused", "data": "unused", "drafter": drafter,
-        "train": {"num_epochs": 1, "batch_size": 4, "max_len": 32, "feature_cache": "disk", "eval_sequences": 2},
-        "optim": {"lr": 3e-3, "warmup_steps": 1}, "scaling": {"num_workers": 1},
-        "measure": {"num_prompts": 0}, "tracking": {"enabled": False}})
-
-
-def train_once(cfg: TrainConfig, target_dir: str, data_dir: Path, rows: list[int] | None = None
-               ) -> tuple[list[float], int]:
-    """(per-step losses, target forwards) of one training epoch run the way a jobs.train_drafter worker does;
-    ``rows`` collects the number of sequences of each target forward."""
-    torch.manual_seed(0)
-    target = load_target(target_dir)
-    forwards = [] if rows is None else rows
-    target.register_forward_hook(lambda module, args, output: forwards.append(args[0].shape[0]))
-    trainer = Trainer(cfg, target, SequenceDataset(data_dir, "train", cfg.train.max_len),
-                      SequenceDataset(data_dir, "heldout", cfg.train.max_len, limit=cfg.train.eval_sequences),
-                      target_dir=target_dir, feature_dir=data_dir / "features")
-    losses = [trainer.train_step(batch)["loss"] for batch in trainer.batches(0)]
-    losses.append(trainer.evaluate_heldout()["heldout_loss"])
-    return losses, len(forwards)
+    return epoch_config(drafter, "cache-reuse", "unused", "unused", max_len=32)
 
 
 def test_second_training_from_a_copied_working_dir_runs_no_target_forward(random_checkpoint, tmp_path,

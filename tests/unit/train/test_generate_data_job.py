@@ -3,25 +3,18 @@ mixes of built data sets."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
+from train_testing import data_config
 
-from eyas.config import ConfigError, load_config
+from eyas.config import ConfigError
 from eyas.train.config import DataConfig
 from eyas.train.data import SequenceDataset, ShardError
 
 
-@pytest.fixture()
-def home(eyas_home, random_checkpoint):
-    shutil.copytree(random_checkpoint, eyas_home / "targets" / "target-rand")
-    return eyas_home
-
-
 def corpus_config(**changes) -> DataConfig:
-    fields = {"name": "rand-corpus", "target": "target-rand", "source": "corpus", "num_prompts": 10,
-              "num_heldout_prompts": 3, "chunk_tokens": 32, "shard_size": 4, **changes}
-    return load_config(DataConfig, overrides=[f"{k}={v}" for k, v in fields.items()])
+    return data_config({"name": "rand-corpus", "target": "target-rand", "source": "corpus", "num_prompts": 10,
+                        "num_heldout_prompts": 3, "chunk_tokens": 32, "shard_size": 4}, **changes)
 
 
 def test_corpus_source_writes_chunks_and_reruns_skip_done_shards(home, capsys):
@@ -107,9 +100,8 @@ def test_a_truncated_shard_or_an_unfinished_build_is_refused_and_a_rerun_redoes_
 
 
 def mix_config(**changes) -> DataConfig:
-    fields = {"name": "rand-mix", "target": "target-rand", "source": "mix", "parts": "[rand-corpus, rand-short]",
-              "shard_size": 5, **changes}
-    return load_config(DataConfig, overrides=[f"{k}={v}" for k, v in fields.items()])
+    return data_config({"name": "rand-mix", "target": "target-rand", "source": "mix",
+                        "parts": "[rand-corpus, rand-short]", "shard_size": 5}, **changes)
 
 
 def test_a_mix_joins_its_parts_and_follows_them_when_they_grow(home, capsys):

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from train_testing import data_config
 
 from eyas import datasets
-from eyas.config import ConfigError, load_config, to_dict
+from eyas.config import ConfigError, to_dict
 from eyas.train.config import DataConfig
 from eyas.train.data import SequenceDataset, regenerate, shard_path
 
@@ -37,10 +38,9 @@ def chat_home(eyas_home, make_chat_tokenizer):
 
 
 def chat_config(**changes) -> DataConfig:
-    fields = {"name": "chat-rand-data", "target": "chat-rand", "source": "sharegpt", "num_prompts": 8,
-              "num_heldout_prompts": 2, "max_prompt_tokens": 10, "max_new_tokens": 5, "batch_size": 3,
-              "shard_size": 4, **changes}
-    return load_config(DataConfig, overrides=[f"{k}={v}" for k, v in fields.items()])
+    return data_config({"name": "chat-rand-data", "target": "chat-rand", "source": "sharegpt", "num_prompts": 8,
+                        "num_heldout_prompts": 2, "max_prompt_tokens": 10, "max_new_tokens": 5, "batch_size": 3,
+                        "shard_size": 4}, **changes)
 
 
 def templated(tokenizer, text: str) -> list[int]:

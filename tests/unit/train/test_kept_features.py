@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from train_testing import data_config, epoch_config, train_once
 
-from eyas.config import ConfigError, from_dict, load_config, to_dict
+from eyas.config import ConfigError, to_dict
 from eyas.models import load_target
 from eyas.train.config import DataConfig, TrainConfig, data_path, target_path
 from eyas.train.data import SequenceDataset, collate, regenerate, response_row, shard_path
 from eyas.train.feature_cache import ARGMAX, FeatureCache, cache_base, row_file, sequence_key, stored_taps
 from eyas.train.kept_features import TapRecorder
-from eyas.train.trainer import Trainer
 
 
 def recorded_and_computed(target_dir: Path, dtype: torch.dtype, prompts: list[list[int]], max_new: int,
@@ -64,17 +64,10 @@ def test_features_kept_while_regenerating_equal_the_trainers_own_forward(random_
 # ---------------------------------------------------------------- jobs.generate_data's Regenerator -> the trainer
 
 
-@pytest.fixture()
-def home(eyas_home, random_checkpoint):
-    shutil.copytree(random_checkpoint, eyas_home / "targets" / "target-rand")
-    return eyas_home
-
-
-def data_config(**changes) -> DataConfig:
-    fields = {"name": "kept", "target": "target-rand", "source": "regenerate", "num_prompts": 8,
-              "num_heldout_prompts": 2, "max_prompt_tokens": 24, "max_new_tokens": 12, "batch_size": 3,
-              "shard_size": 8, "keep_taps": "[1, 2]", **changes}
-    return load_config(DataConfig, overrides=[f"{k}={v}" for k, v in fields.items()])
+def kept_config(**changes) -> DataConfig:
+    return data_config({"name": "kept", "target": "target-rand", "source": "regenerate", "num_prompts": 8,
+                        "num_heldout_prompts": 2, "max_prompt_tokens": 24, "max_new_tokens": 12, "batch_size": 3,
+                        "shard_size": 8, "keep_taps": "[1, 2]"}, **changes)
 
 
 def regenerate_data(cfg: DataConfig, kept: bool = True) -> tuple[Path, dict]:
@@ -95,30 +88,15 @@ def home_target() -> Path:
 
 
 def train_config(drafter: dict) -> TrainConfig:
-    return from_dict(TrainConfig, {
-        "name": "kept-train", "target": "target-rand", "data": "kept", "drafter": drafter,
-        "train": {"num_epochs": 1, "batch_size": 4, "max_len": 64, "feature_cache": "disk", "eval_sequences": 2},
-        "optim": {"lr": 3e-3, "warmup_steps": 1}, "scaling": {"num_workers": 1},
-        "measure": {"num_prompts": 0}, "tracking": {"enabled": False}})
+    return epoch_config(drafter, "kept-train", "target-rand", "kept", max_len=64)
 
 
-def train_once(cfg: TrainConfig, data_dir: Path) -> tuple[list[float], int]:
-    """(per-step losses then the held-out loss, target forwards) of one epoch, as a jobs.train_drafter worker runs
-    it (features in data_dir/features)."""
-    torch.manual_seed(0)
-    target = load_target(home_target())
-    forwards: list[int] = []
-    target.register_forward_hook(lambda module, args, output: forwards.append(args[0].shape[0]))
-    trainer = Trainer(cfg, target, SequenceDataset(data_dir, "train", cfg.train.max_len),
-                      SequenceDataset(data_dir, "heldout", cfg.train.max_len, limit=cfg.train.eval_sequences),
-                      target_dir=str(home_target()), feature_dir=data_dir / "features")
-    losses = [trainer.train_step(batch)["loss"] for batch in trainer.batches(0)]
-    losses.append(trainer.evaluate_heldout()["heldout_loss"])
-    return losses, len(forwards)
+def train_kept(cfg: TrainConfig, data_dir: Path) -> tuple[list[float], int]:
+    return train_once(cfg, str(home_target()), data_dir)
 
 
 def test_a_trainer_reads_the_kept_features_and_runs_no_target_forward(home):
-    out, result = regenerate_data(data_config())
+    out, result = regenerate_data(kept_config())
     rows = SequenceDataset(out, "train").rows
     assert result["kept_rows"] == result["rows"] == 8
     assert result["positions"] == sum(len(r["prompt_ids"]) + len(r["response_ids"]) for r in rows)
@@ -132,19 +110,19 @@ def test_a_trainer_reads_the_kept_features_and_runs_no_target_forward(home):
     plain = data_path("plain")  # the same rows, no kept features: the trainer computes them
     shutil.copytree(out, plain, ignore=shutil.ignore_patterns("features"))
     eagle3 = train_config({"type": "eagle3", "config": {"taps": [1, 1, 2], "ttt_steps": 2, "draft_vocab_size": 64}})
-    computed_losses, computed_forwards = train_once(eagle3, plain)
+    computed_losses, computed_forwards = train_kept(eagle3, plain)
     assert computed_forwards == 2 + 1  # two train batches of 4, one held-out batch of 2
-    kept_losses, kept_forwards = train_once(eagle3, out)
+    kept_losses, kept_forwards = train_kept(eagle3, out)
     assert kept_forwards == 0
     assert kept_losses == pytest.approx(computed_losses, abs=1e-5)
 
     eagle1 = train_config({"type": "eagle1", "config": {}})  # reads the final state only, which is kept too
-    assert train_once(eagle1, out)[1] == 0
+    assert train_kept(eagle1, out)[1] == 0
     # taps the data did not keep (the embeddings, 0) fall back to computing them, as if nothing had been kept
     wider = train_config({"type": "eagle3", "config": {"taps": [0, 1, 2], "ttt_steps": 2, "draft_vocab_size": 64}})
-    wider_losses, wider_forwards = train_once(wider, out)
+    wider_losses, wider_forwards = train_kept(wider, out)
     assert wider_forwards == 3
-    assert wider_losses == pytest.approx(train_once(wider, plain)[0], abs=1e-6)
+    assert wider_losses == pytest.approx(train_kept(wider, plain)[0], abs=1e-6)
 
 
 def test_a_shard_is_written_after_all_of_its_features(home, monkeypatch):
@@ -163,7 +141,7 @@ def test_a_shard_is_written_after_all_of_its_features(home, monkeypatch):
     real_write = job.write_kept
     monkeypatch.setattr(job, "write_kept", dying_write)
     with pytest.raises(KeyboardInterrupt):
-        regenerate_data(data_config())
+        regenerate_data(kept_config())
     out = data_path("kept")
     assert not shard_path(out, "train", 0).exists()
     files = list((out / "features").glob("*/*.safetensors"))
@@ -177,8 +155,8 @@ def test_a_shard_is_written_after_all_of_its_features(home, monkeypatch):
 def test_shards_built_before_keep_taps_are_reported_and_their_features_left_to_training(home, capsys):
     from jobs.data_actors import plan_kept_features, report_unkept
 
-    out, _ = regenerate_data(data_config(), kept=False)
-    cfg = data_config()
+    out, _ = regenerate_data(kept_config(), kept=False)
+    cfg = kept_config()
     kept = plan_kept_features(cfg, out, home_target())
     report_unkept(out, kept, todo=[("heldout", 0)])  # the held-out shard is about to be built again
     assert "8 of the 8 sequences already on disk have no kept features" in capsys.readouterr().out
@@ -190,7 +168,7 @@ def test_shards_built_before_keep_taps_are_reported_and_their_features_left_to_t
 def test_a_mix_links_its_parts_kept_features(home):
     from jobs.generate_data import link_features
 
-    out, _ = regenerate_data(data_config())
+    out, _ = regenerate_data(kept_config())
     mix_features = home / "data" / "mix" / "features"
     link_features(out / "features", mix_features)
     part_files = sorted(p.relative_to(out / "features") for p in (out / "features").rglob("*") if p.is_file())
@@ -202,8 +180,8 @@ def test_keep_taps_is_checked(home):
     from jobs.generate_data import check_target
 
     with pytest.raises(ConfigError, match="keep_taps.*only a source the target answers"):
-        data_config(source="corpus")
+        kept_config(source="corpus")
     with pytest.raises(ConfigError, match="keep_taps.*distinct layer numbers"):
-        data_config(keep_taps="[1, 1]")
+        kept_config(keep_taps="[1, 1]")
     with pytest.raises(ConfigError, match=r"keep_taps=\[1, 4\]: the target has 3 layers"):
-        check_target(data_config(keep_taps="[1, 4]"))
+        check_target(kept_config(keep_taps="[1, 4]"))
