@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from eyas.config import ConfigError, resolve_path, to_dict
+from eyas.config import ConfigError, to_dict
 from eyas.methods import METHODS, SpecConfig, resolve_checkpoint
 from eyas.train.config import data_path
 from tune.config import SweepConfig
@@ -30,11 +30,12 @@ def preflight(sweep: SweepConfig) -> None:
 
 def absolute_spec(spec: SpecConfig) -> dict[str, Any]:
     """``to_dict(spec)`` with drafter / draft_model paths made absolute (trials run in their own directories;
-    a best-config YAML must not depend on the directory it is read from)."""
+    a best-config YAML must not depend on the directory it is read from); a bare drafter name becomes the
+    directory it names ($EYAS_HOME/drafters, else the shipped one)."""
     data = to_dict(spec)
     for key in ("drafter", "draft_model"):
         if data.get(key) and not str(data[key]).startswith(("models:/", "runs:/")):
-            data[key] = str(resolve_path(data[key]).resolve())
+            data[key] = str(resolve_checkpoint(data[key], f"spec.{key}", drafter=key == "drafter").resolve())
     return data
 
 

@@ -223,3 +223,18 @@ def test_cli_refuses_bad_input_before_starting_ray(tmp_path, eyas_home, capsys, 
     err = capsys.readouterr().err
     assert err.startswith("error: ") and __import__("re").search(message, err), err
     assert not ray.is_initialized()
+
+
+def test_a_bare_drafter_name_reaches_the_trials_as_its_directory(tmp_path, monkeypatch):
+    """tune/configs name the shipped drafter by name; trials run elsewhere, so the context holds its directory."""
+    from tune.preflight import absolute_spec
+    from eyas.methods import SpecConfig
+
+    shipped = tmp_path / "shipped"
+    monkeypatch.setenv("EYAS_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr("eyas.train.config.SHIPPED_DRAFTERS", shipped)
+    (shipped / "eagle3-t").mkdir(parents=True)
+    (shipped / "eagle3-t" / "config.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    spec = SpecConfig(method="eagle3", drafter="eagle3-t")
+    assert absolute_spec(spec)["drafter"] == str((shipped / "eagle3-t").resolve())
