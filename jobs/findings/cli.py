@@ -14,13 +14,14 @@ from pathlib import Path
 
 from eyas.config import ConfigError, flatten
 from eyas.models import CheckpointError
-from jobs.findings import (calibration, data_scaling, dflash_eagle3, hardware_nstar, peagle_cost, position_context,
-                           tree_chain)
+from jobs.findings import (calibration, data_scaling, dflash_eagle3, dspark_dflash, eagle31_eagle3, hardware_nstar,
+                           peagle_cost, position_context, tree_chain)
 from jobs.findings.common import Finding, apply_threads, run_finding
 from jobs.findings.training import train_variants
 
 FINDINGS: dict[str, Finding] = {m.FINDING.name: m.FINDING for m in (
-    calibration, position_context, data_scaling, tree_chain, hardware_nstar, dflash_eagle3, peagle_cost)}
+    calibration, position_context, data_scaling, tree_chain, hardware_nstar, dflash_eagle3, peagle_cost,
+    dspark_dflash, eagle31_eagle3)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,10 +9,11 @@ prompts where it does.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -22,7 +23,7 @@ from eyas.decoding.generate import Generation, generate
 from eyas.decoding.stats import SpecStats
 from eyas.decoding.tree import MAX_TREE_NODES
 from eyas.methods import METHODS, SpecConfig, checkpoint_factory, drafter_factory, tree_over
-from eyas.models import load_target, load_tokenizer
+from eyas.models import dtypes, load_target, load_tokenizer, torch_dtype
 from eyas.train.config import target_path
 from jobs.findings.common import Common
 
@@ -46,18 +47,32 @@ def device_of(settings: Common) -> torch.device:
     return torch.device(settings.device)
 
 
-def open_workbench(settings: Common) -> Workbench:
+def open_workbench(settings: Common, dtype: str = "float32") -> Workbench:
+    """The target in ``dtype`` (float32, bfloat16, or auto: eyas.models.dtypes.resolve, bfloat16 where its CPU
+    kernels build) and the prompts of ``settings.suite``."""
     target_dir = target_path(settings.target)
     if not (target_dir / "config.json").is_file():
         raise ConfigError(f"target={settings.target!r}: {target_dir} holds no checkpoint (python -m "
                           "jobs.fetch_target smollm2-135m, or jobs.train_target for a micro/tiny target)")
-    target = load_target(target_dir, device=device_of(settings))
+    device = device_of(settings)
+    target = load_target(target_dir, dtype=torch_dtype(dtypes.resolve(dtype, device.type)), device=device)
     tokenizer = load_tokenizer(target_dir)
     tokenizer.model_max_length = 10**9  # prompts are cut below, not warned about
     eos = set(target.config.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None
                                               else set())
     prompts = prompt_ids(settings, tokenizer, target.config.max_position_embeddings)
     return Workbench(settings, target_dir, target, tokenizer, tuple(sorted(eos)), prompts)
+
+
+def suite_workbenches(settings: Common, suites: Sequence[str], dtype: str = "float32") -> dict[str, Workbench]:
+    """One workbench per suite (its ``num_prompts`` prompts of that suite), all over one loaded target."""
+    first = open_workbench(dataclasses.replace(settings, suite=suites[0]), dtype)
+    benches = {suites[0]: first}
+    for suite in suites[1:]:
+        on_suite = dataclasses.replace(settings, suite=suite)
+        benches[suite] = dataclasses.replace(first, settings=on_suite, prompts=prompt_ids(
+            on_suite, first.tokenizer, first.target.config.max_position_embeddings))
+    return benches
 
 
 def prompt_ids(settings: Common, tokenizer: Any, max_positions: int) -> list[list[int]]:

@@ -9,6 +9,9 @@ Two runners, one trainer (``eyas.train.trainer.Trainer``):
              cluster runs as many side by side as it fits (each TorchTrainer waits for its workers' resources).
              Under ``ray job submit`` they run on the cluster the job was submitted to.
 A variant whose directory already holds a drafter trained from the same config is reused, not trained again.
+Features come as ``train.feature_cache`` says, in both runners: ``disk`` reads (and adds to) the data set's
+feature cache (``<data>/features``, shared with jobs.train_drafter and jobs.generate_data), so variants whose taps
+the data set already cached skip the target forward; ``memory`` and ``none`` keep them in the process.
 
 The curve: a point every ``train.log_every`` steps (training loss and acc_j) and every ``train.eval_every`` steps
 and at the end (held-out loss, acc_j, sim_tau); with ray-train it is read back from the variant's MLflow run.
@@ -102,8 +105,8 @@ def train_local(variant: Variant) -> Trained:
     device = torch.device("cuda" if cfg.scaling.use_gpu and torch.cuda.is_available() else "cpu")
     inputs = load_inputs(cfg, target_dir, data_dir, device, prompts=False)
     trainer = Trainer(cfg, inputs.target, inputs.data, inputs.heldout, eos_token_ids=inputs.eos_token_ids,
-                      target_dir=target_dir, strategy="ddp",
-                      feature_cache="memory" if cfg.train.feature_cache != "none" else "none")
+                      target_dir=target_dir, strategy="ddp", feature_cache=cfg.train.feature_cache,
+                      feature_dir=data_dir / "features")
     start, curve, train = time.monotonic(), [], cfg.train
     for epoch in range(train.num_epochs):
         for batch in trainer.batches(epoch):

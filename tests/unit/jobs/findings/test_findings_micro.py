@@ -9,8 +9,8 @@ import pytest
 from mlflow import MlflowClient
 
 from eyas.config import from_dict
-from jobs.findings import (calibration, data_scaling, dflash_eagle3, hardware_nstar, peagle_cost, position_context,
-                           tree_chain)
+from jobs.findings import (calibration, data_scaling, dflash_eagle3, dspark_dflash, eagle31_eagle3, hardware_nstar,
+                           peagle_cost, position_context, tree_chain)
 from jobs.findings.cli import FINDINGS, main
 
 FIGURES = {
@@ -21,7 +21,10 @@ FIGURES = {
     "hardware-n-star": {"cost_curve.png", "speedup_vs_n.png"},
     "dflash-vs-eagle3": {"dflash_vs_eagle3.png", "convergence.png"},
     "peagle-vs-eagle3-cost": {"drafter_share.png"},
+    "dspark-vs-dflash": {"tau_per_suite.png"},
+    "eagle31-vs-eagle3": {"tau_per_suite.png"},
 }
+TRAINED = {"dspark-vs-dflash": ("dflash", "dspark", "dflash2"), "eagle31-vs-eagle3": ("eagle3", "eagle3.1", "peagle")}
 
 
 def rejudge(name: str, table: list[dict], settings):
@@ -39,6 +42,10 @@ def rejudge(name: str, table: list[dict], settings):
         return hardware_nstar.judge(table, settings)
     if name == "peagle-vs-eagle3-cost":
         return peagle_cost.judge(table, settings)
+    if name == "dspark-vs-dflash":
+        return dspark_dflash.judge(table, settings)
+    if name == "eagle31-vs-eagle3":
+        return eagle31_eagle3.judge(table, settings)
     return dflash_eagle3.judge(table, settings)
 
 
@@ -62,3 +69,11 @@ def test_micro_finding(findings_home, name, tmp_path):
     assert run.data.tags["eyas.verdict"] == verdict.outcome in ("reproduced", "partly", "refuted")
     for png in FIGURES[name]:
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    if name in TRAINED:  # every family trained alike and measured on every suite, every check computed
+        assert {(r["variant"], r["suite"]) for r in table} == {(f, s) for f in TRAINED[name] for s in settings.suites}
+        assert {r["steps"] for r in table} == {settings.num_steps} and not any(r["reused"] for r in table)
+        assert all(r["tau"] >= 1.0 and r["cycles"] > 0 and r["greedy_identical"] == 1.0 for r in table)
+        assert [c["name"] for c in report["verdict"]["checks"]][-1] == "lossless"
+        assert all(isinstance(c["passed"], bool) and c["numbers"] for c in report["verdict"]["checks"])
+        budget = json.loads((out / "budget.json").read_text())
+        assert budget["steps"] == settings.num_steps and budget["data"] == settings.data

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from jobs.findings import calibration, data_scaling, dflash_eagle3, hardware_nstar, position_context, tree_chain
+from jobs.findings import (calibration, data_scaling, dflash_eagle3, dspark_dflash, eagle31_eagle3, hardware_nstar,
+                           position_context, tree_chain)
 from jobs.findings.common import outcome_of
 
 
@@ -123,3 +124,35 @@ def test_dflash_vs_eagle3():
     assert [c.passed for c in mixed.checks] == [False, True, False, False] and mixed.outcome == "partly"
     no_curve = dflash_eagle3.judge(dflash_rows([2, 1, 1, 1], [2, 1, 1, 1], [None, None, None, None]), settings)
     assert no_curve.outcome == "refuted"
+
+
+def family_rows(values, key="tau", identical=1.0, suites=("humaneval", "chat")):
+    """values: variant -> one number per suite (``key``); the other of tau / speedup is 1."""
+    other = "speedup" if key == "tau" else "tau"
+    return [{"variant": v, "suite": s, key: x, other: 1.0, "greedy_identical": identical}
+            for v, xs in values.items() for s, x in zip(suites, xs)]
+
+
+def test_dspark_vs_dflash():
+    settings = dspark_dflash.Settings()
+    goal = dspark_dflash.judge(family_rows({"dflash": [1.5, 1.3], "dspark": [1.6, 1.3], "dflash2": [1.5, 1.4]}),
+                               settings)
+    assert goal.outcome == "reproduced" and goal.checks[0].numbers == {
+        "dspark_humaneval": 1.6, "dflash_humaneval": 1.5, "dspark_chat": 1.3, "dflash_chat": 1.3}
+    one_suite = dspark_dflash.judge(family_rows({"dflash": [1.5, 1.3], "dspark": [1.6, 1.2],
+                                                 "dflash2": [1.4, 1.4]}), settings)
+    assert [c.passed for c in one_suite.checks] == [False, False, True]  # each misses on one suite
+    lossy = dspark_dflash.judge(family_rows({"dflash": [2, 2], "dspark": [1, 1], "dflash2": [1, 1]}, identical=0.5),
+                                settings)
+    assert lossy.outcome == "refuted"
+
+
+def test_eagle31_vs_eagle3():
+    settings = eagle31_eagle3.Settings()
+    rows = family_rows({"eagle3": [1.4, 1.2], "eagle3.1": [1.5, 1.2], "peagle": [1.3, 1.3]})
+    for row, speedup in zip(rows, [1.1, 0.9, 1.0, 1.0, 1.2, 0.95]):
+        row["speedup"] = speedup
+    verdict = eagle31_eagle3.judge(rows, settings)
+    assert [c.passed for c in verdict.checks] == [True, True, True] and verdict.outcome == "reproduced"
+    rows[4]["speedup"] = 1.0  # P-EAGLE slower than EAGLE-3 on humaneval
+    assert [c.passed for c in eagle31_eagle3.judge(rows, settings).checks] == [True, False, True]
