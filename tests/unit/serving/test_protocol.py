@@ -255,7 +255,7 @@ def test_api_key_comes_from_the_environment(monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["tiny.yaml", "micro.yaml", "smollm2.yaml", "smollm2-bf16.yaml",
-                                  "smollm2-suffix.yaml"])
+                                  "smollm2-suffix.yaml", "smollm2-hybrid.yaml"])
 def test_shipped_serve_configs_are_valid(name):
     config = yaml.safe_load((REPO / "serving" / "configs" / name).read_text())
     assert config["http_options"]["host"] == "127.0.0.1"
@@ -315,3 +315,14 @@ def test_back_pressure_needs_serve_to_hand_the_replica_more_than_it_admits():
         check_back_pressure(args, {"max_ongoing_requests": 8})
     with pytest.raises(ConfigError, match="max_waiting_requests"):
         ServeArgs(target="/x", max_waiting_requests=-1)
+
+
+def test_the_hybrid_serve_config_is_the_suffix_one_but_for_spec():
+    suffix, hybrid = (yaml.safe_load((REPO / "serving" / "configs" / name).read_text())
+                      for name in ("smollm2-suffix.yaml", "smollm2-hybrid.yaml"))
+    spec = hybrid["applications"][0]["args"].pop("spec")
+    suffix["applications"][0]["args"].pop("spec")
+    assert suffix == hybrid
+    served = ServeArgs.from_args({**hybrid["applications"][0]["args"], "spec": spec})
+    assert served.spec.method == "hybrid" and served.spec.proposers == ("suffix", "eagle3")
+    assert (served.spec.learned_below, served.spec.cost_cut) == (0.4, True)
