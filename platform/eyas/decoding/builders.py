@@ -18,11 +18,12 @@ from typing import Callable, Sequence
 
 import torch
 
-from eyas.decoding.tree import DraftTree, PartialTree
+from eyas.decoding.tree import DraftTree, PartialTree, SparseProbs
 
 
-# expand(parent_ids, partial) -> probs_PV: the draft distribution at each given parent (one batched drafter call).
-Expand = Callable[[list[int], PartialTree], torch.Tensor]
+# expand(parent_ids, partial) -> probs_PV: the draft distribution at each given parent (one batched drafter call),
+# dense, or a SparseProbs over a reduced draft vocabulary (ranked over its X entries, the same top-k: tree.py)
+Expand = Callable[[list[int], PartialTree], "torch.Tensor | SparseProbs"]
 
 
 def _expand(expand: Expand, parent_ids: list[int], partial: PartialTree, top_k: int
@@ -34,7 +35,8 @@ def _expand(expand: Expand, parent_ids: list[int], partial: PartialTree, top_k: 
                          f"expected ({len(parent_ids)}, V)")
     if top_k > probs_PV.shape[1]:
         raise ValueError(f"top_k / rank {top_k} exceeds the vocabulary size {probs_PV.shape[1]}")
-    conf_PW, token_PW = probs_PV.topk(top_k, dim=-1)
+    conf_PW, token_PW = (probs_PV.top(top_k) if isinstance(probs_PV, SparseProbs)
+                         else probs_PV.topk(top_k, dim=-1))
     # Clamp: V must not grow along a path (rerank and best-first rely on it); softmax can round to 1 + eps.
     return probs_PV, conf_PW.double().clamp(max=1.0).tolist(), token_PW.tolist()
 

@@ -201,6 +201,51 @@ def from_paths(root_token: int, paths: Sequence[Sequence[int]], weights: Sequenc
                      torch.tensor(scores, dtype=torch.float32))
 
 
+class SparseProbs:
+    """Draft distributions [P, X] that are zero outside X target ids (a reduced draft vocabulary, ascending ids):
+    what an ``expand`` callback may return in place of the dense probs_PV it stands for. A builder ranks the X
+    entries (``top``) instead of all V, and ``PartialTree.to_tree`` builds dense rows only for the nodes it keeps.
+    Indexing a row gives a one-row SparseProbs; ``dense`` the [..., V] tensor itself."""
+
+    __slots__ = ("probs_PX", "d2t_X", "vocab_size")
+
+    def __init__(self, probs_PX: torch.Tensor, d2t_X: torch.Tensor, vocab_size: int) -> None:
+        self.probs_PX, self.d2t_X, self.vocab_size = probs_PX, d2t_X, vocab_size
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (*self.probs_PX.shape[:-1], self.vocab_size)
+
+    def dim(self) -> int:
+        return self.probs_PX.dim()
+
+    def __getitem__(self, row: int) -> "SparseProbs":
+        return SparseProbs(self.probs_PX[row], self.d2t_X, self.vocab_size)
+
+    def dense(self) -> torch.Tensor:
+        """The probabilities over the whole vocabulary [..., V], 0 outside the X ids."""
+        full = self.probs_PX.new_zeros(self.shape)
+        return full.index_copy_(-1, self.d2t_X, self.probs_PX)
+
+    def top(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(probs_PW, tokens_PW): ``dense().topk(k)`` exactly, from the X entries. Where the k + 1 best of a row
+        are distinct and the k-th is positive, that top-k is the only one, and the X entries hold it (the zeros
+        outside rank below); elsewhere (ties, zeros, NaN) it is the dense tensor's own topk."""
+        num_ids = self.probs_PX.shape[-1]
+        probs_PW, index_PW = self.probs_PX.topk(min(k + 1, num_ids), dim=-1)
+        values = probs_PW.tolist()
+        unique = k <= num_ids and all(row[k - 1] > 0 and all(a > b for a, b in zip(row, row[1:]))
+                                      for row in values)
+        if not unique:
+            return self.dense().topk(k, dim=-1)
+        return probs_PW[..., :k], self.d2t_X[index_PW[..., :k]]
+
+
+def dense_probs(probs: "torch.Tensor | SparseProbs") -> torch.Tensor:
+    """A draft distribution as the dense [..., V] tensor (SparseProbs built, tensors as they are)."""
+    return probs.dense() if isinstance(probs, SparseProbs) else probs
+
+
 class PartialTree:
     """The tree grown so far, handed to `expand` callbacks. Node ids are this object's (root = 0); the final
     DraftTree may relabel them (build_dynamic keeps only the best nodes)."""
@@ -210,12 +255,13 @@ class PartialTree:
         self.parents: list[int] = [-1]
         self.depth: list[int] = [0]
         self.scores: list[float] = [1.0]
-        self.draft_rows: list[torch.Tensor | None] = [None]  # the distribution each node was chosen from
+        # the distribution each node was chosen from (dense [V] or a SparseProbs row)
+        self.draft_rows: list[torch.Tensor | SparseProbs | None] = [None]
 
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def add(self, parent: int, token: int, score: float, draft_row_V: torch.Tensor) -> int:
+    def add(self, parent: int, token: int, score: float, draft_row_V: "torch.Tensor | SparseProbs") -> int:
         self.tokens.append(token)
         self.parents.append(parent)
         self.depth.append(self.depth[parent] + 1)
@@ -243,7 +289,7 @@ class PartialTree:
         parents = [-1] + [new_id[self.parents[i]] for i in keep[1:]]
         draft_probs_NV = None
         if len(keep) > 1:
-            rows = [self.draft_rows[i] for i in keep[1:]]
+            rows = [dense_probs(self.draft_rows[i]) for i in keep[1:]]
             draft_probs_NV = torch.stack([torch.zeros_like(rows[0]), *rows])
         return DraftTree(torch.tensor([self.tokens[i] for i in keep], dtype=torch.long),
                          torch.tensor(parents, dtype=torch.long),

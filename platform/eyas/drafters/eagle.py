@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eyas.config import require
+from eyas.models import attention
 from eyas.models.config import ModelConfig
 from eyas.models.packing import InferencePacking, linear
 from eyas.models.decoder import MLP, Decoder, RMSNorm, TensorParallel, apply_rope, rope_inv_freq
@@ -85,12 +86,29 @@ class DraftAttention(nn.Module):
         k_BHTD = linear(self.k_proj, x_BTI).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v_BHTD = linear(self.v_proj, x_BTI).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q_BHTD, k_BHTD = apply_rope(q_BHTD, cos_BTD, sin_BTD), apply_rope(k_BHTD, cos_BTD, sin_BTD)
-        k_BHSD = k_BHTD if past is None else torch.cat([past[0], k_BHTD], dim=2)
-        v_BHSD = v_BHTD if past is None else torch.cat([past[1], v_BHTD], dim=2)
         assert mask_B1TS is not None or past is None, "attending past keys needs an explicit mask"
-        out_BHTD = F.scaled_dot_product_attention(q_BHTD, k_BHSD, v_BHSD, attn_mask=mask_B1TS,
-                                                  is_causal=mask_B1TS is None, enable_gqa=True)
+        if past is not None and past[0].dtype == torch.float32:  # a drafter cache at inference (drafted_attention)
+            out_BHTD = drafted_attention(q_BHTD, torch.cat([past[0], k_BHTD.to(past[0].dtype)], dim=2),
+                                         torch.cat([past[1], v_BHTD.to(past[1].dtype)], dim=2), mask_B1TS)
+        else:
+            k_BHSD = k_BHTD if past is None else torch.cat([past[0], k_BHTD], dim=2)
+            v_BHSD = v_BHTD if past is None else torch.cat([past[1], v_BHTD], dim=2)
+            out_BHTD = F.scaled_dot_product_attention(q_BHTD, k_BHSD, v_BHSD, attn_mask=mask_B1TS,
+                                                      is_causal=mask_B1TS is None, enable_gqa=True)
         return linear(self.o_proj, out_BHTD.transpose(1, 2).reshape(B, T, -1)), (k_BHTD, v_BHTD)
+
+
+def drafted_attention(q_BHTD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor, mask_B1TS: torch.Tensor
+                      ) -> torch.Tensor:
+    """Attention over a drafter cache that holds float32 keys and values (on CPU, whatever the weights' dtype, as
+    the target's cache: ``EagleDrafter``), in the queries' dtype: on eyas's kernel (``eyas.models.attention``)
+    where it serves, else SDPA in float32. torch's bfloat16 SDPA on CPU took ~0.3 ms a call at a few hundred
+    cached slots (smollm2's drafter), several times the float32 kernel's cost."""
+    q_BHTD32 = q_BHTD.to(k_BGSD.dtype)
+    if attention.applies(q_BHTD32, k_BGSD):
+        return attention.attend(q_BHTD32, k_BGSD, v_BGSD, mask_B1TS, causal=False).to(q_BHTD.dtype)
+    return F.scaled_dot_product_attention(q_BHTD32, k_BGSD, v_BGSD, attn_mask=mask_B1TS,
+                                          enable_gqa=True).to(q_BHTD.dtype)
 
 
 class DraftLayer(nn.Module):
@@ -130,8 +148,9 @@ class EagleModel(InferencePacking, nn.Module):
     """What EAGLE-1 and EAGLE-3 share; a family defines ``target_taps``, ``initial_hidden``, ``step``,
     ``draft_probs`` and ``training_loss``.
 
-    step(tokens_BT, hidden_BTE, positions_BT, past, mask_B1TS) -> (hidden_out_BTE, logits_BTX, new (k, v)):
-    one drafter pass; hidden_out is both the state fed to the next draft step and what the logits are read from.
+    step(tokens_BT, hidden_BTE, positions_BT, past, mask_B1TS, last_logits=False) -> (hidden_out_BTE, logits_BTX,
+    new (k, v)): one drafter pass; hidden_out is both the state fed to the next draft step and what the logits are
+    read from (``last_logits``: the last position's alone, [B, 1, X]: a drafter's prefill needs no others).
     """
 
     drafter_type: str = ""

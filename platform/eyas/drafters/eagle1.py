@@ -78,11 +78,12 @@ class Eagle1Model(FrozenReadout, EagleModel):
         return taps[self.target_config.num_layers]
 
     def step(self, tokens_BT: torch.Tensor, hidden_BTE: torch.Tensor, positions_BT: torch.Tensor,
-             past: KV | None, mask_B1TS: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, KV]:
+             past: KV | None, mask_B1TS: torch.Tensor | None, last_logits: bool = False
+             ) -> tuple[torch.Tensor, torch.Tensor, KV]:
         x_BTE = linear(self.fc, torch.cat([self.embed(tokens_BT), hidden_BTE.to(self.dtype)], dim=-1))
         cos_BTD, sin_BTD = self.rope(positions_BT)
         feature_BTE, kv = self.layer(x_BTE, None, cos_BTD, sin_BTD, past, mask_B1TS)
-        return feature_BTE, self.readout(feature_BTE), kv
+        return feature_BTE, self.readout(feature_BTE[:, -1:] if last_logits else feature_BTE), kv
 
     def training_loss(self, batch: TrainBatch, features: TargetFeatures) -> tuple[torch.Tensor, dict[str, float]]:
         config = self.config

@@ -120,9 +120,10 @@ class Eagle3Model(EagleModel):
         return linear(self.fc, concat_TF)
 
     def step(self, tokens_BT: torch.Tensor, hidden_BTE: torch.Tensor, positions_BT: torch.Tensor,
-             past: KV | None, mask_B1TS: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, KV]:
+             past: KV | None, mask_B1TS: torch.Tensor | None, last_logits: bool = False
+             ) -> tuple[torch.Tensor, torch.Tensor, KV]:
         out_BTE, kv = self.layer_pass(tokens_BT, hidden_BTE, positions_BT, past, mask_B1TS)
-        return self.carry(out_BTE), self.readout(out_BTE), kv
+        return self.carry(out_BTE), self.readout(out_BTE[:, -1:] if last_logits else out_BTE), kv
 
     def layer_pass(self, tokens_BT: torch.Tensor, hidden_BTE: torch.Tensor, positions_BT: torch.Tensor,
                    past: KV | None, mask_B1TS: torch.Tensor | None) -> tuple[torch.Tensor, KV]:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eyas.decoding.tree import DraftTree, PartialTree
+from eyas.decoding.tree import DraftTree, PartialTree, SparseProbs
 from eyas.drafters.eagle import EagleModel
 from eyas.drafters.trees import EXPAND_MODES, TreeSpec, grow_tree
 from eyas.models.cache import KVCache
@@ -20,7 +20,7 @@ from eyas.models.cache import KVCache
 class _Node:
     slot: int | None  # the node's K/V slot in the drafter cache (None: the root, whose entry is committed)
     hidden_E: torch.Tensor  # the drafter output at this node: the state its children read
-    probs_V: torch.Tensor  # the draft distribution over the target vocab for its children
+    probs_V: torch.Tensor | SparseProbs  # the draft distribution over the target vocab for its children
 
 
 
@@ -80,9 +80,11 @@ class EagleDrafter:
         return self.max_len + self.tree.max_expanded
 
     def _new_cache(self, num_slots: int) -> KVCache:
-        config = self.model.layer_config
-        return KVCache(1, 1, config.num_kv_heads, min(num_slots, self._max_slots), config.head_dim,
-                       self.model.dtype, self.model.inv_freq.device)
+        """On CPU the cache holds float32 whatever the weights' dtype, as the target's does, and attention runs on
+        eyas's float32 kernel (``eagle.drafted_attention``)."""
+        config, device = self.model.layer_config, self.model.inv_freq.device
+        dtype = torch.float32 if device.type == "cpu" else self.model.dtype
+        return KVCache(1, 1, config.num_kv_heads, min(num_slots, self._max_slots), config.head_dim, dtype, device)
 
     @torch.no_grad()
     def propose(self, root_token: int, context_ids: list[int], temperature: float = 0.0,
@@ -111,18 +113,22 @@ class EagleDrafter:
         mask_TS = torch.ones(T, C + T, dtype=torch.bool, device=device)
         mask_TS[:, C:] = torch.ones(T, T, dtype=torch.bool, device=device).tril()
         positions_T = torch.arange(C, C + T, device=device)
-        out_TE, probs_TV = self._run(torch.tensor(tokens, device=device), hidden_TE, positions_T, mask_TS)
+        out_TE, probs_1V = self._run(torch.tensor(tokens, device=device), hidden_TE, positions_T, mask_TS,
+                                     last_logits=True)  # the root's distribution alone: its children's
         self._num_committed = C + T
         self._root_position = C + T - 1
-        self._nodes = {0: _Node(None, out_TE[-1], probs_TV[-1])}
+        self._nodes = {0: _Node(None, out_TE[-1], probs_1V[0])}
 
     @torch.no_grad()
-    def expand(self, parent_ids: list[int], partial: PartialTree) -> torch.Tensor:
+    def expand(self, parent_ids: list[int], partial: PartialTree) -> torch.Tensor | SparseProbs:
         """probs_PV: the draft distribution for the children of each parent (running those not yet run)."""
         todo = [n for n in dict.fromkeys(parent_ids) if n not in self._nodes]
         if todo:
             self._run_nodes(todo, partial)
-        return torch.stack([self._nodes[n].probs_V for n in parent_ids])
+        rows = [self._nodes[n].probs_V for n in parent_ids]
+        if isinstance(rows[0], SparseProbs):
+            return SparseProbs(torch.stack([row.probs_PX for row in rows]), rows[0].d2t_X, rows[0].vocab_size)
+        return torch.stack(rows)
 
     def _run_nodes(self, nodes: list[int], partial: PartialTree) -> None:
         assert self.cache is not None
@@ -144,18 +150,24 @@ class EagleDrafter:
             self._nodes[node] = _Node(S + row, out_PE[row], probs_PV[row])
 
     def _run(self, tokens_P: torch.Tensor, hidden_PE: torch.Tensor, positions_P: torch.Tensor,
-             mask_PS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One drafter pass over P new entries appended to the cache; returns (hidden_out_PE, probs_PV)."""
+             mask_PS: torch.Tensor, last_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor | SparseProbs]:
+        """One drafter pass over P new entries appended to the cache; returns (hidden_out_PE, probs_PV), the
+        distributions of the last entry alone with ``last_logits``. Over a reduced draft vocabulary probs_PV is a
+        SparseProbs: the tree ranks its X entries, not all V (decoding/tree.py)."""
         assert self.cache is not None
         self.cache.ensure_room(tokens_P.shape[0], limit=self._max_slots)  # it starts small and doubles
         S, P = self.cache.lengths[0], tokens_P.shape[0]
         past = self.cache.view(0, S) if S else None
         out_1PE, logits_1PX, (k_1HPD, v_1HPD) = self.model.step(tokens_P[None], hidden_PE[None], positions_P[None],
-                                                                past, mask_PS[None, None])
+                                                                past, mask_PS[None, None], last_logits)
         self.cache.begin(P)
         self.cache.write(0, k_1HPD, v_1HPD)
         self.cache.finish(P)
-        return out_1PE[0], self.model.draft_probs(logits_1PX[0])
+        if self.model.draft_vocab is None:
+            return out_1PE[0], self.model.draft_probs(logits_1PX[0])
+        # the softmax draft_probs takes (vocab.to_target_probs), without spreading it over V
+        return out_1PE[0], SparseProbs(logits_1PX[0].float().softmax(-1), self.model.d2t,
+                                       self.model.target_config.vocab_size)
 
     def _rollback(self) -> None:
         """Drop the tree's slots: the cache ends at the committed prefix again."""

@@ -252,3 +252,22 @@ def test_block_heap_matches_enumeration(seed, num_positions, vocab, num_nodes):
     for i in range(1, tree.num_nodes):
         assert torch.equal(tree.draft_probs_NV[i], probs_KV[tree.depth_N[i] - 1])
     assert tree.scores_N[1:].tolist() == sorted(tree.scores_N[1:].tolist(), reverse=True)  # added best first
+
+
+def test_sparse_probs_rank_as_the_dense_tensor_does():
+    """SparseProbs.top is dense().topk: from the X entries where the top k + 1 are distinct and positive, through
+    the dense tensor on ties, zeros and k past X; rows and dense() place the probabilities at their target ids."""
+    from eyas.decoding.tree import SparseProbs, dense_probs
+    d2t_X = torch.tensor([1, 4, 5, 9])
+    probs_PX = torch.tensor([[0.1, 0.4, 0.3, 0.2], [0.25, 0.25, 0.5, 0.0], [0.0, 0.0, 1.0, 0.0]])
+    sparse = SparseProbs(probs_PX, d2t_X, 12)
+    dense_PV = torch.zeros(3, 12)
+    dense_PV[:, d2t_X] = probs_PX
+    assert sparse.shape == (3, 12) and sparse.dim() == 2 and torch.equal(sparse.dense(), dense_PV)
+    assert torch.equal(dense_probs(sparse[1]), dense_PV[1]) and dense_probs(dense_PV) is dense_PV
+    for k in range(1, 13):
+        want_values, want_tokens = dense_PV.topk(k, dim=-1)
+        values, tokens = sparse.top(k)
+        assert torch.equal(values, want_values) and torch.equal(tokens, want_tokens), k
+    distinct = SparseProbs(probs_PX[:1], d2t_X, 12)
+    assert distinct.top(2)[1].tolist() == [[4, 5]]

@@ -12,7 +12,7 @@ from eyas.drafters.eagle1 import Eagle1Config, Eagle1Model
 from eyas.drafters.eagle3 import Eagle3Config, Eagle3Model, eagle3_taps
 from eyas.drafters.vocab import build_draft_vocab
 from eyas.drafters.trees import TreeSpec
-from eyas.decoding.tree import PartialTree
+from eyas.decoding.tree import PartialTree, dense_probs
 from eyas.models.features import target_features
 
 
@@ -63,7 +63,7 @@ def test_training_unroll_equals_inference_chain(target, family):
     drafter.advance(tokens[anchor + 1])
     partial, node = PartialTree(tokens[anchor + 1]), 0
     for j, (_, logits_BTX) in enumerate(steps):
-        probs_V = drafter.expand([node], partial)[0]
+        probs_V = dense_probs(drafter.expand([node], partial))[0]
         torch.testing.assert_close(probs_V, model.draft_probs(logits_BTX[0, anchor]), atol=1e-5, rtol=1e-4)
         node = partial.add(node, tokens[anchor + 2 + j], 1.0, probs_V)
 

@@ -117,3 +117,46 @@ def test_packed_linears_draft_what_the_plain_ones_do_and_leave_training_alone(se
     _, grad_logits_BTX, _ = model.step(tokens_BT, hidden_BTE, positions_BT, None, None)  # gradients on: parameters
     grad_logits_BTX.sum().backward()
     assert model.lm_head.weight.grad is not None and model.layer.self_attn.q_proj.weight.grad is not None
+
+
+@pytest.mark.parametrize("mode", list(TREES))
+def test_sparse_draft_probs_grow_the_trees_dense_ones_do(setup, mode, monkeypatch):
+    """The drafter hands the builders its draft-vocabulary distributions (SparseProbs): every tree, its tokens,
+    scores and draft rows, is bit for bit the one grown from the dense [V] distributions (vocab.to_target_probs)."""
+    target, model, prompt = setup["target"], setup["model"], setup["prompts"][0]
+
+    def trees() -> list:
+        drafter = EagleDrafter(model, TREES[mode])
+        out = []
+        generate(target, prompt, 24, _Recorder(drafter, out))
+        return out
+
+    sparse = trees()
+    from eyas.drafters import eagle_drafter
+    dense_step = eagle_drafter.EagleDrafter._run
+
+    def dense_run(self, *args, **kwargs):
+        out_PE, probs = dense_step(self, *args, **kwargs)
+        return out_PE, probs.dense()
+
+    monkeypatch.setattr(eagle_drafter.EagleDrafter, "_run", dense_run)
+    dense = trees()
+    assert len(sparse) == len(dense) > 3
+    for a, b in zip(sparse, dense):
+        assert a.tokens_list == b.tokens_list and a.parents_list == b.parents_list
+        assert torch.equal(a.scores_N, b.scores_N) and torch.equal(a.draft_probs_NV, b.draft_probs_NV)
+
+
+class _Recorder:
+    """A drafter that keeps every tree it proposes."""
+
+    def __init__(self, drafter: EagleDrafter, trees: list) -> None:
+        self.drafter, self.trees = drafter, trees
+
+    def __getattr__(self, name):
+        return getattr(self.drafter, name)
+
+    def propose(self, *args):
+        tree = self.drafter.propose(*args)
+        self.trees.append(tree)
+        return tree
