@@ -15,6 +15,7 @@ import concurrent.futures
 import json
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -356,17 +357,36 @@ def test_jobs_load_measures_spec_and_vanilla(serve_port, random_checkpoint, tmp_
     assert "load-vanilla" not in serve.status().applications  # both deleted after the run
 
 
+def random_eagle3(target_dir: Path, directory: Path) -> Path:
+    """An untrained EAGLE-3 checkpoint for the target at ``target_dir``."""
+    import torch
+
+    from eyas.drafters.registry import build_model, save_drafter
+    from eyas.models import load_target
+
+    target = load_target(target_dir)
+    torch.manual_seed(0)
+    model = build_model("eagle3", None, target, token_counts_V=torch.ones(target.config.vocab_size))
+    return save_drafter(model, directory, target_dir)
+
+
+@pytest.mark.parametrize("method", ["suffix", "hybrid"])
 @pytest.mark.parametrize("share", [True, False])
 def test_jobs_load_passes_draft_more_the_second_time_only_with_shared_answers(serve_port, random_checkpoint,
-                                                                             tmp_path, share):
-    """``--passes 2`` sends the same traffic twice to one replica of the suffix method: with its shared index of
-    finished answers on, pass 2 drafts from pass 1's answers (tau rises); with it off both passes draft alike; every
-    answer of every pass is vanilla's."""
+                                                                             tmp_path, share, method):
+    """``--passes 2`` sends the same traffic twice to one replica of the suffix method, or of the hybrid of the
+    suffix index and EAGLE-3: with its shared index of finished answers on, pass 2 drafts from pass 1's answers
+    (tau rises); with it off both passes draft alike; every answer of every pass is vanilla's."""
     from jobs import load
 
+    spec = "{method: suffix, num_nodes: 8}"
+    if method == "hybrid":  # no cost_cut here: its trees follow timings, and the passes must draft alike
+        drafter = random_eagle3(random_checkpoint, tmp_path / "eagle3")
+        spec = (f"{{method: hybrid, proposers: [suffix, eagle3], drafter: {drafter}, tree: chain, depth: 1, "
+                "num_nodes: 8, learned_below: 0.4}")
     out = tmp_path / "load.json"
     assert load.main(["--config", str(REPO_ROOT / "serving" / "configs" / "micro.yaml"), "--target",
-                      str(random_checkpoint), "--port", str(serve_port), "--arg", "spec={method: suffix, num_nodes: 8}",
+                      str(random_checkpoint), "--port", str(serve_port), "--arg", f"spec={spec}",
                       "--arg", f"share_answers={str(share).lower()}", "--concurrency", "1", "--passes", "2",
                       "--suite", "code", "--num-prompts", "3", "--requests-per-level", "3", "--max-tokens", "24",
                       "--out", str(out)]) == 0
