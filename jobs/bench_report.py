@@ -104,7 +104,7 @@ def settings(spec: dict | None) -> str:
     """A spec's non-default tree settings, short (``4 nodes, depth 3, top-4``)."""
     if not spec or spec.get("method") == "vanilla":
         return ""
-    parts = []
+    parts = [" + ".join(spec["proposers"])] if spec.get("proposers") else []
     if spec.get("tree"):
         parts.append(spec["tree"])
     if spec.get("num_nodes") is not None:
@@ -120,6 +120,10 @@ def settings(spec: dict | None) -> str:
         parts.append(f"{spec['max_matches']} matches")
     if spec.get("datastore"):
         parts.append(f"datastore {' + '.join(spec['datastore'])}")
+    if spec.get("learned_below") is not None:
+        parts.append(f"learned below {spec['learned_below']}")
+    if spec.get("cost_cut"):
+        parts.append("cost cut")
     return ", ".join(parts) or "defaults"
 
 

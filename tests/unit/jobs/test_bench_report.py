@@ -124,3 +124,10 @@ def test_a_fresh_run_writes_its_report(random_checkpoint, tmp_path, eyas_home):
     assert "| method | settings | custom speedup | custom tau |" in text
     assert row(text, "ngram").startswith("| ngram | 3 tokens a match | ")
     assert "![speedup and tau per method, bench](bench.png)" in text
+
+
+def test_a_hybrid_row_names_its_proposers_and_its_cost_settings():
+    spec = {"method": "hybrid", "proposers": ["suffix", "eagle3"], "tree": "chain", "depth": 1, "num_nodes": 8,
+            "learned_below": 0.4, "cost_cut": True}
+    assert bench_report.settings(spec) == "suffix + eagle3, chain, 8 nodes, depth 1, learned below 0.4, cost cut"
+    assert bench_report.settings({"method": "ngram", "num_draft": 8}) == "8 tokens a match"
