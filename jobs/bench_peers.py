@@ -225,6 +225,7 @@ def plan(engines: list[str], dtypes: list[str], threads: list[int | str]) -> lis
 
 
 def run(args: argparse.Namespace) -> dict:
+    commit = git_commit()  # the code this process imported, not HEAD after a long run
     target_path = str(resolve_path(args.target))
     engines = parse_list(args.engines, ENGINES, "--engines")
     dtypes = parse_list(args.dtypes, DTYPES, "--dtypes")
@@ -252,7 +253,7 @@ def run(args: argparse.Namespace) -> dict:
     references = {m.dtype: m.outputs for m in measured if m.engine == "eyas"}
     rows = [m.row(references.get(m.dtype)) for m in measured]
     features = cpu_features()
-    return {"commit": git_commit(),
+    return {"commit": commit,
             "machine": {"cpu_model": features.model, "cpu_features": features.to_dict(), "num_cpus": os.cpu_count(),
                         "load_start": loadavg()},
             "config": {"target": target_path, "engines": engines, "dtypes": dtypes, "threads": threads,

@@ -232,6 +232,7 @@ def parse_levels(text: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    commit = git_commit()  # the code this process imported, not HEAD after a long run
     engines = parse_list(args.engines, ENGINES, "--engines")
     methods = parse_list(args.methods, METHODS, "--methods")
     levels = parse_levels(args.concurrency)
@@ -255,7 +256,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             rows += run_engine(engine, methods, cell, prompts, args)
     same_as_vanilla(rows)
     settings = {e: {m: SETTINGS[e][m].format(n=args.num_draft) for m in methods} for e in engines}
-    return {"commit": git_commit(),
+    return {"commit": commit,
             "machine": {"cpu_features": cpu_features().to_dict(), "num_cpus": os.cpu_count(),
                         "load_start": loadavg()},
             "config": {"command": " ".join(["python -m jobs.load_peers", *sys.argv[1:]]), "target": str(target_dir),
