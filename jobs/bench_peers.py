@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
 import json
 import os
 import sys
@@ -42,12 +41,12 @@ from transformers import AutoConfig
 from eyas.config import ConfigError, eyas_home, resolve_path
 from eyas.cpu import cpu_features
 from eyas.decoding.generate import generate
-from eyas.files import write_text_atomic
 from eyas.models import load_target, load_tokenizer, torch_dtype
 from eyas.threads import OPENMP_KNOBS, configure_threads
 from jobs.bench import git_commit, load_prompts
 from jobs.bench_peers_report import DTYPES, ENGINE_DTYPES, ENGINE_NAMES, ENGINES, GGUF_TYPE, markdown, summary
 from jobs.peers import llamacpp
+from jobs.peers.cli import add_report_args, cpu_lock, loadavg, parse_list, report_main
 
 
 @dataclass
@@ -89,13 +88,6 @@ class Measurement:
 # -- the engines ---------------------------------------------------------------------------------------------------
 
 Prompts = dict[str, list[list[int]]]  # suite -> prompt token ids
-
-
-def loadavg() -> list[float]:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return []
 
 
 def run_eyas(target_path: str, dtype: str, threads: int | str, prompts: Prompts, max_new_tokens: int,
@@ -194,31 +186,6 @@ def run_vllm(vllm, target_path: str, dtype: str, threads: int, prompts: Prompts,
 
 # -- the run -------------------------------------------------------------------------------------------------------
 
-@contextlib.contextmanager
-def cpu_lock(path: str | None):
-    """Hold ``path``'s exclusive flock for one measurement (None: no lock). On a shared machine each engine is then
-    timed while the other lock-takers wait, and none of them waits for the whole run."""
-    if path is None:
-        yield
-        return
-    with open(path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def parse_list(text: str, known: tuple[str, ...] | None, flag: str) -> list[str]:
-    items = [x.strip() for x in text.split(",") if x.strip()]
-    if not items:
-        raise ConfigError(f"{flag}: empty")
-    unknown = [x for x in items if known is not None and x not in known]
-    if unknown:
-        raise ConfigError(f"{flag}: unknown {unknown}; known: {list(known)}")
-    return items
-
-
 EYAS_POLICY = "auto"  # --threads item: eyas's own thread policy (eyas.threads: its kernels adapt), eyas only
 
 
@@ -258,6 +225,7 @@ def plan(engines: list[str], dtypes: list[str], threads: list[int | str]) -> lis
 
 
 def run(args: argparse.Namespace) -> dict:
+    commit = git_commit()  # the code this process imported, not HEAD after a long run
     target_path = str(resolve_path(args.target))
     engines = parse_list(args.engines, ENGINES, "--engines")
     dtypes = parse_list(args.dtypes, DTYPES, "--dtypes")
@@ -285,7 +253,7 @@ def run(args: argparse.Namespace) -> dict:
     references = {m.dtype: m.outputs for m in measured if m.engine == "eyas"}
     rows = [m.row(references.get(m.dtype)) for m in measured]
     features = cpu_features()
-    return {"commit": git_commit(),
+    return {"commit": commit,
             "machine": {"cpu_model": features.model, "cpu_features": features.to_dict(), "num_cpus": os.cpu_count(),
                         "load_start": loadavg()},
             "config": {"target": target_path, "engines": engines, "dtypes": dtypes, "threads": threads,
@@ -296,7 +264,8 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m jobs.bench_peers", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engines", default=",".join(ENGINES))
     parser.add_argument("--dtypes", default=",".join(DTYPES))
     parser.add_argument("--threads", default="1,2,auto", help="thread counts each engine runs at, joined by commas; "
@@ -306,28 +275,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--target", default=str(eyas_home() / "targets" / "smollm2-135m"))
     parser.add_argument("--gguf-dir", default=str(eyas_home() / "gguf"), help="where the target's GGUFs are cached")
-    parser.add_argument("--out", default="bench_peers.json")
-    parser.add_argument("--report", help="write the Markdown tables here too")
-    parser.add_argument("--lock", metavar="FILE", help="take this flock for each measurement (a shared machine's "
-                        "CPU lock), not for the whole run")
-    parser.add_argument("--from", dest="source", metavar="JSON", help="render this bench_peers.json; measure nothing")
+    add_report_args(parser, "bench_peers.json", lock_help="for each measurement")
     args = parser.parse_args(argv)
     args.prompts_file = None  # jobs.bench.load_prompts' other source
-    try:
-        if args.source:
-            report = json.loads(Path(args.source).read_text())
-        else:
-            report = run(args)
-            write_text_atomic(Path(args.out), json.dumps(report, indent=2))
-            print(f"[bench_peers] wrote {args.out}", file=sys.stderr)
-        text = markdown(report)
-        if args.report:
-            write_text_atomic(Path(args.report), text)
-        print(text)
-        return 0
-    except (ConfigError, FileNotFoundError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    return report_main(args, "bench_peers", run, markdown)
 
 
 if __name__ == "__main__":

@@ -46,16 +46,17 @@ from eyas.config import ConfigError, eyas_home, resolve_path
 from eyas.cpu import cpu_features
 from eyas.datasets import SUITES, suite_prompts
 from eyas.decoding.tp import free_port
-from eyas.files import writable_path, write_text_atomic
+from eyas.files import writable_path
 from eyas.methods import resolve_checkpoint
-from eyas.models import CheckpointError, load_tokenizer
+from eyas.models import load_tokenizer
 from eyas_ray.cluster import init_ray
 from eyas_ray.deploy import run_config
 from jobs.bench import git_commit
-from jobs.bench_peers import cpu_lock, loadavg, target_gguf, without_openmp_policy
+from jobs.bench_peers import target_gguf, without_openmp_policy
 from jobs.export import export_drafter
 from jobs.load_peers_report import ENGINES, METHODS, markdown
 from jobs.peers import llamacpp, vllm
+from jobs.peers.cli import add_report_args, cpu_lock, loadavg, parse_list, report_main
 from jobs.peers.endpoint import measure
 
 NGRAM_DRAFT = 4        # tokens an ngram cell drafts, in every engine
@@ -180,14 +181,6 @@ SETTINGS = {
 
 # -- the run ---------------------------------------------------------------------------------------------------------
 
-def parse_list(text: str, known: tuple[str, ...], flag: str) -> list[str]:
-    items = list(dict.fromkeys(x.strip() for x in text.split(",") if x.strip()))
-    unknown = [x for x in items if x not in known]
-    if not items or unknown:
-        raise ConfigError(f"{flag} {text!r}: name one or more of {list(known)}")
-    return items
-
-
 def load_prompts(args: argparse.Namespace, target_dir: Path) -> list[str]:
     """--prompts-file's prompts, else the suite's (chat prompts in the target's chat template, as text)."""
     if args.prompts_file:
@@ -239,6 +232,7 @@ def parse_levels(text: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    commit = git_commit()  # the code this process imported, not HEAD after a long run
     engines = parse_list(args.engines, ENGINES, "--engines")
     methods = parse_list(args.methods, METHODS, "--methods")
     levels = parse_levels(args.concurrency)
@@ -262,7 +256,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             rows += run_engine(engine, methods, cell, prompts, args)
     same_as_vanilla(rows)
     settings = {e: {m: SETTINGS[e][m].format(n=args.num_draft) for m in methods} for e in engines}
-    return {"commit": git_commit(),
+    return {"commit": commit,
             "machine": {"cpu_features": cpu_features().to_dict(), "num_cpus": os.cpu_count(),
                         "load_start": loadavg()},
             "config": {"command": " ".join(["python -m jobs.load_peers", *sys.argv[1:]]), "target": str(target_dir),
@@ -291,31 +285,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--requests-per-level", type=int, default=8, help="requests at each concurrency (at least c)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--workdir", default="out/load_peers", help="exports and GGUFs go here")
-    parser.add_argument("--lock", metavar="FILE", help="take this flock around each cell (a shared machine's CPU "
-                        "lock), not the whole run")
-    parser.add_argument("--out", default="load_peers.json")
-    parser.add_argument("--report", help="write the Markdown tables here too")
-    parser.add_argument("--from", dest="source", metavar="JSON", help="render this load_peers.json; measure nothing")
+    add_report_args(parser, "load_peers.json", lock_help="around each cell")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    try:
-        if args.source:
-            report = json.loads(Path(args.source).read_text())
-        else:
-            report = run(args)
-            write_text_atomic(Path(args.out), json.dumps(report, indent=2))
-            print(f"[load_peers] wrote {args.out}", file=sys.stderr)
-        text = markdown(report)
-        if args.report:
-            write_text_atomic(Path(args.report), text)
-        print(text)
-        return 0
-    except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    return report_main(parse_args(argv), "load_peers", run, markdown)
 
 
 if __name__ == "__main__":

@@ -5,4 +5,7 @@ One module per engine, each with the same shape: ``<engine>_python()`` or the bi
 the make target that builds it), the environment it runs in, and a context manager ``<engine>_server(...)`` that
 starts the engine's OpenAI-compatible server, waits for its /health with progress output, yields the base URL
 (``http://127.0.0.1:PORT``, the OpenAI API under ``/v1``) and always kills it.
+
+``cli`` holds what the peer benches (jobs.bench_peers, jobs.load_peers) share around their measurements: the
+--out/--report/--from/--lock flags and the ``main`` that measures or re-renders, their lists, the CPU lock.
 """

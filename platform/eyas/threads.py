@@ -24,7 +24,8 @@ that core while the others spin against it, and a decode step runs 3-10x slower.
   is the policy's own choice (source ``cores-1``), they use every core while the machine is quiet, and one core fewer
   while other processes keep more than half a core of ours busy (``ThreadGovernor``: it reads ``/proc/stat`` at
   most every ``EYAS_THREAD_INTERVAL_S`` seconds, 0.5 by default, from the thread that computes). torch's own count
-  (prefill, training, ops over many rows) stays fixed, so nothing whose bits depend on the count ever changes.
+  (training, ops over many rows) stays fixed, so nothing whose bits depend on the count ever changes; where the
+  kernels adapt, a long prefill runs on them too, in chunks of a verify's rows (``kernels_adapt``).
   An explicit count, ``OMP_NUM_THREADS`` or a Ray budget fixes the kernels' count too; ``EYAS_ADAPTIVE_THREADS=0``
   switches adaptation off.
 
@@ -161,6 +162,14 @@ def configure_threads(num_threads: int | None = None, cpu_budget: float | None =
     _configured = ThreadSettings(policy, count, source, cores, openmp_variables(),
                                  (count, cores) if adapts else None)
     return _configured
+
+
+def kernels_adapt() -> bool:
+    """Whether eyas's kernels' thread count adapts (``configure_threads``: the policy's own count, so the governor may
+    give them more cores than torch's fixed count has). A long prefill then runs on them in chunks
+    (``eyas.models.fused.FusedLayers.chunk``): torch's count would leave the extra core idle. Fixed for the process
+    until the next ``configure_threads``, so a prompt's bits never depend on the machine's load."""
+    return _governor is not None
 
 
 def kernel_threads() -> int:

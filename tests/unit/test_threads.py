@@ -135,8 +135,9 @@ def test_only_the_policys_own_count_adapts_and_torch_keeps_its_count(clean_env):
         settings = threads.configure_threads()  # cores-1 of 4: the kernels adapt between 3 and 4
         assert (settings.num_threads, settings.source, settings.kernel_threads) == (3, "cores-1", (3, 4))
         assert torch.get_num_threads() == 3 and threads.kernel_threads() in (3, 4)
+        assert threads.kernels_adapt()  # a long prefill then runs on the kernels (eyas.models.fused.chunk)
         assert threads.configure_threads(num_threads=2).kernel_threads is None  # an explicit count is fixed
-        assert threads.kernel_threads() == torch.get_num_threads() == 2
+        assert threads.kernel_threads() == torch.get_num_threads() == 2 and not threads.kernels_adapt()
         assert threads.configure_threads(cpu_budget=2).kernel_threads is None  # a Ray budget too
         clean_env.setenv(threads.ADAPTIVE_VAR, "0")
         assert threads.configure_threads().kernel_threads is None

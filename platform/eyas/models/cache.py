@@ -116,6 +116,18 @@ class KVCache:
         """Number of slots attention must read during the current forward."""
         return max(self.starts) + num_new
 
+    def window_mask(self, positions_BT: torch.Tensor, span: int, window: int) -> torch.Tensor:
+        """[B, T, S]: True where the key lies inside the query's sliding window (query_pos - key_pos < window).
+
+        A cached slot s holds position s (rows start at position 0 and ``keep`` compacts them); the new slot
+        start_b + j holds positions_BT[b, j] (a tree node sits at prefix_len + depth, not at its slot).
+        """
+        B, T = positions_BT.shape
+        key_pos_BS = torch.arange(span, device=positions_BT.device).repeat(B, 1)
+        for b, start in enumerate(self.starts):
+            key_pos_BS[b, start:start + T] = positions_BT[b]
+        return (positions_BT[:, :, None] - key_pos_BS[:, None, :]) < window
+
     def view(self, layer: int, span: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_LBHSD[layer, :, :, :span], self.v_LBHSD[layer, :, :, :span]
 

@@ -347,20 +347,8 @@ class Decoder(nn.Module):
                 full_BTS[b, :, :start] = True
                 full_BTS[b, :, start:start + num_new] = new_BTT[b]
         if windowed:
-            full_BTS = full_BTS & self.window_mask(cache, positions_BT, span)
+            full_BTS = full_BTS & cache.window_mask(positions_BT, span, window)
         return full_BTS.unsqueeze(1), False
-
-    def window_mask(self, cache: KVCache, positions_BT: torch.Tensor, span: int) -> torch.Tensor:
-        """[B, T, S]: True where the key lies inside the query's sliding window (query_pos - key_pos < window).
-
-        A cached slot s holds position s (rows start at position 0 and ``keep`` compacts them); the new slot
-        start_b + j holds positions_BT[b, j] (a tree node sits at prefix_len + depth, not at its slot).
-        """
-        B, T = positions_BT.shape
-        key_pos_BS = torch.arange(span, device=positions_BT.device).repeat(B, 1)
-        for b, start in enumerate(cache.starts):
-            key_pos_BS[b, start:start + T] = positions_BT[b]
-        return (positions_BT[:, :, None] - key_pos_BS[:, None, :]) < self.config.sliding_window
 
     def forward(self, tokens_BT: torch.Tensor, positions_BT: torch.Tensor, cache: KVCache,
                 mask: torch.Tensor | None = None, taps: Iterable[int] = (),
@@ -370,11 +358,26 @@ class Decoder(nn.Module):
         mask: bool, True = attend. Either [T, T] / [B, T, T] over the new tokens (cached slots always
         visible) or [B, T, S] over cached + new slots. Default: causal over the new tokens.
         logits_slice: compute logits only for these new positions (e.g. ``slice(-1, None)`` in prefill).
+        A longer causal prefill runs through the fused layers in chunks (``FusedLayers.chunk``).
         """
         B, T = tokens_BT.shape
         assert positions_BT.shape == (B, T), f"positions_BT {tuple(positions_BT.shape)} != tokens {(B, T)}"
         assert B == cache.batch_size, f"batch {B} != cache batch {cache.batch_size}"
         taps = tuple(taps)
+        step = self._fused.chunk(B, T, mask) if self._fused is not None else T
+        parts = [self._layers(tokens_BT[:, s:s + step], positions_BT[:, s:s + step], cache, mask, taps)
+                 for s in range(0, T, step)]
+        x_BTE, hidden = parts[0] if len(parts) == 1 else (torch.cat([x for x, _ in parts], dim=1),
+                                                           {i: torch.cat([h[i] for _, h in parts], dim=1)
+                                                            for i in parts[0][1]})
+        if logits_slice is not None:
+            x_BTE = x_BTE[:, logits_slice]
+        return (self.lm_head.packed or self.lm_head)(x_BTE), hidden
+
+    def _layers(self, tokens_BT: torch.Tensor, positions_BT: torch.Tensor, cache: KVCache,
+                mask: torch.Tensor | None, taps: tuple[int, ...]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """(hidden_BTE after the final norm, taps) of the new tokens, appended to ``cache``."""
+        T = tokens_BT.shape[1]
         cache.begin(T)
         span = cache.span(T)
         mask_B1TS, causal = self.build_mask(cache, T, span, mask, positions_BT)
@@ -394,6 +397,4 @@ class Decoder(nn.Module):
             if self.config.num_layers in taps:
                 hidden[self.config.num_layers] = x_BTE
         cache.finish(T)
-        if logits_slice is not None:
-            x_BTE = x_BTE[:, logits_slice]
-        return (self.lm_head.packed or self.lm_head)(x_BTE), hidden
+        return x_BTE, hidden

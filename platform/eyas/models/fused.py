@@ -9,7 +9,9 @@ token verified among others gets the bits a decode step gives it, at any thread 
 
 It serves a target that ``Decoder.fuse`` laid out on the panel kernel, with no gradient wanted, up to
 ``panels.MAX_ROWS`` rows, no tensor parallelism and no q/k norm (Qwen3 keeps torch's ops); ``EYAS_FUSED=0`` turns it
-off. Longer prefills and everything else run the layers in torch (``eyas.models.decoder``).
+off. A longer causal prefill passes through in chunks of ``panels.MAX_ROWS`` rows where the kernels' thread count
+adapts (``chunk``); everything else (a longer forward at a fixed count, a longer masked one, gradients) runs the
+layers in torch (``eyas.models.decoder``).
 
 Shape legend: B batch, T new tokens, N = B * T rows, E hidden, P positions, D head dim.
 """
@@ -22,7 +24,7 @@ from pathlib import Path
 import torch
 
 from eyas.models import attention, kernels, panels
-from eyas.threads import kernel_threads
+from eyas.threads import kernel_threads, kernels_adapt
 
 SOURCE = Path(__file__).with_name("forward.c")
 _LAYER_FIELDS = ("input_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "gate_up", "gate_up_bias", "down",
@@ -104,6 +106,20 @@ class FusedLayers:
 
     def applies(self, x_BTE: torch.Tensor) -> bool:
         return x_BTE.shape[0] * x_BTE.shape[1] <= panels.MAX_ROWS and not torch.is_grad_enabled()
+
+    @staticmethod
+    def chunk(batch_size: int, num_new: int, mask: torch.Tensor | None) -> int:
+        """New tokens per pass through the layers (``Decoder.forward``): all of them, or ``MAX_ROWS`` rows a pass for
+        a longer causal prefill (no mask, no grad) where eyas's kernels' thread count adapts (eyas.threads: the
+        policy's own count). torch's count stays at cores - 1 there, while the governor gives the kernels every core
+        of a quiet machine; on the same threads torch's prefill is the faster, so with a fixed count it keeps it. Each
+        chunk attends to the ones before it in the cache, and its bits do not depend on the chunk or the thread
+        count: every prompt token gets the bits a decode step would give it."""
+        rows = panels.MAX_ROWS // batch_size
+        if (not kernels_adapt() or mask is not None or rows < 1 or num_new <= rows
+                or torch.is_grad_enabled()):
+            return num_new
+        return rows
 
     def __call__(self, x_BTE: torch.Tensor, positions_BT: torch.Tensor, cache, span: int,
                  mask_B1TS: torch.Tensor | None, causal: bool, taps: tuple[int, ...]) -> tuple[torch.Tensor, dict]:

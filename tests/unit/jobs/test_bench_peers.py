@@ -1,5 +1,5 @@
-"""jobs.bench_peers and its report: best thread count per engine and dtype, eyas over each peer, the tables, the
-lock per measurement, and the vLLM runner against a fake /v1/completions."""
+"""jobs.bench_peers and its report: best thread count per engine and dtype, eyas over each peer, the tables, and
+the vLLM runner against a fake /v1/completions (the lock and main's plumbing: test_peers_cli.py)."""
 from __future__ import annotations
 
 import contextlib
@@ -99,26 +99,12 @@ def test_plan_runs_engines_side_by_side_and_q8_0_on_llamacpp_only():
 
 
 def test_bad_lists_are_errors_naming_the_flag():
-    with pytest.raises(ConfigError, match="--engines: unknown"):
+    with pytest.raises(ConfigError, match="--engines 'eyas,sglang': unknown"):
         bench_peers.parse_list("eyas,sglang", bench_peers.ENGINES, "--engines")
     with pytest.raises(ConfigError, match="--threads"):
         bench_peers.parse_threads("1,two")
     with pytest.raises(ConfigError, match=">= 1"):
         bench_peers.parse_threads("0")
-
-
-def test_cpu_lock_is_exclusive_while_held(tmp_path):
-    import fcntl
-
-    lock = tmp_path / "cpu.lock"
-    with bench_peers.cpu_lock(str(lock)):
-        with open(lock) as other:
-            with pytest.raises(BlockingIOError):
-                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    with open(lock) as other:
-        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released after the block
-    with bench_peers.cpu_lock(None):
-        pass
 
 
 class FakeCompletions(http.server.BaseHTTPRequestHandler):

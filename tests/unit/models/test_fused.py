@@ -1,11 +1,12 @@
-"""eyas.models.fused: the decoder layers in one C call compute what torch's layer loop does, give a verified token a
-decode step's bits at any thread count, and step aside where they do not serve."""
+"""eyas.models.fused: the decoder layers in one C call compute what torch's layer loop does, give a verified token (and
+a prompt token, prefilled in chunks) a decode step's bits at any thread count, and step aside where they do not
+serve."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from eyas.models import attention, load_target, panels
+from eyas.models import attention, fused, load_target, panels
 from eyas.models.fused import FusedLayers
 
 DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
@@ -31,7 +32,8 @@ def forward(target, tokens: list[int], start_tokens: list[int], fused: bool = Tr
     try:
         cache = target.new_cache(1, 128)
         with torch.inference_mode():
-            target(torch.tensor([start_tokens]), torch.arange(len(start_tokens))[None], cache)
+            if start_tokens:
+                target(torch.tensor([start_tokens]), torch.arange(len(start_tokens))[None], cache)
             depths = depths if depths is not None else list(range(len(tokens)))
             positions_BT = len(start_tokens) + torch.tensor([depths])
             return target(torch.tensor([tokens]), positions_BT, cache, mask=mask, taps=taps)
@@ -82,13 +84,49 @@ def test_the_thread_count_does_not_change_the_bits(random_checkpoint, threads, d
     assert all(torch.equal(logits, by_threads[0]) for logits in by_threads[1:])
 
 
-def test_the_layer_loop_serves_gradients_long_inputs_and_unfused_targets(random_checkpoint, monkeypatch):
+def test_a_long_prefill_is_chunked_only_where_the_kernels_thread_count_adapts(monkeypatch):
+    num_tokens = panels.MAX_ROWS + 6
+    monkeypatch.setattr(fused, "kernels_adapt", lambda: False)  # a fixed count: torch's prefill is the faster
+    with torch.inference_mode():
+        assert FusedLayers.chunk(1, num_tokens, None) == num_tokens
+    monkeypatch.setattr(fused, "kernels_adapt", lambda: True)  # the governor may give the kernels more cores
+    assert FusedLayers.chunk(1, num_tokens, None) == num_tokens  # gradients wanted: torch's layers
+    with torch.inference_mode():
+        assert FusedLayers.chunk(1, num_tokens, None) == panels.MAX_ROWS
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_long_prefill_runs_fused_in_chunks_and_gives_a_decode_steps_bits(random_checkpoint, monkeypatch, dtype):
+    monkeypatch.setattr(fused, "kernels_adapt", lambda: True)
+    target = load_target(random_checkpoint, dtype=dtype)
+    num_tokens = panels.MAX_ROWS + 6
+    tokens = [(7 * i + 3) % target.config.vocab_size for i in range(num_tokens)]
+    with torch.inference_mode():
+        assert FusedLayers.chunk(1, num_tokens, None) == panels.MAX_ROWS  # two passes: 64 rows, then 6
+        assert FusedLayers.chunk(2, num_tokens, None) == panels.MAX_ROWS // 2  # a batch's rows count together
+        assert FusedLayers.chunk(1, panels.MAX_ROWS, None) == panels.MAX_ROWS  # short enough: one pass
+    taps = (0, 2, target.config.num_layers)
+    logits_TV, prompt_taps = forward(target, tokens, [], taps=taps)
+    logits_TV = logits_TV[0]
+    assert {tap: tuple(h.shape) for tap, h in prompt_taps.items()} == {
+        tap: (1, num_tokens, target.config.hidden_size) for tap in taps}
+    for i in (num_tokens - 1, panels.MAX_ROWS, 9):  # after a chunked prefill, at the chunk border, after a short one
+        assert torch.equal(forward(target, [tokens[i]], tokens[:i])[0][0, 0], logits_TV[i]), f"token {i}"
+    theirs_TV = forward(target, tokens, [], fused=False)[0][0]  # torch's layer loop, in one pass
+    tolerance = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.1, rtol=0.05)
+    torch.testing.assert_close(logits_TV.float(), theirs_TV.float(), **tolerance)
+
+
+def test_the_layer_loop_serves_gradients_long_masked_inputs_and_unfused_targets(random_checkpoint, monkeypatch):
     target = load_target(random_checkpoint)
     calls = []
     monkeypatch.setattr(FusedLayers, "__call__", lambda self, *a: calls.append(1) or pytest.fail("fused"))
+    monkeypatch.setattr(fused, "kernels_adapt", lambda: True)
     many = torch.zeros(1, panels.MAX_ROWS + 1, dtype=torch.long)
+    mask_TT = torch.ones(many.shape[1], many.shape[1], dtype=torch.bool).tril()
     with torch.inference_mode():
-        target(many, torch.arange(many.shape[1])[None], target.new_cache(1, 128))
+        assert FusedLayers.chunk(1, many.shape[1], mask_TT) == many.shape[1]  # a mask: one pass, torch's layers
+        target(many, torch.arange(many.shape[1])[None], target.new_cache(1, 128), mask=mask_TT)
     target(torch.tensor([[1, 2]]), torch.arange(2)[None], target.new_cache(1, 8))  # grad mode: training
     assert not calls
     unfused = load_target(random_checkpoint)
