@@ -1,11 +1,12 @@
 """Before a sweep starts: the files it needs exist, and the spec's paths are absolute (trials run elsewhere)."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-from eyas.config import ConfigError, to_dict
+from eyas.config import ConfigError, resolve_path, to_dict
 from eyas.methods import METHODS, SpecConfig, resolve_checkpoint
-from eyas.train.config import data_path
+from eyas.train.config import data_path, drafter_path
 from tune.config import SweepConfig
 
 
@@ -34,8 +35,10 @@ def absolute_spec(spec: SpecConfig) -> dict[str, Any]:
     directory it names ($EYAS_HOME/drafters, else the shipped one)."""
     data = to_dict(spec)
     for key in ("drafter", "draft_model"):
-        if data.get(key) and not str(data[key]).startswith(("models:/", "runs:/")):
-            data[key] = str(resolve_checkpoint(data[key], f"spec.{key}", drafter=key == "drafter").resolve())
+        text = str(data.get(key) or "")
+        if text and not text.startswith(("models:/", "runs:/")):
+            bare = key == "drafter" and "/" not in text and not Path(text).is_dir()
+            data[key] = str((drafter_path(text) if bare else resolve_path(text)).resolve())
     return data
 
 
