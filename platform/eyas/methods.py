@@ -294,8 +294,8 @@ METHODS: dict[str, Method] = {
     "eagle3.1": _trained_method("eagle3.1", TreeSpec(mode="dynamic")),
     "peagle": _trained_method("peagle", TreeSpec(mode="block")),  # spec.tree=ddtree: a tree over its K positions
     # a retrieval proposer and a learned drafter in one tree under one node budget (drafters/hybrid.py)
-    "hybrid": Method(None, None, ("proposers", "drafter", "draft_model", "num_draft", "max_matches", "datastore",
-                                  "min_match", "min_prob", "retrieval_prior", "learned_below", "cost_cut") + TREE_SETTINGS,
+    "hybrid": Method(None, None, HYBRID_OWN[1:] + ("drafter", "draft_model", "num_draft", "max_matches", "datastore",
+                                                   "min_match", "min_prob", "tree", "depth", "top_k"),
                      _hybrid, hybrid_parts,
                      reads_history=True),
 }
