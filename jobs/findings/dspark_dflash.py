@@ -21,8 +21,8 @@ from typing import Any
 
 from eyas.config import require
 from jobs.findings.common import Finding, Outcome, Verdict
-from jobs.findings.families import (FamilySettings, at_least_on_every_suite, bars, family_variants, lossless,
-                                    measure_families, suite_metrics)
+from jobs.findings.families import (FamilySettings, at_least_on_every_suite, family_outcome, family_variants,
+                                    lossless, measure_families)
 from jobs.findings.measure import method_factory
 from jobs.findings.training import Variant
 
@@ -73,14 +73,9 @@ def run(settings: Settings) -> Outcome:
     rows, trained = measure_families(settings, variants(settings),
                                      lambda bench, label, t: method_factory(bench, label, drafter=t.path))
     verdict = judge(rows, settings)
-    budget = {"data": settings.data, "steps": settings.num_steps, "batch_size": settings.batch_size,
-              "seed": settings.seed, "block_size": settings.block_size, "loss_decay": settings.loss_decay,
-              "family_overrides": list(settings.family_overrides),
-              "matched_by": "the same data, steps, batch, seed, block size and overrides for every family"}
-    return Outcome(rows, {"tau_per_suite.png": bars(rows, settings, f"DSpark and DFlash2 against DFlash, block "
-                                                    f"{settings.block_size}")},
-                   suite_metrics(rows), verdict,
-                   {"budget.json": budget, "curves.json": {label: t.curve for label, t in trained.items()}})
+    return family_outcome(rows, settings, f"DSpark and DFlash2 against DFlash, block {settings.block_size}", verdict,
+                          trained, {"block_size": settings.block_size, "loss_decay": settings.loss_decay},
+                          "the same data, steps, batch, seed, block size and overrides for every family")
 
 
 def judge(rows: list[dict[str, Any]], settings: Settings) -> Verdict:

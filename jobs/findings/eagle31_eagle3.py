@@ -22,8 +22,8 @@ from typing import Any
 
 from eyas.config import require
 from jobs.findings.common import Finding, Outcome, Verdict
-from jobs.findings.families import (FamilySettings, at_least_on_every_suite, bars, family_variants, lossless,
-                                    measure_families, suite_metrics)
+from jobs.findings.families import (FamilySettings, at_least_on_every_suite, family_outcome, family_variants,
+                                    lossless, measure_families)
 from jobs.findings.measure import Workbench, method_factory
 from jobs.findings.training import Trained, Variant
 
@@ -83,14 +83,10 @@ def drafters(settings: Settings):
 def run(settings: Settings) -> Outcome:
     rows, trained = measure_families(settings, variants(settings), drafters(settings))
     verdict = judge(rows, settings)
-    budget = {"data": settings.data, "steps": settings.num_steps, "batch_size": settings.batch_size,
-              "seed": settings.seed, "family_overrides": list(settings.family_overrides),
-              "tree": {"depth": settings.tree_depth, "top_k": settings.tree_top_k, "num_nodes": settings.tree_nodes},
-              "peagle_depth": settings.peagle_depth,
-              "matched_by": "the same data, steps, batch, seed and overrides for every family"}
-    return Outcome(rows, {"tau_per_suite.png": bars(rows, settings, "EAGLE-3.1 and P-EAGLE against EAGLE-3")},
-                   suite_metrics(rows), verdict,
-                   {"budget.json": budget, "curves.json": {label: t.curve for label, t in trained.items()}})
+    return family_outcome(rows, settings, "EAGLE-3.1 and P-EAGLE against EAGLE-3", verdict, trained,
+                          {"tree": {"depth": settings.tree_depth, "top_k": settings.tree_top_k,
+                                    "num_nodes": settings.tree_nodes}, "peagle_depth": settings.peagle_depth},
+                          "the same data, steps, batch, seed and overrides for every family")
 
 
 def judge(rows: list[dict[str, Any]], settings: Settings) -> Verdict:

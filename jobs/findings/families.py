@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping, Sequence
 from eyas.config import require
 from eyas.models import dtypes
 from eyas.train.config import data_path, target_path
-from jobs.findings.common import Check, Common, figure
+from jobs.findings.common import Check, Common, Outcome, Verdict, figure
 from jobs.findings.measure import DrafterFactory, Workbench, run_methods, speed_row, suite_workbenches
 from jobs.findings.training import RUNNERS, Trained, Variant, train_variants, variant_config
 
@@ -124,3 +124,14 @@ def bars(rows: Sequence[Mapping[str, Any]], settings: FamilySettings, title: str
     fig.suptitle(f"{title}: {settings.num_steps} steps x {settings.batch_size} sequences of {settings.data} each, "
                  f"seed {settings.seed}, {settings.num_prompts} prompts a suite", fontsize=9)
     return fig
+
+
+def family_outcome(rows: list[dict[str, Any]], settings: FamilySettings, title: str, verdict: Verdict,
+                   trained: Mapping[str, Trained], budget: Mapping[str, Any], matched_by: str) -> Outcome:
+    """A family finding's outcome: its rows, the tau/speedup figure, per-suite metrics, the verdict, and the
+    budget every family trained on (the common settings, then ``budget``) with each variant's curve."""
+    common = {"data": settings.data, "steps": settings.num_steps, "batch_size": settings.batch_size,
+              "seed": settings.seed, "family_overrides": list(settings.family_overrides)}
+    return Outcome(rows, {"tau_per_suite.png": bars(rows, settings, title)}, suite_metrics(rows), verdict,
+                   {"budget.json": {**common, **budget, "matched_by": matched_by},
+                    "curves.json": {label: t.curve for label, t in trained.items()}})
