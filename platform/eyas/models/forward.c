@@ -29,6 +29,7 @@ typedef void (*attend_fn)(const float* q, int64_t qsb, int64_t qsh, int64_t qst,
                           const uint8_t* mask, int64_t msb, int64_t mst, int causal, float* out, int64_t B, int64_t H,
                           int64_t G, int64_t T, int64_t S, int64_t D, float scale);
 
+typedef void (*parallel_fn)(void (*fn)(void*, int64_t, int64_t), void* ctx, int64_t n, int64_t num_threads);
 typedef struct {  /* one layer's weights: pointers into tensors the caller keeps alive; a bias may be NULL */
   const void *input_norm, *qkv, *qkv_bias, *o, *o_bias, *post_norm, *gate_up, *gate_up_bias, *down, *down_bias;
 } layer_t;
@@ -42,6 +43,7 @@ typedef struct {
   attend_fn attend;
   const layer_t* layers;
   const void* final_norm;                  /* the norm before the LM head, applied after the last layer */
+  parallel_fn parallel_for;                /* panels.c's pool: fn(ctx, i0, i1) over the ranges of [0, n) */
 } model_t;
 
 static inline float bf(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
@@ -110,6 +112,27 @@ static inline __attribute__((always_inline)) void residual(const int bf16, const
   for (int64_t i = 0; i < N * m->E; ++i) put(bf16, x, i, get(bf16, x, i) + get(bf16, y, i));
 }
 
+/* One layer's attention, split over the pool: task i is row b = i / C's queries [t0, t1), chunk c = i % C of T in
+chunks of TC. A task passes attention.c its rows' pointers, and for a causal pass without a mask the keys up to its
+last query (S - (T - t1)), so every query sees the same keys in the same slots as in one call over the whole batch:
+attention.c computes a query from its own row and its visible keys alone, and its bits stay the same. */
+typedef struct {
+  const model_t* m; const float *q, *k, *v; float* att; const uint8_t* mask;
+  int64_t ksb, ksg, msb, mst, T, S, C, TC; int causal;
+} attend_job;
+static void attend_range(void* arg, int64_t i0, int64_t i1) {
+  const attend_job* a = arg;
+  const model_t* m = a->m;
+  const int64_t H = m->H, D = m->D, T = a->T;
+  for (int64_t i = i0; i < i1; ++i) {
+    const int64_t b = i / a->C, t0 = i % a->C * a->TC, t1 = t0 + a->TC < T ? t0 + a->TC : T;
+    if (t0 >= t1) continue;
+    const int64_t S = a->causal && !a->mask ? a->S - (T - t1) : a->S, row = (b * T + t0) * H * D;
+    m->attend(a->q + row, T * H * D, D, H * D, a->k + b * a->ksb, a->ksb, a->ksg, D, a->v + b * a->ksb, a->ksb,
+              a->ksg, D, a->mask ? a->mask + b * a->msb + t0 * a->mst : NULL, a->msb, a->mst, a->causal,
+              a->att + row, 1, H, m->G, t1 - t0, S, D, m->scale);
+  }
+}
 /* the layers for one dtype (bf16 a constant: each dtype's code is compiled apart, without a branch per value) */
 static inline __attribute__((always_inline)) int forward(const int bf16, const model_t* m, void* x, int64_t B, int64_t T,
                                                const int64_t* positions, const void* cos, const void* sin, float* k,
@@ -143,8 +166,11 @@ static inline __attribute__((always_inline)) int forward(const int bf16, const m
         for (int64_t d = 0; d < D; ++d) vr[d] = get(bf16, out, n * QKV + (H + G + g) * D + d);
       }
     }
-    m->attend(q, T * H * D, D, H * D, kl, ksb, ksg, D, vl, ksb, ksg, D, mask, msb, mst, causal, att, B, H, G, T, S,
-              D, m->scale);
+    {  /* about 8 tasks: whole rows for a batch, query chunks for one long row (a tree, a prefill chunk) */
+      const int64_t C = B >= 8 ? 1 : (T < 8 / B ? T : 8 / B), TC = (T + C - 1) / C;
+      attend_job job = {m, q, kl, vl, att, mask, ksb, ksg, msb, mst, T, S, C, TC, causal};
+      m->parallel_for(attend_range, &job, B * C, num_threads);
+    }
     for (int64_t n = 0; n < N; ++n)
       for (int64_t i = 0; i < H * D; ++i) put(bf16, in, n * m->HD_in + i, att[n * H * D + i]);
     pad(bf16, in, H * D, m->HD_in, N);

@@ -39,7 +39,8 @@ class _Model(ctypes.Structure):
     _fields_ = ([(name, ctypes.c_int64) for name in ("num_layers", "E", "H", "G", "D", "I", "E_in", "HD_in", "I_in",
                                                      "bf16")]
                 + [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("matmul", ctypes.c_void_p),
-                   ("attend", ctypes.c_void_p), ("layers", ctypes.POINTER(_Layer)), ("final_norm", ctypes.c_void_p)])
+                   ("attend", ctypes.c_void_p), ("layers", ctypes.POINTER(_Layer)), ("final_norm", ctypes.c_void_p),
+                   ("parallel_for", ctypes.c_void_p)])
 
 
 @lru_cache(maxsize=1)
@@ -87,7 +88,7 @@ class FusedLayers:
             _in_width(first.mlp.packed_down), int(decoder.dtype == torch.bfloat16), config.rms_norm_eps,
             config.head_dim ** -0.5, ctypes.cast(getattr(panels._library(), kernel), ctypes.c_void_p).value,
             ctypes.cast(attention._library().eyas_attend, ctypes.c_void_p).value, self.layers,
-            decoder.norm.weight.data_ptr())
+            decoder.norm.weight.data_ptr(), ctypes.cast(panels._library().eyas_parallel_for, ctypes.c_void_p).value)
 
     @staticmethod
     def build(decoder) -> "FusedLayers | None":

@@ -55,6 +55,7 @@ struct job {
   void (*task)(const job_t*, int64_t, int64_t);  /* panels [p0, p1) */
   const void* x; int64_t M, ldx; const void* panels; int64_t I, O; void* y; int64_t ldy;
   int64_t num_panels, panels_per_task, num_tasks;
+  void (*fn)(void*, int64_t, int64_t); void* ctx;  /* eyas_parallel_for's range function and its argument */
 };
 #define MAX_WORKERS 63
 #define POOL_MIN_BYTES (256 << 10)  /* a smaller weight is one thread's: waking a worker costs more than it saves */
@@ -167,6 +168,16 @@ static void run_job(job_t* j, int64_t num_panels, int64_t panel_bytes, int64_t n
     if (spins > 4096) sched_yield();  /* a worker lost its core mid-task: let it have ours */
   }
   atomic_store(&pool_taken, 0);
+}
+/* fn(ctx, i0, i1) over the ranges of [0, n) on the same pool as the products (forward.c's attention, a few rows
+or queries a task): the caller and up to num_threads - 1 workers claim ranges until none are left. Each index is one
+thread's whole call, so what fn computes for it does not depend on the thread count. */
+typedef void (*range_fn)(void* ctx, int64_t i0, int64_t i1);
+static void task_range(const job_t* j, int64_t i0, int64_t i1) { j->fn(j->ctx, i0, i1); }
+void eyas_parallel_for(range_fn fn, void* ctx, int64_t n, int64_t num_threads) {
+  job_t j = {task_range};
+  j.fn = fn, j.ctx = ctx;
+  run_job(&j, n, POOL_MIN_BYTES, num_threads);
 }
 static void task_f32(const job_t* j, int64_t p0, int64_t p1) {
   panels_f32(j->x, j->M, j->ldx, j->panels, j->I, j->O, j->y, j->ldy, p0, p1);
