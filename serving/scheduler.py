@@ -2,8 +2,9 @@
 
 Each round sends every rank the same ``step(joins, leaves)``: new requests join (as many as free batch rows allow,
 first come first served), cancelled ones leave (a client that disconnected, a stop string that matched), then the
-workers run one speculative cycle over the whole batch. Rank 0's outputs are routed to each request's queue. When
-nothing is queued or running the loop sleeps until a request arrives.
+workers run one speculative cycle over the whole batch. Rank 0's outputs are routed to each request's queue. The
+next round goes out before the last one's outputs are back (``ROUNDS_AHEAD``), so the workers never wait for the
+replica between two rounds. When nothing is queued or running the loop sleeps until a request arrives.
 
 A failed round (a dead worker, a timeout) breaks the replica: every waiting request gets a 503, and
 ``broken`` makes the health check fail so Serve replaces the replica; the TP group cannot be repaired in place.
@@ -18,6 +19,7 @@ own ``generate``, whose ``finally`` frees its queue, its waiting place or its ro
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextvars
 import logging
 from typing import Any, AsyncIterator, Callable, Coroutine, TypeVar
@@ -25,6 +27,7 @@ from typing import Any, AsyncIterator, Callable, Coroutine, TypeVar
 from eyas.decoding.requests import SequenceRequest, StepOutput
 
 logger = logging.getLogger("ray.serve")
+ROUNDS_AHEAD = 2  # rounds sent before the oldest one's outputs are awaited (``Scheduler._loop``)
 Result = TypeVar("Result")
 
 
@@ -39,6 +42,11 @@ async def shielded(work: Coroutine[Any, Any, Result]) -> Result:
     """Await ``work`` as a detached task that the caller's cancellation cannot interrupt: a cancelled caller stops
     waiting, and ``work`` still runs to its end (used where stopping half-way would leave the ranks disagreeing)."""
     return await asyncio.shield(detached(work))
+
+
+async def _first(results: Coroutine[Any, Any, list[Result]]) -> Result:
+    """Rank 0's result of a round: only the leader returns outputs (the other ranks return None)."""
+    return (await results)[0]
 
 
 class ReplicaBroken(RuntimeError):
@@ -113,43 +121,63 @@ class Scheduler:
                 "cancelled": self.num_cancelled}
 
     async def _loop(self) -> None:
+        """Rounds go out ``ROUNDS_AHEAD`` deep: the next round is sent before the last one's outputs are back, so a
+        worker (a Ray actor, which runs its calls one at a time in the order they were sent) starts it the moment it
+        finishes the last, instead of idling while the outputs travel to the replica and the next call travels back.
+        A round is planned from what the replica knows when it sends it: rows that finish in a round still in flight
+        are freed for joins one round later."""
+        rounds: collections.deque[tuple[set[str], asyncio.Future]] = collections.deque()
         while True:
-            if not (self.pending or self.active or self.leaving):
+            if not rounds and not self._has_work():
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             try:
-                await self._round()
+                if self._has_work() and len(rounds) < ROUNDS_AHEAD:
+                    rounds.append(self._send())
+                    if len(rounds) < ROUNDS_AHEAD:
+                        continue
+                joined, outputs = rounds.popleft()
+                self._receive(joined, await asyncio.wait_for(outputs, timeout=self.step_timeout_s))
             except Exception as err:  # noqa: BLE001 (any failure breaks the replica; it is logged and reported)
+                for _, outputs in rounds:
+                    outputs.cancel()
                 self._break(err)
                 return
 
-    async def _round(self) -> None:
-        leaves = sorted(self.leaving & self.active)
-        free = self.capacity - len(self.active) + len(leaves)
+    def _has_work(self) -> bool:
+        return bool(self.pending or self.active or self.joining or self.leaving)
+
+    def _send(self) -> tuple[set[str], asyncio.Future]:
+        """Plan one round (its leaves and joins) and send it to every worker; returns the ids that join in it and the
+        future of its outputs (rank 0's)."""
+        holding = self.active | self.joining
+        leaves = sorted(self.leaving & holding)
+        free = self.capacity - len(holding) + len(leaves)
         joins, self.pending = self.pending[:free], self.pending[free:]
-        self.joining = {r.request_id for r in joins}
-        outputs = await self._step(joins, leaves)
+        joined = {r.request_id for r in joins}
         self.leaving -= set(leaves)
-        self.active = (self.active - set(leaves)) | self.joining
-        self.joining = set()
-        self.batch_size = len(self.active)
-        if self.on_round is not None:
-            self.on_round(self.batch_size)
+        self.active -= set(leaves)
+        self.joining = (self.joining - set(leaves)) | joined
+        refs = [worker.step.remote(joins, leaves) for worker in self.workers]
+        return joined, asyncio.ensure_future(_first(asyncio.gather(*refs)))
+
+    def _receive(self, joined: set[str], outputs: list[StepOutput]) -> None:
+        """Route a round's outputs to their requests' queues; its joins now hold rows (unless they left since)."""
+        self.active |= joined & self.joining
+        self.joining -= joined
         for out in outputs:
             if out.finished:
                 self.active.discard(out.request_id)
             queue = self.queues.get(out.request_id)
             if queue is not None:
                 queue.put_nowait(out)
+        self.batch_size = len(self.active)
+        if self.on_round is not None:
+            self.on_round(self.batch_size)
         for request_id in list(self.leaving):  # a row that finished before its leave was sent
-            if request_id not in self.active:
+            if request_id not in self.active and request_id not in self.joining:
                 self.leaving.discard(request_id)
-
-    async def _step(self, joins: list[SequenceRequest], leaves: list[str]) -> list[StepOutput]:
-        refs = [worker.step.remote(joins, leaves) for worker in self.workers]
-        results = await asyncio.wait_for(asyncio.gather(*refs), timeout=self.step_timeout_s)
-        return results[0]
 
     def _break(self, err: BaseException) -> None:
         logger.error("eyas: a scheduling round failed, marking the replica unhealthy: %r", err)

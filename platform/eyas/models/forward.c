@@ -133,6 +133,43 @@ static void attend_range(void* arg, int64_t i0, int64_t i1) {
               a->att + row, 1, H, m->G, t1 - t0, S, D, m->scale);
   }
 }
+/* A layer's row-wise steps split over the pool as attention is (a few rows a task; each row is one thread's, so its
+bits do not depend on the split): RoPE with the KV-cache write (rows_rope), and SiLU(gate) * up into the down
+product's input (rows_silu). */
+typedef struct {
+  const model_t* m; void* out; void* in; float *q, *kl, *vl; const int64_t *positions, *starts;
+  const void *cos, *sin; int64_t T, ksb, ksg;
+} rows_job;
+static inline __attribute__((always_inline)) void rope_rows(const int bf16, const rows_job* j, int64_t n0, int64_t n1) {
+  const model_t* m = j->m;
+  const int64_t H = m->H, G = m->G, D = m->D, QKV = (H + 2 * G) * D, T = j->T;
+  for (int64_t n = n0; n < n1; ++n) {  /* row n is token t of sequence b, in cache slot starts[b] + t */
+    const int64_t b = n / T, slot = j->starts[b] + n % T, pos = j->positions[n];
+    for (int64_t h = 0; h < H; ++h) rope(bf16, m, j->out, n * QKV + h * D, j->cos, j->sin, pos, j->q + (n * H + h) * D);
+    for (int64_t g = 0; g < G; ++g) {
+      float* kr = j->kl + b * j->ksb + g * j->ksg + slot * D;
+      float* vr = j->vl + b * j->ksb + g * j->ksg + slot * D;
+      rope(bf16, m, j->out, n * QKV + (H + g) * D, j->cos, j->sin, pos, kr);
+      for (int64_t d = 0; d < D; ++d) vr[d] = get(bf16, j->out, n * QKV + (H + G + g) * D + d);
+    }
+  }
+}
+static void rows_rope(void* arg, int64_t n0, int64_t n1) {
+  const rows_job* j = arg;
+  if (j->m->bf16) rope_rows(1, j, n0, n1); else rope_rows(0, j, n0, n1);
+}
+static inline __attribute__((always_inline)) void silu_rows(const int bf16, const rows_job* j, int64_t n0, int64_t n1) {
+  const int64_t I = j->m->I;
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t i = 0; i < I; ++i) {
+      const float gate = get(bf16, j->out, n * 2 * I + i), up = get(bf16, j->out, n * 2 * I + I + i);
+      put(bf16, j->in, n * j->m->I_in + i, r(bf16, gate / (1.0f + expf(-gate))) * up);
+    }
+}
+static void rows_silu(void* arg, int64_t n0, int64_t n1) {
+  const rows_job* j = arg;
+  if (j->m->bf16) silu_rows(1, j, n0, n1); else silu_rows(0, j, n0, n1);
+}
 /* the layers for one dtype (bf16 a constant: each dtype's code is compiled apart, without a branch per value) */
 static inline __attribute__((always_inline)) int forward(const int bf16, const model_t* m, void* x, int64_t B, int64_t T,
                                                const int64_t* positions, const void* cos, const void* sin, float* k,
@@ -156,16 +193,8 @@ static inline __attribute__((always_inline)) int forward(const int bf16, const m
     rms_norm(bf16, m, x, w->input_norm, in, m->E_in, N);
     pad(bf16, in, E, m->E_in, N);
     product(bf16, m, in, m->E_in, w->qkv, w->qkv_bias, QKV, out, N, num_threads);
-    for (int64_t n = 0; n < N; ++n) {  /* row n is token t of sequence b, in cache slot starts[b] + t */
-      const int64_t b = n / T, slot = starts[b] + n % T, pos = positions[n];
-      for (int64_t h = 0; h < H; ++h) rope(bf16, m, out, n * QKV + h * D, cos, sin, pos, q + (n * H + h) * D);
-      for (int64_t g = 0; g < G; ++g) {
-        float* kr = kl + b * ksb + g * ksg + slot * D;
-        float* vr = vl + b * ksb + g * ksg + slot * D;
-        rope(bf16, m, out, n * QKV + (H + g) * D, cos, sin, pos, kr);
-        for (int64_t d = 0; d < D; ++d) vr[d] = get(bf16, out, n * QKV + (H + G + g) * D + d);
-      }
-    }
+    rows_job rows = {m, out, in, q, kl, vl, positions, starts, cos, sin, T, ksb, ksg};
+    m->parallel_for(rows_rope, &rows, N, num_threads);
     {  /* about 8 tasks: whole rows for a batch, query chunks for one long row (a tree, a prefill chunk) */
       const int64_t C = B >= 8 ? 1 : (T < 8 / B ? T : 8 / B), TC = (T + C - 1) / C;
       attend_job job = {m, q, kl, vl, att, mask, ksb, ksg, msb, mst, T, S, C, TC, causal};
@@ -179,11 +208,7 @@ static inline __attribute__((always_inline)) int forward(const int bf16, const m
     rms_norm(bf16, m, x, w->post_norm, in, m->E_in, N);
     pad(bf16, in, E, m->E_in, N);
     product(bf16, m, in, m->E_in, w->gate_up, w->gate_up_bias, 2 * I, out, N, num_threads);
-    for (int64_t n = 0; n < N; ++n)
-      for (int64_t i = 0; i < I; ++i) {
-        const float gate = get(bf16, out, n * 2 * I + i), up = get(bf16, out, n * 2 * I + I + i);
-        put(bf16, in, n * m->I_in + i, r(bf16, gate / (1.0f + expf(-gate))) * up);
-      }
+    m->parallel_for(rows_silu, &rows, N, num_threads);
     pad(bf16, in, I, m->I_in, N);
     product(bf16, m, in, m->I_in, w->down, w->down_bias, E, out, N, num_threads);
     residual(bf16, m, x, out, N);

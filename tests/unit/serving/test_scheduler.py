@@ -1,6 +1,7 @@
 """The replica's batching loop (serving.scheduler) over a real SpecEngine behind fake worker handles, without Ray:
-requests beyond capacity wait and join as rows free up, a consumer that leaves frees its row (also when it leaves
-while its join is in flight), and a failed round fails every waiter and marks the replica broken."""
+requests beyond capacity wait and join as rows free up, rounds go out ahead of the last one's outputs, a consumer
+that leaves frees its row (also when it leaves while its join is in flight), and a failed round fails every waiter
+and marks the replica broken."""
 from __future__ import annotations
 
 import asyncio
@@ -14,26 +15,42 @@ from eyas.models import load_target, load_tokenizer
 from eyas.decoding.engine import SpecEngine
 from eyas.decoding.requests import SequenceRequest
 from eyas.decoding.generate import generate
-from serving.scheduler import ReplicaBroken, Scheduler
+from serving.scheduler import ROUNDS_AHEAD, ReplicaBroken, Scheduler
 
 PROMPTS = ["def add(a, b):\n    return", "import os\nimport sys\n", "The quick brown fox"]
 
 
 class FakeWorker:
     """``worker.step.remote(joins, leaves)`` as an awaitable that runs the engine after a short pause (a round in
-    flight), like a Ray actor handle; ``fail`` makes the next round raise."""
+    flight), like a Ray actor handle: calls run one at a time, in the order they were made. ``fail`` makes the next
+    round raise; ``calls`` records each round's (joins, leaves) ids."""
 
     def __init__(self, engine: SpecEngine, pause_s: float = 0.005) -> None:
         self.engine, self.pause_s, self.fail = engine, pause_s, False
         self.step = self
+        self.calls: list[tuple[list[str], list[str]]] = []
+        self._last: asyncio.Future | None = None
+        self.sent = self.done = self.most_in_flight = 0
 
     def remote(self, joins, leaves):
+        before = self._last
+        self.sent += 1
+        self.most_in_flight = max(self.most_in_flight, self.sent - self.done)
+
         async def run():
+            if before is not None:
+                with contextlib.suppress(BaseException):
+                    await before
             await asyncio.sleep(self.pause_s)
             if self.fail:
                 raise RuntimeError("worker died")
-            return self.engine.step(joins, leaves)
-        return run()
+            self.calls.append(([r.request_id for r in joins], list(leaves)))
+            try:
+                return self.engine.step(joins, leaves)
+            finally:
+                self.done += 1
+        self._last = asyncio.ensure_future(run())
+        return self._last
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +87,8 @@ def test_requests_beyond_capacity_wait_and_each_gets_its_own_output(setup):
 
     assert asyncio.run(main()) == expected
     assert worker.engine.rows == [] and scheduler.load()["running"] == 0
+    # the next round goes out before the last one's outputs are back, never more than ROUNDS_AHEAD
+    assert worker.most_in_flight == ROUNDS_AHEAD
 
 
 def test_a_consumer_that_leaves_frees_its_row_even_mid_join(setup):
