@@ -70,7 +70,8 @@ static _Atomic int64_t pool_done;
 static _Atomic int pool_sleepers, pool_workers_wanted;
 static _Atomic int pool_taken;  /* a caller is using the pool: another one (a second Python thread) runs alone */
 static int pool_started;
-static int64_t pool_spin_ns = 200000;  /* EYAS_PANEL_SPIN_US: how long an idle worker spins before it sleeps */
+static int64_t pool_spin_ns = 0;  /* EYAS_PANEL_SPIN_US: how long an idle worker spins (past 256 pauses) before it
+                                     sleeps; 0: a spinning worker only takes the core from other processes */
 static pthread_mutex_t pool_mutex = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t pool_wake = PTHREAD_COND_INITIALIZER;
 static inline void cpu_relax(void) {

@@ -19,8 +19,11 @@ works, or with ``EYAS_PANELS=0``, ``available()`` is False and ``PackedLinear`` 
 ``MAX_ROWS`` rows (more go to oneDNN) on torch's thread count: a weight of 256 KiB or more is split over a thread
 pool of its own (the caller and ``torch.get_num_threads() - 1`` workers), which hand out a few panels at a time, so
 a thread that lost its core to another process leaves its share to the others. Each output is one thread's sum in
-the one-thread order: the bits do not depend on the thread count. An idle worker spins ``EYAS_PANEL_SPIN_US``
-(default 200) microseconds for the next product, then sleeps.
+the one-thread order: the bits do not depend on the thread count. An idle worker spins a few microseconds (256
+pauses, plus ``EYAS_PANEL_SPIN_US``, default 0) for the next product, then sleeps until the next one wakes it: on a
+quiet 2-core EPYC a bfloat16 decode step is as fast as with 200 us of spinning, and beside a process that takes 30% of
+a core it loses 11% (B=1) and 15% (B=8) where 200 us of spinning lost 14% and 34% (``jobs.bench_threads`` measures
+the busy case end to end).
 
 Shape legend: O output features, I input features, M rows, P panels.
 """
