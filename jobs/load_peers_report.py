@@ -81,5 +81,5 @@ def markdown(report: dict) -> str:
         "engine's vanilla at the same c. accept: accepted over drafted tokens; tau: tokens per target forward (llama"
         ".cpp reports no draft rounds: -); same as vanilla: the least share, over the levels, of requests whose text "
         "equals the same engine's vanilla text for the same request.", "",
-        f"Speculation: {settings}.", "",
+        *([f"Speculation: {settings}.", ""] if settings else []),
         detail_table(report), ""])
