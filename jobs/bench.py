@@ -184,6 +184,20 @@ def spec_for(label: str, args: argparse.Namespace, target_name: str, overrides: 
     return from_dict(SpecConfig, data, prefix="spec.")
 
 
+def spec_overrides(files: Sequence[str]) -> dict[str, dict]:
+    """method -> the ``spec:`` section of each --spec YAML (a later file for the same method wins)."""
+    overrides: dict[str, dict] = {}
+    for file in files:
+        path = resolve_path(file)
+        if not path.is_file():
+            raise ConfigError(f"--spec {file}: no such file")
+        spec_data = (yaml.safe_load(path.read_text()) or {}).get("spec") or {}
+        if "method" not in spec_data:
+            raise ConfigError(f"--spec {file}: the spec section names no method")
+        overrides[spec_data["method"]] = spec_data
+    return overrides
+
+
 def available(method: str, spec: SpecConfig | None, args: argparse.Namespace) -> str | None:
     """None if the method can run, else why not."""
     entry = METHODS.get(base_method(method))
@@ -269,15 +283,7 @@ def run_bench(args: argparse.Namespace) -> dict:
         raise ConfigError(f"--methods: {untrained}: {SHIPPED} picks the shipped drafter of a trained method")
     if "vanilla" not in methods:
         methods.insert(0, "vanilla")  # speedup is relative to vanilla measured in the same run
-    overrides: dict = {}
-    for file in args.spec:
-        path = resolve_path(file)
-        if not path.is_file():
-            raise ConfigError(f"--spec {file}: no such file")
-        spec_data = (yaml.safe_load(path.read_text()) or {}).get("spec") or {}
-        if "method" not in spec_data:
-            raise ConfigError(f"--spec {file}: the spec section names no method")
-        overrides[spec_data["method"]] = spec_data
+    overrides = spec_overrides(args.spec)
     target = load_target(target_path, dtype=torch_dtype(args.dtype, "--dtype"))
     tokenizer = load_tokenizer(target_path)
     eos = sorted(set(target.config.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None

@@ -138,10 +138,9 @@ def local_ray() -> Any:
 def vllm_config(method: str, cell: Cell) -> dict[str, Any] | None:
     """vLLM's speculative_config for each method (None: vanilla)."""
     if method == "ngram":
-        return {"method": "ngram", "num_speculative_tokens": NGRAM_DRAFT, "prompt_lookup_max": NGRAM_MATCH,
-                "prompt_lookup_min": 1}
+        return vllm.ngram_config(NGRAM_DRAFT, NGRAM_MATCH)
     if method == "eagle3":
-        return {"method": "eagle3", "model": str(cell.export("vllm")), "num_speculative_tokens": cell.num_draft}
+        return vllm.eagle3_config(cell.export("vllm"), cell.num_draft)
     return None
 
 
