@@ -40,7 +40,6 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
-import yaml
 
 from eyas import datasets
 from eyas.config import ConfigError, eyas_home, from_dict, resolve_path
@@ -55,6 +54,7 @@ from eyas.cpu import cpu_features
 from eyas.threads import configure_threads, current_settings
 from eyas.train.config import SHIPPED_DRAFTERS, shipped_drafter
 from jobs.bench_costs import CostMeasurement, finish_costs, measure_costs
+from jobs.bench_inputs import load_prompts, spec_overrides
 from jobs.bench_report import plot, print_table, write_page, write_tables
 from jobs.common import git_commit
 
@@ -87,30 +87,6 @@ def machine() -> dict:
             "torch_threads": torch.get_num_threads(),
             "threads": current_settings().to_dict(),  # eyas.threads: policy, count and its source, OpenMP env
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
-
-
-def load_prompts(args: argparse.Namespace, tokenizer=None, max_prompt_tokens: int | None = None
-                 ) -> dict[str, list[str]]:
-    if args.prompts_file:
-        path = Path(args.prompts_file)
-        if not path.is_file():
-            raise ConfigError(f"--prompts-file {path}: file does not exist")
-        prompts = []
-        for n, line in enumerate(path.read_text().splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                prompts.append(json.loads(line)["prompt"])
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise ConfigError(f'{path}:{n}: expected one JSON object {{"prompt": "..."}} per line') from None
-        if not prompts:
-            raise ConfigError(f"{path}: no prompts")
-        return {"custom": prompts[: args.num_prompts] if args.num_prompts else prompts}
-    try:
-        return {s: datasets.suite_prompts(s, args.num_prompts, tokenizer, max_prompt_tokens)
-                for s in datasets.bench_suites(args.suite, tokenizer)}
-    except datasets.DatasetError as err:  # a registry that cannot be reached: the message says what to do
-        raise ConfigError(str(err)) from None
 
 
 class HFRunner:
@@ -182,20 +158,6 @@ def spec_for(label: str, args: argparse.Namespace, target_name: str, overrides: 
     if parts.reads_draft_lm and "draft_model" not in data:
         data["draft_model"] = args.draft_model
     return from_dict(SpecConfig, data, prefix="spec.")
-
-
-def spec_overrides(files: Sequence[str]) -> dict[str, dict]:
-    """method -> the ``spec:`` section of each --spec YAML (a later file for the same method wins)."""
-    overrides: dict[str, dict] = {}
-    for file in files:
-        path = resolve_path(file)
-        if not path.is_file():
-            raise ConfigError(f"--spec {file}: no such file")
-        spec_data = (yaml.safe_load(path.read_text()) or {}).get("spec") or {}
-        if "method" not in spec_data:
-            raise ConfigError(f"--spec {file}: the spec section names no method")
-        overrides[spec_data["method"]] = spec_data
-    return overrides
 
 
 def available(method: str, spec: SpecConfig | None, args: argparse.Namespace) -> str | None:

@@ -86,6 +86,10 @@ def summary_table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def _rate(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
 def _speed(scope: str):
     """A row's tok/s over every prompt (scope "overall") or over one suite's."""
     return (lambda r: r["tokens_per_s"]) if scope == "overall" else (lambda r: r["suites"].get(scope, 0.0))
@@ -98,8 +102,9 @@ def _pick(row: dict, speed) -> dict:
 
 def best_vs_best(rows: list[dict], suites: list[str]) -> list[dict]:
     """Per dtype and scope (each suite, then overall): eyas's fastest lossless row against the fastest peer row of
-    any method, each at its best thread count; their ratio and whether it reaches GOAL. A dtype with no eyas or no
-    peer row is left out."""
+    any method, each at its best thread count; their ratio and whether it reaches GOAL. Beside it, the fastest peer
+    row that is lossless too (``lossless_peer``, ``lossless_ratio``). A dtype with no eyas or no peer row is left
+    out."""
     out = []
     for dtype in DTYPES:
         mine = [r for r in rows if r["dtype"] == dtype and r["engine"] == "eyas" and measured(r) and lossless(r)]
@@ -109,9 +114,13 @@ def best_vs_best(rows: list[dict], suites: list[str]) -> list[dict]:
         for scope in [*suites, "overall"]:
             speed = _speed(scope)
             eyas, peer = max(mine, key=speed), max(peers, key=speed)
+            lossless_peer = max([r for r in peers if lossless(r)], key=speed)  # vanilla is lossless: never empty
             ratio = round(speed(eyas) / speed(peer), 3) if speed(peer) else None
             out.append({"dtype": dtype, "scope": scope, "eyas": _pick(eyas, speed), "peer": _pick(peer, speed),
-                        "ratio": ratio, "meets_goal": ratio is not None and ratio >= GOAL})
+                        "ratio": ratio, "meets_goal": ratio is not None and ratio >= GOAL,
+                        "lossless_peer": _pick(lossless_peer, speed),
+                        "lossless_ratio": round(speed(eyas) / speed(lossless_peer), 3) if speed(lossless_peer)
+                        else None})
     return out
 
 
@@ -124,24 +133,70 @@ def _who(entry: dict) -> str:
 def goal_table(report: dict) -> str:
     """Markdown: per dtype and scope, eyas's best lossless row, the best peer row, their ratio against GOAL."""
     head = ["dtype", "prompts", "eyas best lossless tok/s", "best peer tok/s", "peer same as its vanilla",
-            "eyas / best peer", f">= {GOAL}x"]
+            "eyas / best peer", f">= {GOAL}x", "best lossless peer tok/s", "eyas / best lossless peer"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    ratio = lambda value: "-" if value is None else f"{value:.2f}x"  # noqa: E731
+    for entry in best_vs_best(report["results"], report["config"]["suites"]):
+        cells = [entry["dtype"], entry["scope"], _who(entry["eyas"]), _who(entry["peer"]),
+                 _rate(entry["peer"]["same_as_vanilla"]), ratio(entry["ratio"]),
+                 "yes" if entry["meets_goal"] else "no", _who(entry["lossless_peer"]), ratio(entry["lossless_ratio"])]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def tokens_per_forward(row: dict) -> float | None:
+    """Tokens a target forward yields, over every prompt: generated / (generated - accepted drafted tokens)."""
+    accepted = row.get("num_accepted")
+    if accepted is None or not row["new_tokens"]:
+        return None
+    return row["new_tokens"] / (row["new_tokens"] - accepted)
+
+
+def ratio_parts(rows: list[dict], entry: dict) -> dict:
+    """Where a best_vs_best ratio comes from: ratio = plain x eyas_speedup / peer_speedup, where plain is eyas's
+    vanilla over the peer engine's vanilla and each speedup is a method over its own engine's vanilla (same dtype
+    and threads); and each side's tokens per target forward (overall only: acceptance is counted per run)."""
+    speed = _speed(entry["scope"])
+
+    def row_of(side: dict, method: str) -> dict | None:
+        return next((r for r in rows if r["engine"] == side["engine"] and r["dtype"] == entry["dtype"]
+                     and r["threads"] == side["threads"] and method_of(r) == method and measured(r)), None)
+
+    eyas, eyas_plain = row_of(entry["eyas"], entry["eyas"]["method"]), row_of(entry["eyas"], VANILLA)
+    peer, peer_plain = row_of(entry["peer"], entry["peer"]["method"]), row_of(entry["peer"], VANILLA)
+    if None in (eyas, eyas_plain, peer, peer_plain) or not speed(peer_plain) or not speed(eyas_plain):
+        return {}
+    def per_forward(row: dict) -> float | None:
+        value = tokens_per_forward(row) if entry["scope"] == "overall" else None
+        return None if value is None else round(value, 2)
+
+    return {"plain": round(speed(eyas_plain) / speed(peer_plain), 3),
+            "eyas_speedup": round(speed(eyas) / speed(eyas_plain), 3),
+            "peer_speedup": round(speed(peer) / speed(peer_plain), 3),
+            "eyas_tokens_per_forward": per_forward(eyas), "peer_tokens_per_forward": per_forward(peer)}
+
+
+def parts_table(report: dict) -> str:
+    """Markdown: each goal row's ratio as plain speed x eyas's speedup / the peer's speedup, and tokens per
+    target forward on each side."""
+    head = ["dtype", "prompts", "eyas vanilla / peer vanilla", "eyas method / its vanilla",
+            "peer method / its vanilla", "tokens per target forward, eyas / peer"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for entry in best_vs_best(report["results"], report["config"]["suites"]):
-        same = entry["peer"]["same_as_vanilla"]
-        cells = [entry["dtype"], entry["scope"], _who(entry["eyas"]), _who(entry["peer"]),
-                 "-" if same is None else f"{same:.2f}",
-                 "-" if entry["ratio"] is None else f"{entry['ratio']:.2f}x", "yes" if entry["meets_goal"] else "no"]
-        lines.append("| " + " | ".join(cells) + " |")
+        parts = ratio_parts(report["results"], entry)
+        if not parts:
+            continue
+        per_forward = ("-" if parts["eyas_tokens_per_forward"] is None and parts["peer_tokens_per_forward"] is None
+                       else f"{_rate(parts['eyas_tokens_per_forward'])} / {_rate(parts['peer_tokens_per_forward'])}")
+        lines.append("| " + " | ".join([entry["dtype"], entry["scope"], f"{parts['plain']:.2f}x",
+                                        f"{parts['eyas_speedup']:.2f}x", f"{parts['peer_speedup']:.2f}x",
+                                        per_forward]) + " |")
     return "\n".join(lines)
 
 
 def has_methods(report: dict) -> bool:
     """The run measured speculative methods (or an engine refused one)."""
     return any(method_of(r) != VANILLA for r in report["results"])
-
-
-def _rate(value: float | None, digits: int = 2) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
 
 
 def detail_table(report: dict) -> str:
@@ -195,6 +250,8 @@ def markdown(report: dict) -> str:
         f"prompt) against the fastest peer row, plain or speculative, each at its best thread count (goal: "
         f">= {GOAL}x):", "",
         goal_table(report), "",
+        "Where each ratio comes from (it equals the first column times the second over the third):", "",
+        parts_table(report), "",
         "Vanilla, each engine at its best thread count:", "",
         summary_table(report), "",
         detail_table(report), "",

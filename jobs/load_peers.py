@@ -52,7 +52,7 @@ from eyas.models import load_tokenizer
 from eyas_ray.cluster import init_ray
 from eyas_ray.deploy import run_config
 from jobs.bench import git_commit
-from jobs.bench_peers import target_gguf, without_openmp_policy
+from jobs.bench_peers_measure import target_gguf, without_openmp_policy
 from jobs.export import export_drafter
 from jobs.load_peers_report import ENGINES, METHODS, markdown
 from jobs.peers import llamacpp, vllm
