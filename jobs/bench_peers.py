@@ -4,7 +4,8 @@ request.
     python -m jobs.bench_peers [--engines eyas,llamacpp,vllm] [--dtypes bfloat16,float32,q8_0] [--threads 1,2,auto]
         [--eyas-methods vanilla,ngram,...] [--llamacpp-methods vanilla,ngram-simple,...] [--vllm-methods vanilla,...]
         [--spec YAML ...] [--ngram-match 3] [--ngram-draft 8] [--num-draft 1] [--drafter DIR]
-        [--suite humaneval,chat | --prompts-file FILE.jsonl] [--num-prompts 8] [--max-new-tokens 128] [--target PATH] [--gguf-dir DIR]
+        [--suite humaneval,chat | --prompts-file FILE.jsonl] [--num-prompts 8] [--max-new-tokens 128]
+        [--target PATH] [--gguf-dir DIR]
         [--workdir out/bench_peers] [--out bench_peers.json] [--report bench_peers.md] [--lock /tmp/eyas-cpu.lock]
     python -m jobs.bench_peers --from bench_peers.json[,more.json] --report bench_peers.md
 
@@ -57,7 +58,7 @@ from jobs.bench_peers_measure import (EYAS_POLICY, LLAMACPP_TIMING, VLLM_TIMING,
                                       vllm_module)
 from jobs.bench_peers_methods import (DRAFTER_FORMAT, EYAS_METHODS, PEER_METHODS, VANILLA, PeerSizes,
                                       llamacpp_spec_args, peer_settings, vllm_speculative_config)
-from jobs.bench_peers_report import DTYPES, ENGINE_DTYPES, ENGINE_NAMES, ENGINES, markdown, summary
+from jobs.bench_peers_report import DTYPES, ENGINE_DTYPES, ENGINE_NAMES, ENGINES, best_vs_best, markdown, summary
 from jobs.peers import llamacpp
 from jobs.peers.cli import add_report_args, cpu_lock, loadavg, parse_list, report_main
 
@@ -117,8 +118,8 @@ def encoded_prompts(args: argparse.Namespace, target_path: str) -> tuple[Prompts
     return prompts, sorted(eos_ids)
 
 
-def plan(engines: list[str], dtypes: list[str], threads: list[int | str], peer_methods: dict[str, list[str]] | None = None
-         ) -> list[tuple[str, str, int | str, str]]:
+def plan(engines: list[str], dtypes: list[str], threads: list[int | str],
+         peer_methods: dict[str, list[str]] | None = None) -> list[tuple[str, str, int | str, str]]:
     """(engine, dtype, threads, method) in run order: per dtype and thread count, the engines side by side, each
     with its methods (eyas's all in one entry, method "*": they share one target load)."""
     peer_methods = peer_methods or {}
@@ -205,7 +206,7 @@ def run(args: argparse.Namespace) -> dict:
                        "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens,
                        "drafter": drafter, "specs": args.spec, "settings": settings,
                        "command": " ".join(["python -m jobs.bench_peers", *sys.argv[1:]])},
-            "results": rows, "summary": summary(rows)}
+            "results": rows, "summary": summary(rows), "goal": best_vs_best(rows, list(prompts))}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -147,7 +147,8 @@ def target_gguf(target_path: str, dtype: str, gguf_dir: Path) -> Path:
     return path
 
 
-def start_or_refuse(stack: contextlib.ExitStack, server: ContextManager[str], log: Path) -> tuple[str | None, str | None]:
+def start_or_refuse(stack: contextlib.ExitStack, server: ContextManager[str], log: Path
+                    ) -> tuple[str | None, str | None]:
     """(base URL, None) once the server is healthy, or (None, the engine's reason from its log) when it exits or
     never gets healthy: the engine refused the method. Anything after start-up still raises."""
     try:

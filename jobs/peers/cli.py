@@ -7,8 +7,9 @@
     return report_main(parser.parse_args(argv), "bench_peers", run, markdown)
 
 ``report_main``: with ``--from JSON[,JSON...]`` it renders those reports, one after the other, and measures nothing;
-else it calls the job's ``run``, writes its JSON to ``--out`` (atomically). Either way it prints the Markdown and writes it to ``--report`` when
-given. A user's mistake (ConfigError, a missing file, a bad value) is one line on stderr and exit status 2.
+else it calls the job's ``run`` and writes its JSON to ``--out`` (atomically). Either way it prints the Markdown and
+writes it to ``--report`` when given. A user's mistake (ConfigError, a missing file, a bad value) is one line on
+stderr and exit status 2.
 """
 from __future__ import annotations
 

@@ -75,6 +75,7 @@ def test_llamacpp_speculates_beside_eyas_and_the_goal_is_reported(tmp_path):
     assert rows["ngram-simple"]["num_draft_tokens"] > 0  # its timings' draft_n: the repeated prompt was drafted
     assert rows["ngram-simple"]["same_as_vanilla"] is not None and rows["vanilla"]["same_as_eyas"] is not None
     assert "| float32 | overall |" in markdown(report)  # eyas's best lossless over the best peer row
+    assert [g["scope"] for g in report["goal"]] == ["custom", "overall"] and report["goal"][-1]["ratio"] > 0
 
 
 @pytest.mark.skipif(tool_missing(vllm.vllm_python) is not None, reason=f"vLLM rows: {tool_missing(vllm.vllm_python)}")
