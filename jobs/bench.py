@@ -40,7 +40,6 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
-import yaml
 
 from eyas import datasets
 from eyas.config import ConfigError, eyas_home, from_dict, resolve_path
@@ -55,6 +54,7 @@ from eyas.cpu import cpu_features
 from eyas.threads import configure_threads, current_settings
 from eyas.train.config import SHIPPED_DRAFTERS, shipped_drafter
 from jobs.bench_costs import CostMeasurement, finish_costs, measure_costs
+from jobs.bench_inputs import load_prompts, spec_overrides
 from jobs.bench_report import plot, print_table, write_page, write_tables
 from jobs.common import git_commit
 
@@ -87,30 +87,6 @@ def machine() -> dict:
             "torch_threads": torch.get_num_threads(),
             "threads": current_settings().to_dict(),  # eyas.threads: policy, count and its source, OpenMP env
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
-
-
-def load_prompts(args: argparse.Namespace, tokenizer=None, max_prompt_tokens: int | None = None
-                 ) -> dict[str, list[str]]:
-    if args.prompts_file:
-        path = Path(args.prompts_file)
-        if not path.is_file():
-            raise ConfigError(f"--prompts-file {path}: file does not exist")
-        prompts = []
-        for n, line in enumerate(path.read_text().splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                prompts.append(json.loads(line)["prompt"])
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise ConfigError(f'{path}:{n}: expected one JSON object {{"prompt": "..."}} per line') from None
-        if not prompts:
-            raise ConfigError(f"{path}: no prompts")
-        return {"custom": prompts[: args.num_prompts] if args.num_prompts else prompts}
-    try:
-        return {s: datasets.suite_prompts(s, args.num_prompts, tokenizer, max_prompt_tokens)
-                for s in datasets.bench_suites(args.suite, tokenizer)}
-    except datasets.DatasetError as err:  # a registry that cannot be reached: the message says what to do
-        raise ConfigError(str(err)) from None
 
 
 class HFRunner:
@@ -269,15 +245,7 @@ def run_bench(args: argparse.Namespace) -> dict:
         raise ConfigError(f"--methods: {untrained}: {SHIPPED} picks the shipped drafter of a trained method")
     if "vanilla" not in methods:
         methods.insert(0, "vanilla")  # speedup is relative to vanilla measured in the same run
-    overrides: dict = {}
-    for file in args.spec:
-        path = resolve_path(file)
-        if not path.is_file():
-            raise ConfigError(f"--spec {file}: no such file")
-        spec_data = (yaml.safe_load(path.read_text()) or {}).get("spec") or {}
-        if "method" not in spec_data:
-            raise ConfigError(f"--spec {file}: the spec section names no method")
-        overrides[spec_data["method"]] = spec_data
+    overrides = spec_overrides(args.spec)
     target = load_target(target_path, dtype=torch_dtype(args.dtype, "--dtype"))
     tokenizer = load_tokenizer(target_path)
     eos = sorted(set(target.config.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None

@@ -1,16 +1,28 @@
-"""eyas's vanilla decoding beside the peer engines, one run: the same prompt tokens, greedy, single request.
+"""eyas's decoding, plain and speculative, beside the peer engines', one run: the same prompt tokens, greedy, single
+request.
 
     python -m jobs.bench_peers [--engines eyas,llamacpp,vllm] [--dtypes bfloat16,float32,q8_0] [--threads 1,2,auto]
-        [--suite humaneval,chat] [--num-prompts 8] [--max-new-tokens 128] [--target PATH] [--gguf-dir DIR]
-        [--out bench_peers.json] [--report bench_peers.md] [--lock /tmp/eyas-cpu.lock]
-    python -m jobs.bench_peers --from bench_peers.json --report bench_peers.md
+        [--eyas-methods vanilla,ngram,...] [--llamacpp-methods vanilla,ngram-simple,...] [--vllm-methods vanilla,...]
+        [--spec YAML ...] [--ngram-match 3] [--ngram-draft 8] [--num-draft 1] [--drafter DIR]
+        [--suite humaneval,chat | --prompts-file FILE.jsonl] [--num-prompts 8] [--max-new-tokens 128]
+        [--target PATH] [--gguf-dir DIR]
+        [--workdir out/bench_peers] [--out bench_peers.json] [--report bench_peers.md] [--lock /tmp/eyas-cpu.lock]
+    python -m jobs.bench_peers --from bench_peers.json[,more.json] --report bench_peers.md
 
 Prompts are jobs.bench's (eyas.datasets suites, chat prompts in the target's chat template), tokenized once by the
 target's tokenizer and sent to every engine as token ids, so all of them decode the very same prompt. Each engine
-runs each (dtype, threads) pair over all prompts, after one untimed warm-up request.
+runs each (dtype, threads, method) over all prompts, after one untimed warm-up request.
+
+Methods (jobs.bench_peers_methods): vanilla by default only. eyas's are jobs.bench's labels built from the ``--spec``
+YAMLs jobs.bench reads (default: jobs/configs/bench-smollm2/*.yaml, the README table's); the peers' are their own
+speculation: llama-server's ``--spec-type`` draftless types and draft-eagle3, vLLM's ngram, eagle3 and suffix. Both
+peers' eagle3 read the drafter eyas's eagle3 reads (``--drafter``; default: eagle3-<target> in $EYAS_HOME/drafters,
+else the shipped one), exported by jobs.export into ``--workdir``. A method an engine will not start is a row with
+its reason (``refused``). Every row says how many prompts decoded its engine's own vanilla tokens
+(``same_as_vanilla``) and eyas's vanilla tokens (``same_as_eyas``), and the acceptance the engine reports.
 
 How each is timed (each counts prefill plus decode, never the engine's start-up):
-- eyas: in process, ``eyas.decoding.generate.generate`` with no drafter (jobs.bench's vanilla path), wall time.
+- eyas: in process, ``eyas.decoding.generate.generate`` (jobs.bench's path), wall time.
 - llama.cpp: llama-server with one slot; its own ``timings`` (prompt_ms + predicted_ms), which leave out HTTP and
   JSON; the request's wall time is kept beside it. The target is converted to GGUF (bf16, f32, q8_0) by llama.cpp's
   converter, cached in --gguf-dir.
@@ -18,21 +30,18 @@ How each is timed (each counts prefill plus decode, never the engine's start-up)
   request's wall time (HTTP on localhost included: its server reports no per-request timing).
 Every engine stops at the target's end-of-sequence tokens; tok/s is the tokens it generated over its time.
 
-The summary takes each engine's best thread count per dtype and gives eyas's tok/s over each peer's (eyas/peer:
-1.0 is parity, above 1 eyas is faster). q8_0 is llama.cpp's alone (eyas and vLLM have no int8 path here). The JSON
-also records the CPU (``machine.cpu_features``: eyas.cpu's model, kind and ISA flags), the commit and the load
-average before and after each measurement.
+The summary takes each engine's best thread count per dtype and gives eyas's vanilla tok/s over each peer's (eyas/peer:
+1.0 is parity, above 1 eyas is faster); with methods, eyas's best lossless row over the best peer row of any method,
+per suite and overall, against the 1.3x goal (jobs.bench_peers_report). q8_0 is llama.cpp's alone. The JSON also
+records the CPU (``machine.cpu_features``), the commit and the load average before and after each measurement.
+``--from a.json,b.json`` renders several runs into one page (docs/bench-peers-smollm2.md: the vanilla run, then
+the speculative one).
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import os
 import sys
-import time
-import urllib.request
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -40,153 +49,44 @@ from transformers import AutoConfig
 
 from eyas.config import ConfigError, eyas_home, resolve_path
 from eyas.cpu import cpu_features
-from eyas.decoding.generate import generate
-from eyas.models import load_target, load_tokenizer, torch_dtype
-from eyas.threads import OPENMP_KNOBS, configure_threads
-from jobs.bench import git_commit, load_prompts
-from jobs.bench_peers_report import DTYPES, ENGINE_DTYPES, ENGINE_NAMES, ENGINES, GGUF_TYPE, markdown, summary
+from eyas.methods import SpecConfig
+from eyas.models import CheckpointError, load_tokenizer
+from jobs.bench import available, default_drafter, git_commit, spec_for
+from jobs.bench_inputs import load_prompts, spec_overrides
+from jobs.bench_peers_measure import (EYAS_POLICY, LLAMACPP_TIMING, VLLM_TIMING, DrafterExports, EyasMethod,
+                                      Measurement, Prompts, RunSetup, run_eyas, run_llamacpp, run_vllm, target_gguf,
+                                      vllm_module)
+from jobs.bench_peers_methods import (DRAFTER_FORMAT, EYAS_METHODS, PEER_METHODS, VANILLA, PeerSizes,
+                                      llamacpp_spec_args, peer_settings, vllm_speculative_config)
+from jobs.bench_peers_report import DTYPES, ENGINE_DTYPES, ENGINE_NAMES, ENGINES, best_vs_best, markdown, summary
 from jobs.peers import llamacpp
 from jobs.peers.cli import add_report_args, cpu_lock, loadavg, parse_list, report_main
 
-
-@dataclass
-class Measurement:
-    """One engine at one dtype and thread count over every prompt."""
-    engine: str
-    dtype: str
-    threads: int | str  # a count, or "auto": eyas's own policy
-    timing: str
-    seconds: float = 0.0
-    new_tokens: int = 0
-    wall_seconds: float = 0.0  # client-side, HTTP included (equal to seconds for eyas)
-    per_suite: dict[str, list[float]] = field(default_factory=dict)  # suite -> [seconds, tokens]
-    outputs: list[list[int]] = field(default_factory=list)
-    load_before: list[float] = field(default_factory=list)
-    load_after: list[float] = field(default_factory=list)
-
-    def add(self, suite: str, new_tokens: list[int], seconds: float, wall_seconds: float) -> None:
-        self.seconds += seconds
-        self.wall_seconds += wall_seconds
-        self.new_tokens += len(new_tokens)
-        totals = self.per_suite.setdefault(suite, [0.0, 0])
-        totals[0] += seconds
-        totals[1] += len(new_tokens)
-        self.outputs.append(list(new_tokens))
-
-    def row(self, reference: list[list[int]] | None) -> dict:
-        """The JSON row; ``same_as_eyas``: the share of prompts whose tokens equal eyas's at this dtype."""
-        same = (round(sum(a == b for a, b in zip(self.outputs, reference)) / len(reference), 3)
-                if reference and self.engine != "eyas" else None)
-        return {"engine": self.engine, "dtype": self.dtype, "threads": self.threads, "timing": self.timing,
-                "new_tokens": self.new_tokens, "seconds": round(self.seconds, 4),
-                "tokens_per_s": round(self.new_tokens / self.seconds, 2) if self.seconds else 0.0,
-                "wall_tokens_per_s": round(self.new_tokens / self.wall_seconds, 2) if self.wall_seconds else 0.0,
-                "suites": {s: round(n / t, 2) if t else 0.0 for s, (t, n) in self.per_suite.items()},
-                "same_as_eyas": same, "load_before": self.load_before, "load_after": self.load_after}
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_SPECS = tuple(sorted(str(p.relative_to(ROOT)) for p in (ROOT / "jobs/configs/bench-smollm2").glob("*.yaml")))
 
 
-# -- the engines ---------------------------------------------------------------------------------------------------
-
-Prompts = dict[str, list[list[int]]]  # suite -> prompt token ids
-
-
-def run_eyas(target_path: str, dtype: str, threads: int | str, prompts: Prompts, max_new_tokens: int,
-             eos: list[int]) -> Measurement:
-    configure_threads(None if threads == EYAS_POLICY else threads)
-    target = load_target(target_path, dtype=torch_dtype(dtype, "--dtypes"))
-    first = next(iter(prompts.values()))[0]
-    generate(target, first, 8, eos_token_ids=eos)  # warm-up: kernels compiled, caches allocated
-    result = Measurement("eyas", dtype, threads, "in-process wall time", load_before=loadavg())
-    for suite, suite_prompts in prompts.items():
-        for prompt_ids in suite_prompts:
-            start = time.perf_counter()
-            out = generate(target, prompt_ids, max_new_tokens, eos_token_ids=eos)
-            seconds = time.perf_counter() - start
-            result.add(suite, out.token_ids, seconds, seconds)
-    result.load_after = loadavg()
-    return result
+def eyas_methods(labels: list[str], args: argparse.Namespace, target_path: str) -> list[EyasMethod]:
+    """jobs.bench's spec for each label from the --spec YAMLs (vanilla first: every row's reference); a method it
+    cannot run here (jobs.bench.available: no drafter, no draft LM) carries the reason."""
+    overrides = spec_overrides(args.spec)
+    out: list[EyasMethod] = [(VANILLA, None, None)]
+    for label in [m for m in labels if m != VANILLA]:
+        spec = spec_for(label, args, Path(target_path).name, overrides)
+        out.append((label, spec, available(label, spec, args)))
+    return out
 
 
-def target_gguf(target_path: str, dtype: str, gguf_dir: Path) -> Path:
-    """The target converted by llama.cpp's converter, cached: DIR/<target>-<type>.gguf."""
-    path = gguf_dir / f"{Path(target_path).name}-{GGUF_TYPE[dtype]}.gguf"
-    if not path.is_file():
-        print(f"[bench_peers] converting {target_path} to {path}", file=sys.stderr, flush=True)
-        llamacpp.convert_to_gguf(target_path, path, GGUF_TYPE[dtype])
-    return path
-
-
-def run_llamacpp(model_gguf: Path, dtype: str, threads: int, prompts: Prompts, max_new_tokens: int) -> Measurement:
-    with llamacpp.llama_server(model_gguf, threads) as base_url:
-        llamacpp.complete(base_url, next(iter(prompts.values()))[0], 8)  # warm-up
-        result = Measurement("llamacpp", dtype, threads, "llama-server timings (prompt + decode)",
-                             load_before=loadavg())
-        for suite, suite_prompts in prompts.items():
-            for prompt_ids in suite_prompts:
-                answer = llamacpp.complete(base_url, prompt_ids, max_new_tokens)
-                result.add(suite, answer.token_ids, answer.server_s, answer.wall_s)
-        result.load_after = loadavg()
-    return result
-
-
-def vllm_module():
-    """jobs.peers.vllm when it and its tool venv exist, else None (the bench then leaves vLLM out)."""
-    try:
-        # local: jobs.peers.vllm is optional (the vLLM half of the peers may not be in this checkout)
-        from jobs.peers import vllm
-        vllm.vllm_python()
-    except (ImportError, ConfigError) as err:
-        print(f"[bench_peers] leaving out vLLM: {err}", file=sys.stderr)
-        return None
-    return vllm
-
-
-def vllm_complete(base_url: str, model: str, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], float]:
-    """One greedy /v1/completions request by token ids: (the generated token ids, wall seconds)."""
-    body = json.dumps({"model": model, "prompt": prompt_ids, "max_tokens": max_new_tokens, "temperature": 0.0,
-                       "return_token_ids": True}).encode()
-    request = urllib.request.Request(f"{base_url}/v1/completions", data=body,
-                                     headers={"Content-Type": "application/json", "Connection": "close"})
-    start = time.perf_counter()
-    with urllib.request.urlopen(request, timeout=600) as response:
-        answer = json.loads(response.read())
-    seconds = time.perf_counter() - start
-    tokens = answer["choices"][0].get("token_ids")
-    if tokens is None:
-        raise RuntimeError("vLLM answered without choices[0].token_ids: its /v1/completions needs "
-                           "return_token_ids (vLLM >= 0.10.2)")
-    return [int(t) for t in tokens], seconds
-
-
-@contextlib.contextmanager
-def without_openmp_policy():
-    """os.environ without the OpenMP variables while a peer starts: eyas.threads' OMP_WAIT_POLICY=PASSIVE is eyas's
-    own choice for its torch (read once, at its import); each peer runs at its own defaults (llama-server drops
-    them itself: jobs.peers.llamacpp.server_env). Spinning defaults suffer most when another process competes for
-    the cores, so time the peers on a quiet machine (--lock)."""
-    saved = {k: os.environ.pop(k) for k in OPENMP_KNOBS if k in os.environ}
-    try:
-        yield
-    finally:
-        os.environ.update(saved)
-
-
-def run_vllm(vllm, target_path: str, dtype: str, threads: int, prompts: Prompts,
-             max_new_tokens: int) -> Measurement:
-    with without_openmp_policy(), vllm.vllm_server(target_path, dtype, threads) as base_url:
-        vllm_complete(base_url, vllm.SERVED_NAME, next(iter(prompts.values()))[0], 8)  # warm-up
-        result = Measurement("vllm", dtype, threads, "HTTP wall time", load_before=loadavg())
-        for suite, suite_prompts in prompts.items():
-            for prompt_ids in suite_prompts:
-                tokens, seconds = vllm_complete(base_url, vllm.SERVED_NAME, prompt_ids, max_new_tokens)
-                result.add(suite, tokens, seconds, seconds)
-        result.load_after = loadavg()
-    return result
+def spec_settings(spec: SpecConfig | None) -> str:
+    """The settings a spec sets (its non-empty fields but the method), for the report."""
+    if spec is None:
+        return "-"
+    fields = {k: v for k, v in vars(spec).items() if k != "method" and v not in (None, (), [])}
+    return ", ".join(f"{k} {list(v) if isinstance(v, tuple) else v}" for k, v in fields.items()) or "defaults"
 
 
 # -- the run -------------------------------------------------------------------------------------------------------
 
-EYAS_POLICY = "auto"  # --threads item: eyas's own thread policy (eyas.threads: its kernels adapt), eyas only
 
 
 def parse_threads(text: str) -> list[int | str]:
@@ -218,10 +118,46 @@ def encoded_prompts(args: argparse.Namespace, target_path: str) -> tuple[Prompts
     return prompts, sorted(eos_ids)
 
 
-def plan(engines: list[str], dtypes: list[str], threads: list[int | str]) -> list[tuple[str, str, int | str]]:
-    """(engine, dtype, threads) in run order: per dtype and thread count, the engines side by side."""
-    return [(engine, dtype, t) for dtype in dtypes for t in threads for engine in engines
-            if dtype in ENGINE_DTYPES[engine] and (t != EYAS_POLICY or engine == "eyas")]
+def plan(engines: list[str], dtypes: list[str], threads: list[int | str],
+         peer_methods: dict[str, list[str]] | None = None) -> list[tuple[str, str, int | str, str]]:
+    """(engine, dtype, threads, method) in run order: per dtype and thread count, the engines side by side, each
+    with its methods (eyas's all in one entry, method "*": they share one target load)."""
+    peer_methods = peer_methods or {}
+    return [(engine, dtype, t, method) for dtype in dtypes for t in threads for engine in engines
+            if dtype in ENGINE_DTYPES[engine] and (t != EYAS_POLICY or engine == "eyas")
+            for method in (["*"] if engine == "eyas" else peer_methods.get(engine, [VANILLA]))]
+
+
+def rows_of(measured: list[Measurement]) -> list[dict]:
+    """The JSON rows, each set against eyas's vanilla at its dtype (same threads where measured) and its own
+    engine's vanilla at its dtype and threads."""
+    vanilla = {(m.engine, m.dtype, m.threads): m.outputs for m in measured if m.method == VANILLA and not m.refused}
+    eyas_any = {m.dtype: m.outputs for m in measured if m.engine == "eyas" and m.method == VANILLA and not m.refused}
+    return [m.row(vanilla.get(("eyas", m.dtype, m.threads), eyas_any.get(m.dtype)),
+                  vanilla.get((m.engine, m.dtype, m.threads))) for m in measured]
+
+
+def peer_runners(args: argparse.Namespace, setup: RunSetup, vllm, sizes: PeerSizes, drafter: str
+                 ) -> dict[str, Callable[[str, int, str], Measurement]]:
+    exports = DrafterExports(drafter, setup.target_path, setup.workdir)
+    gguf_dir = Path(resolve_path(args.gguf_dir))
+
+    def llama(dtype: str, threads: int, method: str) -> Measurement:
+        try:
+            draft = exports.get(DRAFTER_FORMAT["llamacpp"], dtype) if method == "eagle3" else None
+        except (ConfigError, CheckpointError) as err:  # the drafter has no llama.cpp form: the row says why
+            return Measurement("llamacpp", dtype, threads, LLAMACPP_TIMING, method, refused=f"jobs.export: {err}")
+        return run_llamacpp(target_gguf(setup.target_path, dtype, gguf_dir), dtype, threads, setup, method,
+                            llamacpp_spec_args(method, sizes), draft)
+
+    def vllm_run(dtype: str, threads: int, method: str) -> Measurement:
+        try:
+            config = vllm_speculative_config(method, sizes, lambda: exports.get(DRAFTER_FORMAT["vllm"], dtype))
+        except (ConfigError, CheckpointError) as err:
+            return Measurement("vllm", dtype, threads, VLLM_TIMING, method, refused=f"jobs.export: {err}")
+        return run_vllm(vllm, dtype, threads, setup, method, config)
+
+    return {"llamacpp": llama, "vllm": vllm_run}
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -230,37 +166,47 @@ def run(args: argparse.Namespace) -> dict:
     engines = parse_list(args.engines, ENGINES, "--engines")
     dtypes = parse_list(args.dtypes, DTYPES, "--dtypes")
     threads = parse_threads(args.threads)
+    methods = {"eyas": parse_list(args.eyas_methods, None, "--eyas-methods"),
+               **{e: parse_list(getattr(args, f"{e}_methods"), known, f"--{e}-methods")
+                  for e, known in PEER_METHODS.items()}}
+    sizes = PeerSizes(args.ngram_match, args.ngram_draft, args.num_draft)
+    args.spec = args.spec or list(DEFAULT_SPECS)
+    args.drafters_dir, args.draft_model = str(resolve_path(args.drafters_dir)), str(resolve_path(args.draft_model))
+    drafter = str(resolve_path(args.drafter)) if args.drafter else default_drafter("eagle3", args,
+                                                                                   Path(target_path).name)
     vllm = vllm_module() if "vllm" in engines else None
     if "vllm" in engines and vllm is None:
         engines.remove("vllm")
     if "llamacpp" in engines:
         llamacpp.llama_server_bin()  # a missing build fails now, not after eyas's measurements
+    workdir = Path(resolve_path(args.workdir))
+    workdir.mkdir(parents=True, exist_ok=True)
     prompts, eos = encoded_prompts(args, target_path)
-    gguf_dir = Path(resolve_path(args.gguf_dir))
-    runners: dict[str, Callable[[str, int], Measurement]] = {
-        "eyas": lambda d, t: run_eyas(target_path, d, t, prompts, args.max_new_tokens, eos),
-        "llamacpp": lambda d, t: run_llamacpp(target_gguf(target_path, d, gguf_dir), d, t, prompts,
-                                              args.max_new_tokens),
-        "vllm": lambda d, t: run_vllm(vllm, target_path, d, t, prompts, args.max_new_tokens),
-    }
+    setup = RunSetup(target_path, prompts, args.max_new_tokens, eos, workdir)
+    eyas_plan = eyas_methods(methods["eyas"], args, target_path) if "eyas" in engines else []
+    runners = peer_runners(args, setup, vllm, sizes, drafter)
     measured: list[Measurement] = []
-    for engine, dtype, t in plan(engines, dtypes, threads):
-        print(f"[bench_peers] {ENGINE_NAMES[engine]} {dtype} {t} thread(s)", file=sys.stderr, flush=True)
+    for engine, dtype, t, method in plan(engines, dtypes, threads, methods):
+        print(f"[bench_peers] {ENGINE_NAMES[engine]} {dtype} {t} thread(s) {method}", file=sys.stderr, flush=True)
         with cpu_lock(args.lock):
-            measured.append(runners[engine](dtype, t))
-        print(f"[bench_peers]   {measured[-1].new_tokens / measured[-1].seconds:.1f} tok/s", file=sys.stderr,
-              flush=True)
-    references = {m.dtype: m.outputs for m in measured if m.engine == "eyas"}
-    rows = [m.row(references.get(m.dtype)) for m in measured]
+            done = run_eyas(setup, dtype, t, eyas_plan) if engine == "eyas" else [runners[engine](dtype, t, method)]
+        measured += done
+        for m in done:
+            speed = f"refused: {m.refused}" if m.refused else f"{m.new_tokens / m.seconds:.1f} tok/s"
+            print(f"[bench_peers]   {m.method}: {speed}", file=sys.stderr, flush=True)
+    rows = rows_of(measured)
     features = cpu_features()
+    settings = {"eyas": {label: spec_settings(spec) for label, spec, _ in eyas_plan}} if eyas_plan else {}
+    settings.update({e: {m: peer_settings(e, m, sizes) for m in methods[e]} for e in PEER_METHODS if e in engines})
     return {"commit": commit,
             "machine": {"cpu_model": features.model, "cpu_features": features.to_dict(), "num_cpus": os.cpu_count(),
                         "load_start": loadavg()},
             "config": {"target": target_path, "engines": engines, "dtypes": dtypes, "threads": threads,
-                       "suites": list(prompts), "num_prompts": args.num_prompts,
-                       "max_new_tokens": args.max_new_tokens, "command": " ".join(["python -m jobs.bench_peers",
-                                                                                    *sys.argv[1:]])},
-            "results": rows, "summary": summary(rows)}
+                       "methods": {e: methods[e] for e in engines}, "suites": list(prompts),
+                       "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens,
+                       "drafter": drafter, "specs": args.spec, "settings": settings,
+                       "command": " ".join(["python -m jobs.bench_peers", *sys.argv[1:]])},
+            "results": rows, "summary": summary(rows), "goal": best_vs_best(rows, list(prompts))}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -270,14 +216,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtypes", default=",".join(DTYPES))
     parser.add_argument("--threads", default="1,2,auto", help="thread counts each engine runs at, joined by commas; "
                         "auto: eyas's own policy (eyas only)")
+    parser.add_argument("--eyas-methods", default=VANILLA, help=f"jobs.bench's labels, e.g. {','.join(EYAS_METHODS)}")
+    for engine, known in PEER_METHODS.items():
+        parser.add_argument(f"--{engine}-methods", default=VANILLA, help=f"of {','.join(known)}")
+    parser.add_argument("--spec", action="append", default=[], metavar="YAML", help="jobs.bench's --spec files for "
+                        "eyas's methods (default: jobs/configs/bench-smollm2/*.yaml)")
+    parser.add_argument("--ngram-match", type=int, default=PeerSizes.ngram_match, help="the peers' n-gram lookup")
+    parser.add_argument("--ngram-draft", type=int, default=PeerSizes.ngram_draft, help="tokens a peer's n-gram drafts")
+    parser.add_argument("--num-draft", type=int, default=PeerSizes.num_draft, help="the peers' EAGLE-3 chain")
+    parser.add_argument("--drafter", help="the EAGLE-3 the peers draft with (default: the one eyas's eagle3 reads)")
+    parser.add_argument("--drafters-dir", default=str(eyas_home() / "drafters"))
+    parser.add_argument("--draft-model", default=str(eyas_home() / "targets" / "draft-smollm2"))
     parser.add_argument("--suite", default="humaneval,chat")
+    parser.add_argument("--prompts-file", help='JSONL with one {"prompt": "..."} per line, instead of --suite')
     parser.add_argument("--num-prompts", type=int, default=8, help="prompts per suite")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--target", default=str(eyas_home() / "targets" / "smollm2-135m"))
     parser.add_argument("--gguf-dir", default=str(eyas_home() / "gguf"), help="where the target's GGUFs are cached")
+    parser.add_argument("--workdir", default="out/bench_peers", help="drafter exports and engine logs go here")
     add_report_args(parser, "bench_peers.json", lock_help="for each measurement")
     args = parser.parse_args(argv)
-    args.prompts_file = None  # jobs.bench.load_prompts' other source
     return report_main(args, "bench_peers", run, markdown)
 
 

@@ -52,7 +52,7 @@ from eyas.models import load_tokenizer
 from eyas_ray.cluster import init_ray
 from eyas_ray.deploy import run_config
 from jobs.bench import git_commit
-from jobs.bench_peers import target_gguf, without_openmp_policy
+from jobs.bench_peers_measure import target_gguf, without_openmp_policy
 from jobs.export import export_drafter
 from jobs.load_peers_report import ENGINES, METHODS, markdown
 from jobs.peers import llamacpp, vllm
@@ -138,10 +138,9 @@ def local_ray() -> Any:
 def vllm_config(method: str, cell: Cell) -> dict[str, Any] | None:
     """vLLM's speculative_config for each method (None: vanilla)."""
     if method == "ngram":
-        return {"method": "ngram", "num_speculative_tokens": NGRAM_DRAFT, "prompt_lookup_max": NGRAM_MATCH,
-                "prompt_lookup_min": 1}
+        return vllm.ngram_config(NGRAM_DRAFT, NGRAM_MATCH)
     if method == "eagle3":
-        return {"method": "eagle3", "model": str(cell.export("vllm")), "num_speculative_tokens": cell.num_draft}
+        return vllm.eagle3_config(cell.export("vllm"), cell.num_draft)
     return None
 
 

@@ -6,9 +6,10 @@
     add_report_args(parser, "bench_peers.json", lock_help="... for each measurement")
     return report_main(parser.parse_args(argv), "bench_peers", run, markdown)
 
-``report_main``: with ``--from JSON`` it renders that report and measures nothing; else it calls the job's ``run``,
-writes its JSON to ``--out`` (atomically). Either way it prints the Markdown and writes it to ``--report`` when
-given. A user's mistake (ConfigError, a missing file, a bad value) is one line on stderr and exit status 2.
+``report_main``: with ``--from JSON[,JSON...]`` it renders those reports, one after the other, and measures nothing;
+else it calls the job's ``run`` and writes its JSON to ``--out`` (atomically). Either way it prints the Markdown and
+writes it to ``--report`` when given. A user's mistake (ConfigError, a missing file, a bad value) is one line on
+stderr and exit status 2.
 """
 from __future__ import annotations
 
@@ -36,21 +37,22 @@ def add_report_args(parser: argparse.ArgumentParser, default_out: str, lock_help
     parser.add_argument("--lock", metavar="FILE", help=f"take this flock (a shared machine's CPU lock) {lock_help}, "
                         "not for the whole run")
     parser.add_argument("--from", dest="source", metavar="JSON",
-                        help=f"render this {Path(default_out).name}; measure nothing")
+                        help=f"render this {Path(default_out).name} (several joined by commas: one page); measure "
+                        "nothing")
 
 
 def report_main(args: argparse.Namespace, job: str, run: Callable[[argparse.Namespace], dict[str, Any]],
                 markdown: Callable[[dict[str, Any]], str]) -> int:
-    """Measure (``run(args)``, its JSON to --out) or read --from's JSON, then print and write its Markdown; the exit
+    """Measure (``run(args)``, its JSON to --out) or read --from's JSONs, then print and write their Markdown; the exit
     status (2 for a user's mistake, said on stderr)."""
     try:
         if args.source:
-            report = json.loads(Path(args.source).read_text())
+            reports = [json.loads(Path(source).read_text()) for source in parse_list(args.source, None, "--from")]
         else:
-            report = run(args)
-            write_text_atomic(Path(args.out), json.dumps(report, indent=2))
+            reports = [run(args)]
+            write_text_atomic(Path(args.out), json.dumps(reports[0], indent=2))
             print(f"[{job}] wrote {args.out}", file=sys.stderr)
-        text = markdown(report)
+        text = "\n".join(markdown(report) for report in reports)
         if args.report:
             write_text_atomic(Path(args.report), text)
         print(text)

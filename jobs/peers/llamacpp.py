@@ -37,6 +37,7 @@ LLAMACPP_DIR_ENV = "EYAS_LLAMACPP_DIR"  # a llama.cpp build laid out as `make to
 GGUF_OUTTYPES = ("f32", "bf16", "f16", "q8_0")
 ACCEPT_LINE = re.compile(r"accepted\s+(\d+)/\s*(\d+) draft tokens")
 DEFAULT_CTX_SIZE = 4096
+NGRAM_SPEC_TYPES = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")  # no draft model
 
 
 def llamacpp_dir() -> Path:
@@ -126,10 +127,34 @@ def dflash_spec_args(num_draft: int) -> tuple[str, ...]:
     return ("--spec-type", "draft-dflash", "--spec-draft-n-max", str(num_draft), "--spec-draft-p-min", "0")
 
 
-def ngram_spec_args(size_n: int = 3, size_m: int = 4) -> tuple[str, ...]:
-    """llama-server's prompt-lookup ngram: match the last ``size_n`` tokens, draft ``size_m``."""
-    return ("--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(size_n),
-            "--spec-ngram-simple-size-m", str(size_m))
+def ngram_spec_args(size_n: int = 3, size_m: int = 4, spec_type: str = "ngram-simple") -> tuple[str, ...]:
+    """llama-server's draftless speculation of ``spec_type`` (one of NGRAM_SPEC_TYPES, its docs/speculative.md):
+    look up the last ``size_n`` tokens in the history, draft up to ``size_m``.
+
+    - ngram-simple, ngram-map-k, ngram-map-k4v: their own ``--spec-ngram-<type>-size-n/-m`` (map-k drafts what
+      followed the key, map-k4v the most frequent of four continuations);
+    - ngram-mod: a rolling hash of ``size_n`` tokens (``n-match``), drafts of 1 to ``size_m`` tokens (its ``n-min``
+      default of 48 would draft nothing shorter);
+    - ngram-cache: its own n-gram statistics (fixed sizes), drafts of ``size_m`` (``--spec-draft-n-max``)."""
+    if spec_type not in NGRAM_SPEC_TYPES:
+        raise ConfigError(f"spec_type {spec_type!r}: llama-server's draftless types are {NGRAM_SPEC_TYPES}")
+    if size_n < 1 or size_m < 1:
+        raise ConfigError(f"size_n {size_n}, size_m {size_m}: must be >= 1")
+    if spec_type == "ngram-mod":
+        sizes = ("--spec-ngram-mod-n-match", str(size_n), "--spec-ngram-mod-n-min", "1",
+                 "--spec-ngram-mod-n-max", str(size_m))
+    elif spec_type == "ngram-cache":
+        sizes = ("--spec-draft-n-max", str(size_m))
+    else:
+        flag = f"--spec-{spec_type}"
+        sizes = (f"{flag}-size-n", str(size_n), f"{flag}-size-m", str(size_m))
+    return ("--spec-type", spec_type, *sizes)
+
+
+def spec_type(spec_args: tuple[str, ...]) -> str | None:
+    """The ``--spec-type`` value in ``spec_args`` (None: none given)."""
+    args = list(spec_args)
+    return args[args.index("--spec-type") + 1] if "--spec-type" in args[:-1] else None
 
 
 def server_command(model_gguf: str | Path, threads: int, port: int, draft_gguf: str | Path | None = None,
@@ -138,7 +163,7 @@ def server_command(model_gguf: str | Path, threads: int, port: int, draft_gguf: 
     decode and prefill (the draft model too), bound to localhost."""
     if threads < 1 or slots < 1:
         raise ConfigError(f"threads {threads}, slots {slots}: must be >= 1")
-    if spec_args and draft_gguf is None and "draft-" in " ".join(spec_args):
+    if draft_gguf is None and any(t.startswith("draft-") for t in (spec_type(spec_args) or "").split(",")):
         raise ConfigError(f"spec_args {' '.join(spec_args)}: a draft-model speculation needs draft_gguf")
     command = [str(llama_server_bin()), "-m", str(model_gguf), "-t", str(threads), "-tb", str(threads),
                "-np", str(slots), "-c", str(ctx_size * slots), "--host", "127.0.0.1", "--port", str(port), "--no-webui"]

@@ -42,7 +42,7 @@ from eyas.models import CheckpointError, load_target, load_tokenizer
 from eyas.threads import configure_threads
 from eyas.decoding.generate import generate
 from jobs.bench import git_commit, machine
-from jobs.bench_peers import target_gguf, without_openmp_policy
+from jobs.bench_peers_measure import target_gguf, without_openmp_policy
 from jobs.export import export_drafter
 from jobs.peers import llamacpp, vllm
 from jobs.peers.acceptance import Acceptance, delta, vllm_counters

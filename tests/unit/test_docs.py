@@ -5,8 +5,8 @@
   every config file a command there names exists;
 - the README's results table and docs/results.md are what jobs.bench_report renders from the bench JSON they name
   (regenerate: python -m jobs.bench --from ... --report docs/results.md --update-tables README.md), and docs/ keeps
-  no bench JSON the results page does not cite; a peer bench page (docs/bench-peers-*.md) is what jobs.bench_peers
-  renders from the JSON beside it, a side-by-side serving page (docs/load-peers-*.md) what jobs.load_peers renders.
+  no bench JSON the results page does not cite; a peer bench page (docs/bench-peers-NAME.md) is what jobs.bench_peers
+  renders from its runs' JSON (bench-peers-NAME.json, then bench-peers-NAME-*.json), a side-by-side serving page (docs/load-peers-*.md) what jobs.load_peers renders.
 """
 from __future__ import annotations
 
@@ -104,15 +104,29 @@ def test_results_page_is_the_rendered_json(monkeypatch):
     assert kept == cited, f"docs/ keeps bench JSON the results page does not cite: {sorted(kept - cited)}"
 
 
+def peer_page_sources(page: Path) -> list[Path]:
+    """The runs docs/bench-peers-NAME.md renders: bench-peers-NAME.json, then each bench-peers-NAME-*.json that has
+    no page of its own (e.g. -spec.json, the speculative run), in name order."""
+    more = [p for p in sorted(page.parent.glob(f"{page.stem}-*.json")) if not p.with_suffix(".md").is_file()]
+    return [page.with_suffix(".json"), *more]
+
+
 def test_peer_pages_are_the_rendered_json():
-    """docs/bench-peers-*.md is what jobs.bench_peers renders from the JSON beside it."""
+    """docs/bench-peers-*.md is what jobs.bench_peers renders from its runs' JSON (peer_page_sources), and every
+    run's JSON is on a page."""
     from jobs.bench_peers_report import markdown
 
+    pages = sorted(p for p in (ROOT / "docs").glob("bench-peers-*.md"))
+    rendered: set[Path] = set()
+    for page in pages:
+        sources = peer_page_sources(page)
+        names = ",".join(f"docs/{s.name}" for s in sources)
+        assert sources[0].is_file(), f"{page.name} has no {sources[0].name}"
+        assert page.read_text() == "\n".join(markdown(json.loads(s.read_text())) for s in sources), (
+            f"{page.name} is stale: python -m jobs.bench_peers --from {names} --report docs/{page.name}")
+        rendered.update(sources)
     for source in sorted((ROOT / "docs").glob("bench-peers-*.json")):
-        page = source.with_suffix(".md")
-        assert page.is_file(), f"{source.name} has no page: python -m jobs.bench_peers --from {source} --report {page}"
-        assert page.read_text() == markdown(json.loads(source.read_text())), (
-            f"{page.name} is stale: python -m jobs.bench_peers --from docs/{source.name} --report docs/{page.name}")
+        assert source in rendered, f"{source.name} is on no page: name it docs/bench-peers-NAME[-RUN].json"
 
 
 def test_side_by_side_serving_pages_are_the_rendered_json():

@@ -8,7 +8,7 @@ import pytest
 
 from eyas import corpus, datasets
 from eyas.config import ConfigError
-from jobs.bench import load_prompts
+from jobs.bench_inputs import load_prompts
 
 
 def bench_args(suite: str, num_prompts: int = 2) -> argparse.Namespace:

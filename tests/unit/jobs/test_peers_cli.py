@@ -43,6 +43,15 @@ def test_from_renders_without_measuring(tmp_path):
     assert (tmp_path / "p.md").read_text() == "rows: [3]\n" and not (tmp_path / "new.json").exists()
 
 
+def test_from_renders_several_reports_into_one_page_in_order(tmp_path):
+    first, second = tmp_path / "a.json", tmp_path / "b.json"
+    first.write_text(json.dumps({"rows": [1]}))
+    second.write_text(json.dumps({"rows": [2]}))
+    args = parse(["--from", f"{first},{second}", "--report", str(tmp_path / "p.md")])
+    assert cli.report_main(args, "job", lambda a: {}, render) == 0
+    assert (tmp_path / "p.md").read_text() == "rows: [1]\n\nrows: [2]\n"
+
+
 def test_a_users_mistake_is_one_line_and_status_2_and_a_bug_keeps_its_traceback(tmp_path, capsys):
     def bad_flag(args):
         raise ConfigError("--threads 0: must be >= 1")

@@ -102,6 +102,32 @@ def test_a_draft_speculation_without_a_draft_model_is_refused(fake_build):
         llamacpp.server_command("t.gguf", 0, 8123)
 
 
+def test_each_draftless_type_gets_its_own_flags():
+    assert llamacpp.ngram_spec_args(3, 8) == ("--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3",
+                                              "--spec-ngram-simple-size-m", "8")
+    assert llamacpp.ngram_spec_args(2, 6, "ngram-map-k") == ("--spec-type", "ngram-map-k", "--spec-ngram-map-k-size-n",
+                                                             "2", "--spec-ngram-map-k-size-m", "6")
+    assert llamacpp.ngram_spec_args(2, 6, "ngram-map-k4v")[2:4] == ("--spec-ngram-map-k4v-size-n", "2")
+    # ngram-mod: a hash of n tokens, drafts of 1..m (its n-min default of 48 would draft nothing shorter)
+    assert llamacpp.ngram_spec_args(4, 8, "ngram-mod") == ("--spec-type", "ngram-mod", "--spec-ngram-mod-n-match", "4",
+                                                           "--spec-ngram-mod-n-min", "1", "--spec-ngram-mod-n-max", "8")
+    assert llamacpp.ngram_spec_args(3, 8, "ngram-cache") == ("--spec-type", "ngram-cache", "--spec-draft-n-max", "8")
+    with pytest.raises(ConfigError, match="draftless types"):
+        llamacpp.ngram_spec_args(3, 8, "draft-eagle3")
+    with pytest.raises(ConfigError, match="must be >= 1"):
+        llamacpp.ngram_spec_args(0, 8)
+
+
+def test_only_a_draft_type_needs_a_draft_model(fake_build):
+    # ngram-cache's sizes flag is --spec-draft-n-max: no draft model for all its name
+    command = llamacpp.server_command("t.gguf", 2, 8123, None, llamacpp.ngram_spec_args(3, 8, "ngram-cache"))
+    assert " ".join(command).endswith("--spec-type ngram-cache --spec-draft-n-max 8") and "-md" not in command
+    with pytest.raises(ConfigError, match="needs draft_gguf"):
+        llamacpp.server_command("t.gguf", 1, 8123, None, ("--spec-type", "ngram-simple,draft-eagle3"))
+    assert llamacpp.spec_type(("--spec-draft-n-max", "3")) is None
+    assert llamacpp.spec_type(llamacpp.eagle3_spec_args(2)) == "draft-eagle3"
+
+
 def test_convert_command_for_a_target_and_for_a_drafter(fake_build):
     plain = llamacpp.convert_command("hf", "o.gguf", "q8_0", python="py")
     assert plain == ["py", str(fake_build / "src/convert_hf_to_gguf.py"), "hf", "--outfile", "o.gguf",

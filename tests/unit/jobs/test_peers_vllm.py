@@ -81,6 +81,20 @@ def test_server_command(tmp_path):
         vllm.server_command(tmp_path / "missing", "float32", 8001, python=Path("/py"))
 
 
+def test_speculative_configs_as_vllm_takes_them(tmp_path):
+    assert vllm.ngram_config(8, 3) == {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 3,
+                                       "prompt_lookup_min": 1}
+    assert vllm.eagle3_config(tmp_path, 2) == {"method": "eagle3", "model": str(tmp_path), "num_speculative_tokens": 2}
+    assert vllm.suffix_config() == {"method": "suffix"}
+    (tmp_path / "config.json").write_text("{}")
+    cmd = vllm.server_command(tmp_path, "bfloat16", 8001, vllm.ngram_config(4, 3), python=Path("/py"))
+    assert '"prompt_lookup_max": 3' in cmd[cmd.index("--speculative-config") + 1]
+    with pytest.raises(ConfigError, match="lookup 4..3"):
+        vllm.ngram_config(8, 3, lookup_min=4)
+    with pytest.raises(ConfigError, match="num_draft 0"):
+        vllm.eagle3_config(tmp_path, 0)
+
+
 def test_running_waits_for_health_and_always_stops_the_server(tmp_path):
     port = free_port()
     cmd = [sys.executable, "-c", FAKE_SERVER, str(port)]
