@@ -10,6 +10,11 @@ after ``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)``, and only where th
 not us. eyas's kernels use no AMX instruction; their compiler is told so where AMX is listed but unusable
 (``compile_flags``), and bench.json records the kind (``jobs.bench``'s ``machine``).
 
+``EYAS_ISA`` caps the kind (one of ``KINDS``): the flags above it are dropped from what eyas sees and its kernels are
+compiled without them (``-mno-avx512f`` for ``avx2``, ...), so one machine runs and tests the paths a smaller CPU
+gets. torch and oneDNN have their own caps: ``ATEN_CPU_CAPABILITY=avx2`` and ``ONEDNN_MAX_CPU_ISA=AVX2`` (set before
+torch loads) make a whole process behave like an AVX2 CPU's; docs/threads-and-dtypes.md has the figures.
+
 **Who uses the cores.** Two ``cpu_reading()``s bracket a measurement; the ``CpuWindow`` between them says how many
 cores this process and every other process used on average (busy time of our cores from ``/proc/stat``, less our own
 CPU time, over the wall time). The cost model's warnings (``eyas.decoding.costs``) and the adaptive thread policy
@@ -34,6 +39,17 @@ PROC_STAT = Path("/proc/stat")
 PROC_CPUINFO = Path("/proc/cpuinfo")
 KINDS = ("avx512_bf16", "avx512", "avx2", "baseline")  # best first
 AMX_FLAGS = ("amx_tile", "amx_bf16", "amx_int8")
+ISA_ENV = "EYAS_ISA"
+AVX512_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512vbmi", "avx512_bf16", "avx512_fp16")
+# the listed flags each cap drops, and the compiler switches that keep the kernels off them (GCC's -mno-avx512f
+# turns off every AVX-512 extension; -mno-avx2 leaves AVX)
+_ABOVE = {"avx512_bf16": AMX_FLAGS, "avx512": ("avx512_bf16", "avx512_fp16", *AMX_FLAGS),
+          "avx2": (*AVX512_FLAGS, *AMX_FLAGS), "baseline": ("avx2", "fma", "f16c", "avx_vnni", *AVX512_FLAGS, *AMX_FLAGS)}
+_NO = {"avx512_bf16": ["-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"],
+       "avx512": ["-mno-avx512bf16", "-mno-avx512fp16", "-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"],
+       "avx2": ["-mno-avx512f", "-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"],
+       "baseline": ["-mno-avx2", "-mno-fma", "-mno-f16c", "-mno-avx512f", "-mno-amx-tile", "-mno-amx-int8",
+                    "-mno-amx-bf16"]}
 
 # Run one tile instruction after asking Linux for the tile state: exit 0 where AMX works, 2 where the kernel
 # refuses the state; a SIGILL (the tile state not enabled by the hypervisor) kills the child.
@@ -58,6 +74,7 @@ class CpuFeatures:
     flags: tuple[str, ...]   # the listed flags eyas's or its peers' kernels care about
     amx_listed: bool         # CPUID lists AMX tiles
     amx_usable: bool | None  # a child process ran a tile instruction (None: not listed, or no compiler to probe)
+    isa_cap: str | None = None  # EYAS_ISA: the kind this process was capped to (flags above it dropped)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -92,12 +109,21 @@ def cpu_features() -> CpuFeatures:
         text = PROC_CPUINFO.read_text()
     except OSError:
         text = ""
-    flags = cpuinfo_flags(text)
+    cap = isa_cap()
+    flags = cpuinfo_flags(text) - set(_ABOVE[cap] if cap else ())
     model = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")),
                  None)
     listed = "amx_tile" in flags
     return CpuFeatures(model=model, kind=kind_of(flags), flags=tuple(f for f in RELEVANT_FLAGS if f in flags),
-                       amx_listed=listed, amx_usable=amx_usable() if listed else None)
+                       amx_listed=listed, amx_usable=amx_usable() if listed else None, isa_cap=cap)
+
+
+def isa_cap() -> str | None:
+    """``EYAS_ISA``: the kind of ``KINDS`` to cap this process's kernels to, or None (unset or empty)."""
+    cap = os.environ.get(ISA_ENV, "").strip() or None
+    if cap is not None and cap not in KINDS:
+        raise ValueError(f"{ISA_ENV}={cap!r}: must be one of {', '.join(KINDS)} (or unset: the CPU's own)")
+    return cap
 
 
 @lru_cache(maxsize=1)
@@ -120,10 +146,11 @@ def amx_usable() -> bool | None:
 
 def compile_flags(features: CpuFeatures) -> list[str]:
     """The instruction-set flags eyas's C kernels are compiled with: the host's own (``-march=native``), less AMX
-    where it is listed but not usable, so no compiler ever emits a tile instruction that would SIGILL."""
-    flags = ["-march=native"]
+    where it is listed but not usable, so no compiler ever emits a tile instruction that would SIGILL, and less
+    everything above ``EYAS_ISA``'s cap."""
+    flags = ["-march=native", *(_NO[features.isa_cap] if features.isa_cap else [])]
     if features.amx_listed and not features.amx_usable:
-        flags += ["-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"]
+        flags += [f for f in ("-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16") if f not in flags]
     return flags
 
 

@@ -1,4 +1,5 @@
-"""eyas.cpu: the kind of CPU from its flags, AMX listed but unusable, and the kernels' compile flags."""
+"""eyas.cpu: the kind of CPU from its flags, AMX listed but unusable, the EYAS_ISA cap, and the kernels' compile
+flags."""
 from __future__ import annotations
 
 import pytest
@@ -23,6 +24,31 @@ def test_unusable_amx_is_compiled_out():
     assert "-mno-amx-tile" in cpu.compile_flags(listed_unusable)
     usable = cpu.CpuFeatures("x", "avx512_bf16", ("amx_tile",), amx_listed=True, amx_usable=True)
     assert cpu.compile_flags(usable) == ["-march=native"]
+
+
+def test_the_isa_cap_drops_the_flags_above_it_and_compiles_without_them(monkeypatch, tmp_path):
+    monkeypatch.setattr(cpu, "PROC_CPUINFO", tmp_path / "cpuinfo")
+    (tmp_path / "cpuinfo").write_text(XEON)
+    for cap, kind in (("avx512", "avx512"), ("avx2", "avx2"), ("baseline", "baseline"), ("avx512_bf16", "avx512_bf16")):
+        monkeypatch.setenv("EYAS_ISA", cap)
+        cpu.cpu_features.cache_clear()
+        features = cpu.cpu_features()
+        assert (features.kind, features.isa_cap, features.amx_listed) == (kind, cap, False)
+        flags = cpu.compile_flags(features)
+        assert flags[0] == "-march=native" and "-mno-amx-tile" in flags
+        assert ("-mno-avx512f" in flags) == (cap in ("avx2", "baseline"))
+        assert ("-mno-avx512bf16" in flags) == (cap == "avx512")
+    monkeypatch.setenv("EYAS_ISA", "avx2")
+    (tmp_path / "cpuinfo").write_text(EPYC_AVX2)  # a cap above the CPU changes nothing
+    monkeypatch.setenv("EYAS_ISA", "avx512")
+    cpu.cpu_features.cache_clear()
+    assert cpu.cpu_features().kind == "avx2"
+    monkeypatch.setenv("EYAS_ISA", "sse9")
+    cpu.cpu_features.cache_clear()
+    with pytest.raises(ValueError, match="EYAS_ISA='sse9': must be one of avx512_bf16, avx512, avx2, baseline"):
+        cpu.cpu_features()
+    monkeypatch.delenv("EYAS_ISA")
+    cpu.cpu_features.cache_clear()
 
 
 def test_this_machine_is_described():

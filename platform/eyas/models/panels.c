@@ -6,24 +6,58 @@ outputs are bit-identical at any number of rows, so a decode step and a verify c
 Built by panels.py with the host's compiler (-O3 -march=native); GCC's vector extensions give AVX-512 or AVX2. */
 #include <stdint.h>
 #include <string.h>
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
 #define W 32
-static inline v16 ld(const float* p) { v16 v; memcpy(&v, p, 64); return v; }
-static inline void st(float* p, v16 v) { memcpy(p, &v, 64); }
+/* One vector register's floats: a panel's 32 sums per row are NV of them. AVX-512 holds 8 rows' sums (16 of its 32
+registers) beside a panel line's 2 vectors; AVX2 has 16 registers, so 2 rows (8 sums and 4 weight vectors) a pass.
+A vector wider than the registers (a 64-byte vector on AVX2) went through the stack: 9 GB/s at 1 row. */
+#if defined(__AVX512F__)
+#define VW 16
+#define MAX_MB 8
+#elif defined(__AVX__)
+#define VW 8
+#define MAX_MB 2
+#else
+#define VW 4
+#define MAX_MB 2
+#endif
+#define NV (W / VW)
+typedef float vf __attribute__((vector_size(VW * 4), aligned(4), may_alias));  /* unaligned loads and stores: a
+                                                   memcpy into a vector went through the stack on AVX2 */
+static inline vf ld(const float* p) { return *(const vf*)p; }
+static inline void st(float* p, vf v) { *(vf*)p = v; }
 static inline __attribute__((always_inline)) void chunk(const float* x, int64_t ldx, const float* panel, int64_t I,
                                                          float* y, int64_t ldy, int mb, int64_t nvalid) {
-  v16 acc[8][2];
-  for (int m = 0; m < mb; ++m) { acc[m][0] = (v16){0}; acc[m][1] = (v16){0}; }
+  vf acc[MAX_MB][NV];  /* every loop over k and m unrolled, so the arrays live in registers (GCC keeps a rolled
+                          loop's arrays on the stack) */
+#pragma GCC unroll 8
+  for (int m = 0; m < mb; ++m)
+#pragma GCC unroll 8
+    for (int k = 0; k < NV; ++k) acc[m][k] = (vf){0};
   for (int64_t i = 0; i < I; ++i) {
-    v16 w0 = ld(panel + i * W), w1 = ld(panel + i * W + 16);
-    for (int m = 0; m < mb; ++m) { float xv = x[m * ldx + i]; acc[m][0] += w0 * xv; acc[m][1] += w1 * xv; }
+    vf w[NV];
+#pragma GCC unroll 8
+    for (int k = 0; k < NV; ++k) w[k] = ld(panel + i * W + k * VW);
+#pragma GCC unroll 8
+    for (int m = 0; m < mb; ++m) {
+      const float xv = x[m * ldx + i];
+#pragma GCC unroll 8
+      for (int k = 0; k < NV; ++k) acc[m][k] += w[k] * xv;
+    }
   }
+#pragma GCC unroll 8
   for (int m = 0; m < mb; ++m) {
-    if (nvalid == W) { st(y + m * ldy, acc[m][0]); st(y + m * ldy + 16, acc[m][1]); }
-    else { float t[W]; st(t, acc[m][0]); st(t + 16, acc[m][1]); memcpy(y + m * ldy, t, nvalid * 4); }
+    if (nvalid == W) {
+#pragma GCC unroll 8
+      for (int k = 0; k < NV; ++k) st(y + m * ldy + k * VW, acc[m][k]);
+    } else {
+      float t[W];
+#pragma GCC unroll 8
+      for (int k = 0; k < NV; ++k) st(t + k * VW, acc[m][k]);
+      memcpy(y + m * ldy, t, nvalid * 4);
+    }
   }
 }
-#define CHUNK(MB) static void chunk##MB(const float* x, int64_t ldx, const float* p, int64_t I, float* y, int64_t ldy, int64_t nv) { chunk(x, ldx, p, I, y, ldy, MB, nv); }
+#define CHUNK(MB) static void chunk##MB(const float* x, int64_t ldx, const float* p, int64_t I, float* y, int64_t ldy, int64_t nv) { chunk(x, ldx, p, I, y, ldy, MB < MAX_MB ? MB : MAX_MB, nv); }
 CHUNK(1) CHUNK(2) CHUNK(3) CHUNK(4) CHUNK(5) CHUNK(6) CHUNK(7) CHUNK(8)
 typedef void (*chunk_fn)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t);
 static const chunk_fn CHUNKS[9] = {0, chunk1, chunk2, chunk3, chunk4, chunk5, chunk6, chunk7, chunk8};
@@ -33,8 +67,8 @@ static void panels_f32(const float* x, int64_t M, int64_t ldx, const float* pane
   for (int64_t p = p0; p < p1; ++p) {
     const float* panel = panels + p * I * W;
     const int64_t nv = (O - p * W) < W ? (O - p * W) : W;
-    for (int64_t m = 0; m < M; m += 8) {
-      const int mb = (M - m) < 8 ? (int)(M - m) : 8;
+    for (int64_t m = 0; m < M; m += MAX_MB) {
+      const int mb = (M - m) < MAX_MB ? (int)(M - m) : MAX_MB;
       CHUNKS[mb](x + m * ldx, ldx, panel, I, y + m * ldy + p * W, ldy, nv);
     }
   }
