@@ -299,7 +299,7 @@ class Decoder(nn.Module):
         token the same bits as decoding it alone, so that greedy speculative output is vanilla's in any dtype: on
         CPU, at most ``panels.MAX_ROWS`` rows, the LM head on the panel kernel, and the layers either in one C call
         (eyas.models.fused, at any thread count) or, at one torch thread, every linear on the panel kernel for this
-        dtype (float32, or bfloat16 where the CPU has AVX512_BF16) and attention on eyas's kernel. Elsewhere the
+        dtype (float32, or bfloat16 where the CPU has AVX512_BF16 or AVX2) and attention on eyas's kernel. Elsewhere the
         kernels' blocking follows the shapes: float32 differs in the last bits (greedy output has matched in every
         test and bench), reduced precision can flip near-ties (docs/threads-and-dtypes.md)."""
         head = self.lm_head.packed

@@ -31,7 +31,7 @@ itself (``one_row_layout``), which made all of smollm2's one-row products 29.6 m
 bfloat16 keeps row-major parameters: its packed kernel wins at one row too (24.8 ms against 43.3 column-major).
 
 **Panels** (``eyas.models.panels``): where its C kernel builds, up to 64 float32 rows (and bfloat16 rows, where the
-CPU has AVX512_BF16) at one torch thread go through a panel copy of the weight instead, faster than every layout
+CPU has AVX512_BF16 or AVX2) at one torch thread go through a panel copy of the weight instead, faster than every layout
 above at 1-64 rows and the same numbers for a row at any number of rows (docs/threads-and-dtypes.md).
 
 Shape legend: O output features, I input features; x_XI is any leading shape.

@@ -229,13 +229,13 @@ void eyas_panel_matmul(const float* x, int64_t M, int64_t ldx, const float* pane
 [ceil(O/32), I/2, 32, 2] (each output's inputs i, i+1 side by side, zero-padded), x[M, I] bfloat16 with I even (the
 caller pads), y bfloat16 rounded to nearest even from the float32 sums. Half the bytes of float32 per weight, and
 each pair of inputs is one vdpbf16ps. As in float32, a row's sums run in the same order at any M. */
-#ifdef __AVX512BF16__
-#include <immintrin.h>
 static inline uint16_t to_bf16(float f) {
   uint32_t u; memcpy(&u, &f, 4);
   if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  /* NaN stays NaN */
   return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
+#ifdef __AVX512BF16__
+#include <immintrin.h>
 static inline __attribute__((always_inline)) void chunk_bf16(const uint16_t* x, int64_t ldx, const uint16_t* panel,
                                                               int64_t I2, uint16_t* y, int64_t ldy, int mb,
                                                               int64_t nvalid) {
@@ -338,6 +338,59 @@ void eyas_panel_matmul_bf16(const uint16_t* x, int64_t M, int64_t ldx, const uin
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   if (amx_on && I % 32 == 0) { matmul_amx(x, M, ldx, panels, I, O, y, ldy); return; }
 #endif
+  job_t j = {task_bf16, x, M, ldx, panels, I, O, y, ldy};
+  run_job(&j, (O + W - 1) / W, (int64_t)2 * I * W, num_threads);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+/* bfloat16 on AVX2 (no vdpbf16ps): the same pair panels. A 32-bit lane holds one output's inputs 2i (low half) and
+2i + 1 (high half); a shift and a mask widen them to float32 exactly, and two FMAs per row add them in that order.
+Up to 2 rows a pass (their 8 sums, 4 widened inputs and the weights fit AVX2's 16 registers). Each row's sums run
+in the same order at any M and any thread count, as above; they differ from vdpbf16ps's in rounding, and a CPU has
+one kernel or the other. The weights stream at half float32's bytes. */
+#include <immintrin.h>
+static inline __attribute__((always_inline)) void chunk_bf16(const uint16_t* x, int64_t ldx, const uint16_t* panel,
+                                                              int64_t I2, uint16_t* y, int64_t ldy, int mb,
+                                                              int64_t nvalid) {
+  __m256 acc[2][4];
+  const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
+  for (int m = 0; m < mb; ++m)
+    for (int k = 0; k < 4; ++k) acc[m][k] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < I2; ++i) {
+    __m256 even[2], odd[2];
+    for (int m = 0; m < mb; ++m) {
+      uint32_t pair; memcpy(&pair, x + m * ldx + 2 * i, 4);
+      even[m] = _mm256_castsi256_ps(_mm256_set1_epi32((int)(pair << 16)));
+      odd[m] = _mm256_castsi256_ps(_mm256_set1_epi32((int)(pair & 0xffff0000u)));
+    }
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) {
+      const __m256i w = _mm256_loadu_si256((const __m256i*)(panel + i * 2 * W + k * 16));
+      const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)), wo = _mm256_castsi256_ps(_mm256_and_si256(w, high));
+      for (int m = 0; m < mb; ++m) acc[m][k] = _mm256_fmadd_ps(wo, odd[m], _mm256_fmadd_ps(we, even[m], acc[m][k]));
+    }
+  }
+  for (int m = 0; m < mb; ++m) {
+    float t[W];
+    for (int k = 0; k < 4; ++k) _mm256_storeu_ps(t + 8 * k, acc[m][k]);
+    for (int64_t j = 0; j < nvalid; ++j) y[m * ldy + j] = to_bf16(t[j]);
+  }
+}
+static void chunk_bf16_1(const uint16_t* x, int64_t ldx, const uint16_t* p, int64_t I2, uint16_t* y, int64_t ldy, int64_t nv) { chunk_bf16(x, ldx, p, I2, y, ldy, 1, nv); }
+static void chunk_bf16_2(const uint16_t* x, int64_t ldx, const uint16_t* p, int64_t I2, uint16_t* y, int64_t ldy, int64_t nv) { chunk_bf16(x, ldx, p, I2, y, ldy, 2, nv); }
+static void task_bf16(const job_t* j, int64_t p0, int64_t p1) {
+  const uint16_t* x = j->x; uint16_t* y = j->y;
+  const uint16_t* panels = j->panels;
+  for (int64_t p = p0; p < p1; ++p) {
+    const uint16_t* panel = panels + p * j->I * W;
+    const int64_t nv = (j->O - p * W) < W ? (j->O - p * W) : W;
+    for (int64_t m = 0; m < j->M; m += 2) {
+      if (j->M - m >= 2) chunk_bf16_2(x + m * j->ldx, j->ldx, panel, j->I / 2, y + m * j->ldy + p * W, j->ldy, nv);
+      else chunk_bf16_1(x + m * j->ldx, j->ldx, panel, j->I / 2, y + m * j->ldy + p * W, j->ldy, nv);
+    }
+  }
+}
+void eyas_panel_matmul_bf16(const uint16_t* x, int64_t M, int64_t ldx, const uint16_t* panels, int64_t I, int64_t O,
+                            uint16_t* y, int64_t ldy, int64_t num_threads) {
   job_t j = {task_bf16, x, M, ldx, panels, I, O, y, ldy};
   run_job(&j, (O + W - 1) / W, (int64_t)2 * I * W, num_threads);
 }

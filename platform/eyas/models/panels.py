@@ -6,8 +6,9 @@ float32 kernels read smollm2's weights at 11-22 GB/s at one row on this project'
 and reads at about ``sum``'s rate (``jobs.bench_linear``). Each row's sums run in the same order at any number of
 rows, so a row's outputs are bit-identical whether it is decoded alone or verified among others.
 
-bfloat16 weights (where the CPU has AVX512_BF16; elsewhere torch's kernels) lie in panels [ceil(O/32), I/2, 64]:
-each output's inputs i and i+1 side by side, one ``vdpbf16ps`` per pair, float32 sums rounded to bfloat16 once. They
+bfloat16 weights (where the CPU has AVX512_BF16, or AVX2 and FMA; elsewhere torch's kernels) lie in panels
+[ceil(O/32), I/2, 64]: each output's inputs i and i+1 side by side, one ``vdpbf16ps`` per pair (on AVX2: the pair
+widened to float32 and two FMAs), float32 sums rounded to bfloat16 once. They
 read half float32's bytes at the same rate, and keep the row invariance: in bfloat16 too a verify's linear outputs
 are a decode step's (attention's are too, through ``eyas.models.attention``: ``Decoder.verify_is_exact``). Where the
 CPU also has AMX (Sapphire Rapids and later), the same panels go through the tile unit (``uses_amx``; off with
@@ -53,7 +54,7 @@ def _library() -> ctypes.CDLL | None:
     if library is None:
         return None
     for name in ("eyas_panel_matmul", "eyas_panel_matmul_bf16"):
-        function = getattr(library, name, None)  # the bfloat16 kernel is built only where the CPU has AVX512_BF16
+        function = getattr(library, name, None)  # the bfloat16 kernel: AVX512_BF16 or AVX2
         if function is not None:
             function.restype = None
             function.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
