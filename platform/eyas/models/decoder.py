@@ -147,18 +147,20 @@ class Attention(nn.Module):
         self.fused_qkv: PackedLinear | None = None
         self.packed_o: PackedLinear | None = None
 
-    def fuse(self) -> None:
+    def fuse(self, weight_format: str | None = None) -> None:
         """Concatenate q/k/v weights for inference (latency-bound decode pays per matmul call, not per FLOP), and
-        lay them and o_proj out in the device's fast layouts (eyas.models.packing.fuse_linears). The separate
-        modules keep the Hugging Face parameter names; the packed copy is not a parameter."""
-        self.fused_qkv = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
-        self.packed_o = fuse_linears([self.o_proj])
+        lay them and o_proj out in the device's fast layouts (eyas.models.packing.fuse_linears), quantized to
+        ``weight_format`` where given. The separate modules keep the Hugging Face parameter names; the packed copy is
+        not a parameter."""
+        self.weight_format = weight_format
+        self.fused_qkv = fuse_linears([self.q_proj, self.k_proj, self.v_proj], weight_format)
+        self.packed_o = fuse_linears([self.o_proj], weight_format)
 
     def _apply(self, fn, recurse=True):
         # .to(dtype/device) converts parameters and buffers only; the fused copy is rebuilt from the converted ones
         super()._apply(fn, recurse)
         if self.fused_qkv is not None:
-            self.fuse()
+            self.fuse(self.weight_format)
         return self
 
     def forward(self, x_BTE: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor, cache: KVCache,
@@ -207,14 +209,15 @@ class MLP(nn.Module):
             gate_BTI, up_BTI = self.gate_proj(x_BTE), self.up_proj(x_BTE)
         return self.tp.all_reduce((self.packed_down or self.down_proj)(F.silu(gate_BTI) * up_BTI))
 
-    def fuse(self) -> None:  # as Attention.fuse: gate/up as one fused weight, down on its own
-        self.fused_gate_up = fuse_linears([self.gate_proj, self.up_proj])
-        self.packed_down = fuse_linears([self.down_proj])
+    def fuse(self, weight_format: str | None = None) -> None:  # as Attention.fuse: gate/up fused, down on its own
+        self.weight_format = weight_format
+        self.fused_gate_up = fuse_linears([self.gate_proj, self.up_proj], weight_format)
+        self.packed_down = fuse_linears([self.down_proj], weight_format)
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)  # as Attention._apply: rebuild the fused copy from the converted weights
         if self.fused_gate_up is not None:
-            self.fuse()
+            self.fuse(self.weight_format)
         return self
 
 
@@ -251,6 +254,7 @@ class Decoder(nn.Module):
         self._rope_cos: torch.Tensor | None = None
         self._rope_sin: torch.Tensor | None = None
         self._fused: FusedLayers | None = None  # set by fuse() where it serves (eyas.models.fused)
+        self.weight_format: str | None = None  # the linear weights' quantized layout (fuse()), None: the dtype's
 
     @property
     def device(self) -> torch.device:
@@ -278,19 +282,25 @@ class Decoder(nn.Module):
         self.inv_freq = rope_inv_freq(self.config).to(self.inv_freq.device)
         self._rope_cos = self._rope_sin = None
         if self.lm_head.packed is not None:
-            self.lm_head.packed = fuse_linears([self.lm_head])
+            self.lm_head.packed = fuse_linears([self.lm_head], self.weight_format)
             self._fused = FusedLayers.build(self)  # its pointers were the old weights'
         return self
 
-    def fuse(self) -> "Decoder":
+    def fuse(self, weight_format: str | None = None) -> "Decoder":
         """Inference-only (after weights are final): fuse q/k/v and gate/up projections into single matmuls, and
         lay every linear weight out in the device's fast layouts (eyas.models.packing.fuse_linears: a packed copy
         for several rows, and in float32 column-major parameters for one). The LM head's ``PackedLinear`` hangs on
-        the module (``lm_head.packed``), where drafters that share the head find it (``frozen_head``)."""
+        the module (``lm_head.packed``), where drafters that share the head find it (``frozen_head``).
+
+        ``weight_format="q8_0"``: every linear weight, the LM head included (as llama.cpp's Q8_0 files hold it), is
+        quantized to GGUF's Q8_0 and multiplied on its panel kernel (eyas.models.panels), around float32 norms,
+        attention and embeddings. That quantized model is then the target: the parameters keep their float values
+        for saving, and speculative output equals vanilla's on it token for token (``verify_is_exact``)."""
+        self.weight_format = weight_format
         for layer in self.layers:
-            layer.self_attn.fuse()
-            layer.mlp.fuse()
-        self.lm_head.packed = fuse_linears([self.lm_head])  # tied: the embedding shares its layout
+            layer.self_attn.fuse(weight_format)
+            layer.mlp.fuse(weight_format)
+        self.lm_head.packed = fuse_linears([self.lm_head], weight_format)  # tied: the embedding keeps its floats
         self._fused = FusedLayers.build(self)
         return self
 
