@@ -47,7 +47,8 @@ from eyas.config import ConfigError, eyas_home, from_dict, resolve_path
 from eyas.decoding import costs
 from eyas.decoding.tree import MAX_TREE_NODES
 from eyas.methods import HYBRID_PROPOSERS, METHODS, SpecConfig, build_drafter
-from eyas.models import CheckpointError, load_target, load_tokenizer, torch_dtype
+from eyas.models import CheckpointError, load_target, load_tokenizer
+from eyas.models.dtypes import WEIGHT_FORMAT_DTYPES, target_dtype
 from eyas.decoding.generate import generate
 from eyas.decoding.stats import SpecStats
 from eyas.files import writable_path, write_text_atomic
@@ -186,6 +187,8 @@ def spec_for(label: str, args: argparse.Namespace, target_name: str, overrides: 
 
 def available(method: str, spec: SpecConfig | None, args: argparse.Namespace) -> str | None:
     """None if the method can run, else why not."""
+    if method in HF_METHODS and args.dtype in WEIGHT_FORMAT_DTYPES:
+        return f"transformers runs float weights: no {args.dtype} target to compare"
     entry = METHODS.get(base_method(method))
     reads_drafter = entry is not None and (entry.trained or spec.drafter is not None)
     if reads_drafter and not str(spec.drafter).startswith(("models:/", "runs:/")) and not Path(spec.drafter).is_dir():
@@ -219,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="samples per t(N) size and of the read bandwidth (0: no cost model)")
     parser.add_argument("--threads", type=int, help="torch threads (default: eyas.threads' policy)")
     parser.add_argument("--dtype", default="float32", help="the target's (and its drafters') dtype: float32, the "
-                        "exact reference, or bfloat16 / float16 (docs/threads-and-dtypes.md); hf runs the same")
+                        "exact reference, or bfloat16 / float16 (docs/threads-and-dtypes.md); hf runs the same; "
+                        "q8_0: the target's linear weights in GGUF's Q8_0 around float32 (no hf rows)")
     parser.add_argument("--strict", action="store_true", help="fail instead of skipping unavailable methods")
     parser.add_argument("--from", dest="sources", metavar="JSON[,JSON...]",
                         help="render these bench.json files (--report, --update-tables) instead of measuring")
@@ -278,7 +282,8 @@ def run_bench(args: argparse.Namespace) -> dict:
         if "method" not in spec_data:
             raise ConfigError(f"--spec {file}: the spec section names no method")
         overrides[spec_data["method"]] = spec_data
-    target = load_target(target_path, dtype=torch_dtype(args.dtype, "--dtype"))
+    activation_dtype, weight_format = target_dtype(args.dtype, "--dtype")
+    target = load_target(target_path, dtype=activation_dtype, weight_format=weight_format)
     tokenizer = load_tokenizer(target_path)
     eos = sorted(set(target.config.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None
                                                      else set()))

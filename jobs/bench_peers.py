@@ -19,7 +19,8 @@ How each is timed (each counts prefill plus decode, never the engine's start-up)
 Every engine stops at the target's end-of-sequence tokens; tok/s is the tokens it generated over its time.
 
 The summary takes each engine's best thread count per dtype and gives eyas's tok/s over each peer's (eyas/peer:
-1.0 is parity, above 1 eyas is faster). q8_0 is llama.cpp's alone (eyas and vLLM have no int8 path here). The JSON
+1.0 is parity, above 1 eyas is faster). q8_0 is eyas's and llama.cpp's (vLLM has no int8 path here): eyas quantizes
+the target's float weights with GGUF's Q8_0 rounding, the same weights llama.cpp's converter writes. The JSON
 also records the CPU (``machine.cpu_features``: eyas.cpu's model, kind and ISA flags), the commit and the load
 average before and after each measurement.
 """
@@ -41,7 +42,8 @@ from transformers import AutoConfig
 from eyas.config import ConfigError, eyas_home, resolve_path
 from eyas.cpu import cpu_features
 from eyas.decoding.generate import generate
-from eyas.models import load_target, load_tokenizer, torch_dtype
+from eyas.models import load_target, load_tokenizer
+from eyas.models.dtypes import target_dtype
 from eyas.threads import OPENMP_KNOBS, configure_threads
 from jobs.bench import git_commit, load_prompts
 from jobs.bench_peers_report import DTYPES, ENGINE_DTYPES, ENGINE_NAMES, ENGINES, GGUF_TYPE, markdown, summary
@@ -93,7 +95,8 @@ Prompts = dict[str, list[list[int]]]  # suite -> prompt token ids
 def run_eyas(target_path: str, dtype: str, threads: int | str, prompts: Prompts, max_new_tokens: int,
              eos: list[int]) -> Measurement:
     configure_threads(None if threads == EYAS_POLICY else threads)
-    target = load_target(target_path, dtype=torch_dtype(dtype, "--dtypes"))
+    activation_dtype, weight_format = target_dtype(dtype, "--dtypes")
+    target = load_target(target_path, dtype=activation_dtype, weight_format=weight_format)
     first = next(iter(prompts.values()))[0]
     generate(target, first, 8, eos_token_ids=eos)  # warm-up: kernels compiled, caches allocated
     result = Measurement("eyas", dtype, threads, "in-process wall time", load_before=loadavg())

@@ -8,7 +8,7 @@ ENGINES = ("eyas", "llamacpp", "vllm")
 ENGINE_NAMES = {"eyas": "eyas", "llamacpp": "llama.cpp", "vllm": "vLLM"}
 DTYPES = ("bfloat16", "float32", "q8_0")
 GGUF_TYPE = {"bfloat16": "bf16", "float32": "f32", "q8_0": "q8_0"}
-ENGINE_DTYPES = {"eyas": ("bfloat16", "float32"), "llamacpp": DTYPES, "vllm": ("bfloat16", "float32")}
+ENGINE_DTYPES = {"eyas": DTYPES, "llamacpp": DTYPES, "vllm": ("bfloat16", "float32")}  # eyas q8_0: Q8_0 weights
 TIMING_NOTES = {"eyas": "eyas, in-process wall time",
                 "llamacpp": "llama.cpp, llama-server's own timings (prompt + decode, no HTTP)",
                 "vllm": "vLLM, HTTP wall time on localhost"}

@@ -255,6 +255,7 @@ class Decoder(nn.Module):
         self._rope_sin: torch.Tensor | None = None
         self._fused: FusedLayers | None = None  # set by fuse() where it serves (eyas.models.fused)
         self.weight_format: str | None = None  # the linear weights' quantized layout (fuse()), None: the dtype's
+        self.quantized_embedding_VE: torch.Tensor | None = None  # with a weight_format: the table lookups read
 
     @property
     def device(self) -> torch.device:
@@ -283,6 +284,7 @@ class Decoder(nn.Module):
         self._rope_cos = self._rope_sin = None
         if self.lm_head.packed is not None:
             self.lm_head.packed = fuse_linears([self.lm_head], self.weight_format)
+            self.quantized_embedding_VE = self._quantized_embedding()
             self._fused = FusedLayers.build(self)  # its pointers were the old weights'
         return self
 
@@ -292,17 +294,29 @@ class Decoder(nn.Module):
         for several rows, and in float32 column-major parameters for one). The LM head's ``PackedLinear`` hangs on
         the module (``lm_head.packed``), where drafters that share the head find it (``frozen_head``).
 
-        ``weight_format="q8_0"``: every linear weight, the LM head included (as llama.cpp's Q8_0 files hold it), is
-        quantized to GGUF's Q8_0 and multiplied on its panel kernel (eyas.models.panels), around float32 norms,
-        attention and embeddings. That quantized model is then the target: the parameters keep their float values
-        for saving, and speculative output equals vanilla's on it token for token (``verify_is_exact``)."""
+        ``weight_format="q8_0"``: every linear weight, the LM head included, is quantized to GGUF's Q8_0 and
+        multiplied on its panel kernel (eyas.models.panels), around float32 norms and attention; the embedding table
+        is read as its Q8_0 values too (``quantized_embedding_VE``), as llama.cpp's Q8_0 files hold it. That
+        quantized model is then the target, the model of the GGUF file llama.cpp's converter writes from the same
+        weights: the parameters keep their float values for saving, and speculative output equals vanilla's on it
+        token for token (``verify_is_exact``)."""
         self.weight_format = weight_format
         for layer in self.layers:
             layer.self_attn.fuse(weight_format)
             layer.mlp.fuse(weight_format)
-        self.lm_head.packed = fuse_linears([self.lm_head], weight_format)  # tied: the embedding keeps its floats
+        self.lm_head.packed = fuse_linears([self.lm_head], weight_format)  # tied: the embedding shares its layout
+        self.quantized_embedding_VE = self._quantized_embedding()
         self._fused = FusedLayers.build(self)
         return self
+
+    def _quantized_embedding(self) -> torch.Tensor | None:
+        """The embedding table's Q8_0 values in float32 (the rows a lookup reads), with a weight_format; else None."""
+        if self.weight_format is None:
+            return None
+        table_VE = self.embed_tokens.weight.detach()
+        padding = -table_VE.shape[1] % panels.Q8_0_GROUP  # as the linears' panels: zeros up to a whole block
+        padded_VE = F.pad(table_VE, (0, padding))
+        return panels.dequantize_q8_0(*panels.quantize_q8_0(padded_VE))[:, :table_VE.shape[1]].contiguous()
 
     def verify_is_exact(self, num_rows: int) -> bool:
         """Whether a forward over ``num_rows`` new tokens (a tree verify; rows of a batch count together) gives each
@@ -391,7 +405,8 @@ class Decoder(nn.Module):
         cache.begin(T)
         span = cache.span(T)
         mask_B1TS, causal = self.build_mask(cache, T, span, mask, positions_BT)
-        x_BTE = self.embed_tokens(tokens_BT)
+        x_BTE = (self.embed_tokens(tokens_BT) if self.quantized_embedding_VE is None
+                 else F.embedding(tokens_BT, self.quantized_embedding_VE))
         hidden: dict[int, torch.Tensor] = {0: x_BTE} if 0 in taps else {}
         if self._fused is not None and self._fused.applies(x_BTE):  # every layer in one C call (eyas.models.fused)
             x_BTE, layer_taps = self._fused(x_BTE, positions_BT, cache, span, mask_B1TS, causal, taps)

@@ -92,10 +92,10 @@ def test_measurement_row_counts_prompts_equal_to_eyas():
     assert out["suites"] == {"chat": 6.0, "humaneval": 4.0}
 
 
-def test_plan_runs_engines_side_by_side_and_q8_0_on_llamacpp_only():
-    assert bench_peers.plan(["eyas", "llamacpp"], ["bfloat16", "q8_0"], [1, 2]) == [
-        ("eyas", "bfloat16", 1), ("llamacpp", "bfloat16", 1), ("eyas", "bfloat16", 2), ("llamacpp", "bfloat16", 2),
-        ("llamacpp", "q8_0", 1), ("llamacpp", "q8_0", 2)]
+def test_plan_runs_engines_side_by_side_and_q8_0_on_eyas_and_llamacpp_only():
+    assert bench_peers.plan(["eyas", "llamacpp", "vllm"], ["bfloat16", "q8_0"], [1, "auto"]) == [
+        ("eyas", "bfloat16", 1), ("llamacpp", "bfloat16", 1), ("vllm", "bfloat16", 1), ("eyas", "bfloat16", "auto"),
+        ("eyas", "q8_0", 1), ("llamacpp", "q8_0", 1), ("eyas", "q8_0", "auto")]
 
 
 def test_bad_lists_are_errors_naming_the_flag():
