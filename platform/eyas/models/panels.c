@@ -259,12 +259,27 @@ static inline __attribute__((always_inline)) void chunk_q8_vnni(const q8_rows_t*
     const __m512 s1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(block + 32)));
     __m512i dot[4][2];
     for (int m = 0; m < mb; ++m) dot[m][0] = dot[m][1] = _mm512_set1_epi32(x->c[(m0 + m) * x->nb + b]);
-    for (int g = 0; g < QK / 4; ++g) {
-      const __m512i w0 = _mm512_loadu_si512(block + 2 * W + 128 * g), w1 = _mm512_loadu_si512(block + 2 * W + 128 * g + 64);
-      for (int m = 0; m < mb; ++m) {
-        int32_t four; memcpy(&four, x->q + (m0 + m) * x->nb * QK + b * QK + 4 * g, 4);
-        const __m512i xv = _mm512_set1_epi32(four);
-        dot[m][0] = _mm512_dpbusd_epi32(dot[m][0], w0, xv); dot[m][1] = _mm512_dpbusd_epi32(dot[m][1], w1, xv);
+    if (mb == 1) {  /* one row: its two chains of 8 vpdpbusd split in four (integer sums: the same bits) */
+      __m512i odd0 = _mm512_setzero_si512(), odd1 = _mm512_setzero_si512();
+      const int8_t* q = x->q + m0 * x->nb * QK + b * QK;
+      for (int g = 0; g < QK / 4; g += 2) {
+        int32_t four[2]; memcpy(four, q + 4 * g, 8);
+        const __m512i xe = _mm512_set1_epi32(four[0]), xo = _mm512_set1_epi32(four[1]);
+        const uint8_t* wg = block + 2 * W + 128 * g;
+        dot[0][0] = _mm512_dpbusd_epi32(dot[0][0], _mm512_loadu_si512(wg), xe);
+        dot[0][1] = _mm512_dpbusd_epi32(dot[0][1], _mm512_loadu_si512(wg + 64), xe);
+        odd0 = _mm512_dpbusd_epi32(odd0, _mm512_loadu_si512(wg + 128), xo);
+        odd1 = _mm512_dpbusd_epi32(odd1, _mm512_loadu_si512(wg + 192), xo);
+      }
+      dot[0][0] = _mm512_add_epi32(dot[0][0], odd0); dot[0][1] = _mm512_add_epi32(dot[0][1], odd1);
+    } else {
+      for (int g = 0; g < QK / 4; ++g) {
+        const __m512i w0 = _mm512_loadu_si512(block + 2 * W + 128 * g), w1 = _mm512_loadu_si512(block + 2 * W + 128 * g + 64);
+        for (int m = 0; m < mb; ++m) {
+          int32_t four; memcpy(&four, x->q + (m0 + m) * x->nb * QK + b * QK + 4 * g, 4);
+          const __m512i xv = _mm512_set1_epi32(four);
+          dot[m][0] = _mm512_dpbusd_epi32(dot[m][0], w0, xv); dot[m][1] = _mm512_dpbusd_epi32(dot[m][1], w1, xv);
+        }
       }
     }
     for (int m = 0; m < mb; ++m) {
@@ -277,6 +292,45 @@ static inline __attribute__((always_inline)) void chunk_q8_vnni(const q8_rows_t*
     float t[W]; _mm512_storeu_ps(t, acc[m][0]); _mm512_storeu_ps(t + 16, acc[m][1]);
     memcpy(y + m * ldy, t, (size_t)nvalid * 4);
   }
+}
+/* one row on two panels at once (p and p + 1, np panels apart in memory): twice the independent chains and two
+weight streams in flight; each output's sums run exactly as in chunk_q8_vnni */
+static void pair_q8_vnni(const q8_rows_t* x, int64_t m0, const uint8_t* panel, int64_t panel_bytes, float* y,
+                         int64_t nvalid) {
+  __m512 acc[2][2];
+  for (int p = 0; p < 2; ++p) acc[p][0] = acc[p][1] = _mm512_setzero_ps();
+  const int8_t* q = x->q + m0 * x->nb * QK;
+  for (int64_t b = 0; b < x->nb; ++b) {
+    const __m512i c = _mm512_set1_epi32(x->c[m0 * x->nb + b]);
+    __m512i even[2][2], odd[2][2];
+    for (int p = 0; p < 2; ++p) {
+      even[p][0] = even[p][1] = c; odd[p][0] = odd[p][1] = _mm512_setzero_si512();
+    }
+    for (int g = 0; g < QK / 4; g += 2) {
+      int32_t four[2]; memcpy(four, q + b * QK + 4 * g, 8);
+      const __m512i xe = _mm512_set1_epi32(four[0]), xo = _mm512_set1_epi32(four[1]);
+      for (int p = 0; p < 2; ++p) {
+        const uint8_t* wg = panel + p * panel_bytes + b * Q8_BLOCK + 2 * W + 128 * g;
+        even[p][0] = _mm512_dpbusd_epi32(even[p][0], _mm512_loadu_si512(wg), xe);
+        even[p][1] = _mm512_dpbusd_epi32(even[p][1], _mm512_loadu_si512(wg + 64), xe);
+        odd[p][0] = _mm512_dpbusd_epi32(odd[p][0], _mm512_loadu_si512(wg + 128), xo);
+        odd[p][1] = _mm512_dpbusd_epi32(odd[p][1], _mm512_loadu_si512(wg + 192), xo);
+      }
+    }
+    const __m512 dx = _mm512_set1_ps(x->d[m0 * x->nb + b]);
+    for (int p = 0; p < 2; ++p) {
+      const uint8_t* block = panel + p * panel_bytes + b * Q8_BLOCK;
+      const __m512 s0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)block));
+      const __m512 s1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(block + 32)));
+      acc[p][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(even[p][0], odd[p][0])), _mm512_mul_ps(s0, dx),
+                                  acc[p][0]);
+      acc[p][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(even[p][1], odd[p][1])), _mm512_mul_ps(s1, dx),
+                                  acc[p][1]);
+    }
+  }
+  _mm512_storeu_ps(y, acc[0][0]); _mm512_storeu_ps(y + 16, acc[0][1]);  /* the first panel is whole */
+  float t[W]; _mm512_storeu_ps(t, acc[1][0]); _mm512_storeu_ps(t + 16, acc[1][1]);
+  memcpy(y + W, t, (size_t)nvalid * 4);
 }
 #define Q8_VNNI 1
 #else
@@ -297,6 +351,13 @@ static const chunk_q8_fn* const CHUNKS_Q8 = CHUNKS_Q8_PORTABLE;
 int eyas_panel_q8_0_vnni(void) { return Q8_VNNI; }
 static void panels_q8(const q8_rows_t* x, int64_t M, const uint8_t* panels, int64_t O, float* y, int64_t ldy,
                       int64_t p0, int64_t p1, const chunk_q8_fn* chunks) {
+#if Q8_VNNI
+  if (M == 1 && chunks == CHUNKS_Q8)  /* one row: two panels at a time */
+    for (; p0 + 1 < p1; p0 += 2) {
+      const int64_t nv = (O - (p0 + 1) * W) < W ? (O - (p0 + 1) * W) : W;
+      pair_q8_vnni(x, 0, panels + p0 * x->nb * Q8_BLOCK, x->nb * Q8_BLOCK, y + p0 * W, nv);
+    }
+#endif
   for (int64_t p = p0; p < p1; ++p) {
     const uint8_t* panel = panels + p * x->nb * Q8_BLOCK;
     const int64_t nv = (O - p * W) < W ? (O - p * W) : W;
