@@ -57,14 +57,9 @@ from eyas.threads import configure_threads, current_settings
 from eyas.train.config import SHIPPED_DRAFTERS, shipped_drafter
 from jobs.bench_costs import CostMeasurement, finish_costs, measure_costs
 from jobs.bench_report import plot, print_table, write_page, write_tables
+from jobs.bench_hf import HF_METHODS, HFRunner
 from jobs.common import git_commit
 
-# transformers' own generate() as a baseline: method -> the extra generate() arguments it runs with
-HF_METHODS = {
-    "hf": lambda runner: {},
-    "hf-assisted": lambda runner: {"assistant_model": runner.draft},
-    "hf-prompt-lookup": lambda runner: {"prompt_lookup_num_tokens": runner.num_lookup},
-}
 SHIPPED = "@shipped"  # eagle3@shipped: the drafter eyas ships (serving/drafters), beside one trained in $EYAS_HOME
 ALL_METHODS = ("vanilla", "hf", "hf-assisted", "hf-prompt-lookup", "ngram", "suffix", "draft-lm", "medusa", "eagle1",
                "eagle2", "eagle3", "dflash", "dflash-ddtree", "dspark", "dflash2", "eagle3.1", "peagle", "hybrid")
@@ -112,29 +107,6 @@ def load_prompts(args: argparse.Namespace, tokenizer=None, max_prompt_tokens: in
                 for s in datasets.bench_suites(args.suite, tokenizer)}
     except datasets.DatasetError as err:  # a registry that cannot be reached: the message says what to do
         raise ConfigError(str(err)) from None
-
-
-class HFRunner:
-    """transformers generate() on the same checkpoint: plain, assisted by the draft LM, and prompt lookup."""
-
-    def __init__(self, target_path: str, draft_path: str | None, num_lookup: int,
-                 dtype: torch.dtype = torch.float32) -> None:
-        from transformers import AutoModelForCausalLM
-
-        # the target's own dtype: eyas and transformers are compared on the same arithmetic
-        self.model = AutoModelForCausalLM.from_pretrained(target_path, dtype=dtype).eval()
-        self.draft = (AutoModelForCausalLM.from_pretrained(draft_path, dtype=dtype).eval()
-                      if draft_path else None)
-        self.num_lookup = num_lookup
-
-    @torch.inference_mode()
-    def run(self, method: str, prompt_ids: list[int], max_new_tokens: int, eos: list[int]) -> int:
-        extra = HF_METHODS[method](self)
-        input_ids = torch.tensor([prompt_ids])
-        out = self.model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
-                                  max_new_tokens=max_new_tokens, eos_token_id=eos or None,
-                                  pad_token_id=eos[0] if eos else 0, **extra)
-        return out.shape[1] - input_ids.shape[1]
 
 
 def base_method(label: str) -> str:

@@ -13,7 +13,6 @@ and MLP columns; the o_proj and down_proj are row-parallel and their partial out
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -26,6 +25,7 @@ from eyas.models.cache import KVCache
 from eyas.models.config import ModelConfig
 from eyas.models.fused import FusedLayers
 from eyas.models.packing import PackedLinear, fuse_linears
+from eyas.models.rope import apply_rope, rope_inv_freq
 
 
 @dataclass(frozen=True)
@@ -54,47 +54,6 @@ class RMSNorm(nn.Module):
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
-
-
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """RoPE inverse frequencies, with Llama-3 scaling when the checkpoint asks for it."""
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = config.rope_scaling
-    if not scaling:
-        return inv_freq
-    factor = float(scaling["factor"])
-    low_freq_factor = float(scaling.get("low_freq_factor", 1.0))
-    high_freq_factor = float(scaling.get("high_freq_factor", 4.0))
-    old_context = float(scaling.get("original_max_position_embeddings", 8192))
-    low_freq_wavelen = old_context / low_freq_factor
-    high_freq_wavelen = old_context / high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    # long wavelengths are slowed by `factor`, short ones kept; the band between is interpolated smoothly
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """[x1, x2] -> [-x2, x1] over the last dim (Hugging Face's half-split RoPE layout)."""
-    half = x.shape[-1] // 2
-    sign = _HALF_SIGNS.get((x.shape[-1], x.dtype, x.device))
-    if sign is None:  # roll + a cached sign vector: two ops instead of slice, slice, neg, cat
-        with torch.inference_mode(False):  # a normal tensor: also usable by autograd (drafter training)
-            sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(dtype=x.dtype, device=x.device)
-        _HALF_SIGNS[(x.shape[-1], x.dtype, x.device)] = sign
-    return torch.roll(x, half, dims=-1) * sign
-
-
-_HALF_SIGNS: dict[tuple, torch.Tensor] = {}
-
-
-def apply_rope(x_BHTD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor) -> torch.Tensor:
-    cos, sin = cos_BTD.unsqueeze(1), sin_BTD.unsqueeze(1)
-    return x_BHTD * cos + rotate_half(x_BHTD) * sin
 
 
 def attend(q_BHTD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor, mask_B1TS: torch.Tensor | None,
@@ -284,7 +243,7 @@ class Decoder(nn.Module):
         self._rope_cos = self._rope_sin = None
         if self.lm_head.packed is not None:
             self.lm_head.packed = fuse_linears([self.lm_head], self.weight_format)
-            self.quantized_embedding_VE = self._quantized_embedding()
+            self.quantized_embedding_VE = panels.q8_0_values(self.embed_tokens.weight) if self.weight_format else None
             self._fused = FusedLayers.build(self)  # its pointers were the old weights'
         return self
 
@@ -294,29 +253,17 @@ class Decoder(nn.Module):
         for several rows, and in float32 column-major parameters for one). The LM head's ``PackedLinear`` hangs on
         the module (``lm_head.packed``), where drafters that share the head find it (``frozen_head``).
 
-        ``weight_format="q8_0"``: every linear weight, the LM head included, is quantized to GGUF's Q8_0 and
-        multiplied on its panel kernel (eyas.models.panels), around float32 norms and attention; the embedding table
-        is read as its Q8_0 values too (``quantized_embedding_VE``), as llama.cpp's Q8_0 files hold it. That
-        quantized model is then the target, the model of the GGUF file llama.cpp's converter writes from the same
-        weights: the parameters keep their float values for saving, and speculative output equals vanilla's on it
-        token for token (``verify_is_exact``)."""
+        ``weight_format="q8_0"``: every linear weight (the LM head too) in GGUF's Q8_0 on its panel kernel, and the
+        embedding read as its Q8_0 values (``quantized_embedding_VE``), as a Q8_0 GGUF holds them; the parameters
+        keep their float values (docs/threads-and-dtypes.md#q8_0-weights-int8)."""
         self.weight_format = weight_format
         for layer in self.layers:
             layer.self_attn.fuse(weight_format)
             layer.mlp.fuse(weight_format)
         self.lm_head.packed = fuse_linears([self.lm_head], weight_format)  # tied: the embedding shares its layout
-        self.quantized_embedding_VE = self._quantized_embedding()
+        self.quantized_embedding_VE = panels.q8_0_values(self.embed_tokens.weight) if self.weight_format else None
         self._fused = FusedLayers.build(self)
         return self
-
-    def _quantized_embedding(self) -> torch.Tensor | None:
-        """The embedding table's Q8_0 values in float32 (the rows a lookup reads), with a weight_format; else None."""
-        if self.weight_format is None:
-            return None
-        table_VE = self.embed_tokens.weight.detach()
-        padding = -table_VE.shape[1] % panels.Q8_0_GROUP  # as the linears' panels: zeros up to a whole block
-        padded_VE = F.pad(table_VE, (0, padding))
-        return panels.dequantize_q8_0(*panels.quantize_q8_0(padded_VE))[:, :table_VE.shape[1]].contiguous()
 
     def verify_is_exact(self, num_rows: int) -> bool:
         """Whether a forward over ``num_rows`` new tokens (a tree verify; rows of a batch count together) gives each

@@ -185,6 +185,14 @@ def dequantize_q8_0(q_OI: torch.Tensor, scales_OQ: torch.Tensor) -> torch.Tensor
     return (q_OI.float().reshape(num_out, -1, Q8_0_GROUP) * scales_OQ.float()[..., None]).reshape(num_out, num_in)
 
 
+def q8_0_values(weight_OI: torch.Tensor) -> torch.Tensor:
+    """The float32 values ``weight_OI`` has in Q8_0 (I zero-padded to whole blocks, as ``pack_q8_0`` pads it): an
+    embedding table read as a Q8_0 GGUF holds it."""
+    num_in = weight_OI.shape[1]
+    padded_OI = F.pad(weight_OI.detach().float(), (0, -num_in % Q8_0_GROUP))
+    return dequantize_q8_0(*quantize_q8_0(padded_OI))[:, :num_in].contiguous()
+
+
 def pack_q8_0(weight_OI: torch.Tensor) -> torch.Tensor:
     """``weight_OI`` quantized to Q8_0 (``quantize_q8_0``, I zero-padded to a multiple of 32) as uint8 panels
     [P, Q, Z]: per panel of 32 outputs and block of 32 inputs, the outputs' float16 scales, then the weights + 128

@@ -127,6 +127,14 @@ def test_a_q8_0_target_verifies_exactly(random_checkpoint, threads, num_threads)
                          layer.mlp.packed_down)) and target.lm_head.packed.weight_format == "q8_0"
     tokens = [7, 3, 90, 12, 5, 8, 1, 44, 61, 9]
     assert target.verify_is_exact(len(tokens))
+    table_VE = target.quantized_embedding_VE  # lookups read the table's Q8_0 values, as a Q8_0 GGUF holds them
+    assert torch.equal(table_VE, panels.q8_0_values(target.embed_tokens.weight))
+    assert not torch.equal(table_VE, target.embed_tokens.weight)
+    torch.testing.assert_close(table_VE, target.embed_tokens.weight, atol=target.embed_tokens.weight.abs().max() / 200,
+                               rtol=0)
+    with torch.inference_mode():
+        _, taps = target(torch.tensor([tokens[:2]]), torch.arange(2)[None], target.new_cache(1, 8), taps=(0,))
+    assert torch.equal(taps[0][0], table_VE[tokens[:2]])
     with torch.inference_mode():
         cache = target.new_cache(1, 32)
         together_1TV, _ = target(torch.tensor([tokens]), torch.arange(len(tokens))[None], cache)
