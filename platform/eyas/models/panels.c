@@ -336,19 +336,65 @@ static void pair_q8_vnni(const q8_rows_t* x, int64_t m0, const uint8_t* panel, i
 #else
 #define Q8_VNNI 0
 #endif
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#include <immintrin.h>
+/* AVX2 without VNNI: the weights back to signed (xor 0x80), each 4-input dot as vpmaddubsw(|x|, sign(w, x)) (at most
+127 * 127 * 2 a pair: no saturation) and vpmaddwd by ones, so the integer dot is exact and the bits are VNNI's */
+static inline __attribute__((always_inline)) void chunk_q8_avx2(const q8_rows_t* x, int64_t m0, const uint8_t* panel,
+                                                                 float* y, int64_t ldy, int mb, int64_t nvalid) {
+  const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+  for (int m = 0; m < mb; ++m) {
+    __m256 acc[4];
+    for (int v = 0; v < 4; ++v) acc[v] = _mm256_setzero_ps();
+    const int8_t* q = x->q + (m0 + m) * x->nb * QK;
+    for (int64_t b = 0; b < x->nb; ++b) {
+      const uint8_t* block = panel + b * Q8_BLOCK;
+      __m256i dot[4];
+      for (int v = 0; v < 4; ++v) dot[v] = _mm256_setzero_si256();
+      for (int g = 0; g < QK / 4; ++g) {
+        int32_t four; memcpy(&four, q + b * QK + 4 * g, 4);
+        const __m256i xv = _mm256_set1_epi32(four), xabs = _mm256_sign_epi8(xv, xv);
+        for (int v = 0; v < 4; ++v) {  /* outputs 8v .. 8v + 7 */
+          const __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(block + 2 * W + 128 * g + 32 * v)),
+                                             flip);
+          dot[v] = _mm256_add_epi32(dot[v], _mm256_madd_epi16(_mm256_maddubs_epi16(xabs, _mm256_sign_epi8(w, xv)),
+                                                              ones));
+        }
+      }
+      const __m256 dx = _mm256_set1_ps(x->d[(m0 + m) * x->nb + b]);
+      for (int v = 0; v < 4; ++v) {
+        const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(block + 16 * v)));
+        acc[v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[v]), _mm256_mul_ps(scale, dx), acc[v]);
+      }
+    }
+    float t[W];
+    for (int v = 0; v < 4; ++v) _mm256_storeu_ps(t + 8 * v, acc[v]);
+    memcpy(y + m * ldy, t, (size_t)nvalid * 4);
+  }
+}
+#define Q8_AVX2 1
+#else
+#define Q8_AVX2 0
+#endif
 #define CHUNK_Q8(KIND, MB) static void chunk_q8_##KIND##_##MB(const q8_rows_t* x, int64_t m0, const uint8_t* p, float* y, int64_t ldy, int64_t nv) { chunk_q8_##KIND(x, m0, p, y, ldy, MB, nv); }
 typedef void (*chunk_q8_fn)(const q8_rows_t*, int64_t, const uint8_t*, float*, int64_t, int64_t);
 CHUNK_Q8(portable, 1) CHUNK_Q8(portable, 2) CHUNK_Q8(portable, 3) CHUNK_Q8(portable, 4)
 static const chunk_q8_fn CHUNKS_Q8_PORTABLE[5] = {0, chunk_q8_portable_1, chunk_q8_portable_2, chunk_q8_portable_3,
                                                   chunk_q8_portable_4};
+#if Q8_AVX2
+CHUNK_Q8(avx2, 1) CHUNK_Q8(avx2, 2) CHUNK_Q8(avx2, 3) CHUNK_Q8(avx2, 4)
+static const chunk_q8_fn CHUNKS_Q8_AVX2[5] = {0, chunk_q8_avx2_1, chunk_q8_avx2_2, chunk_q8_avx2_3, chunk_q8_avx2_4};
+#endif
 #if Q8_VNNI
 CHUNK_Q8(vnni, 1) CHUNK_Q8(vnni, 2) CHUNK_Q8(vnni, 3) CHUNK_Q8(vnni, 4)
 static const chunk_q8_fn CHUNKS_Q8[5] = {0, chunk_q8_vnni_1, chunk_q8_vnni_2, chunk_q8_vnni_3, chunk_q8_vnni_4};
+#elif Q8_AVX2
+static const chunk_q8_fn* const CHUNKS_Q8 = CHUNKS_Q8_AVX2;
 #else
 static const chunk_q8_fn* const CHUNKS_Q8 = CHUNKS_Q8_PORTABLE;
 #endif
-/* 1 where the Q8_0 products run on AVX512_VNNI, 0 where on the portable C loop (correct, several times slower) */
-int eyas_panel_q8_0_vnni(void) { return Q8_VNNI; }
+/* the loop Q8_0 products run on here: "avx512_vnni", "avx2" (vpmaddubsw) or "portable" (plain C, far slower) */
+const char* eyas_panel_q8_0_loop(void) { return Q8_VNNI ? "avx512_vnni" : Q8_AVX2 ? "avx2" : "portable"; }
 static void panels_q8(const q8_rows_t* x, int64_t M, const uint8_t* panels, int64_t O, float* y, int64_t ldy,
                       int64_t p0, int64_t p1, const chunk_q8_fn* chunks) {
 #if Q8_VNNI
@@ -373,6 +419,11 @@ static void task_q8(const job_t* j, int64_t p0, int64_t p1) {
 static void task_q8_portable(const job_t* j, int64_t p0, int64_t p1) {
   panels_q8(j->x, j->M, j->panels, j->O, j->y, j->ldy, p0, p1, CHUNKS_Q8_PORTABLE);
 }
+#if Q8_AVX2
+static void task_q8_avx2(const job_t* j, int64_t p0, int64_t p1) {
+  panels_q8(j->x, j->M, j->panels, j->O, j->y, j->ldy, p0, p1, CHUNKS_Q8_AVX2);
+}
+#endif
 /* the caller's quantized rows, kept between products (one buffer per calling thread) */
 static __thread void* q8_scratch;
 static __thread size_t q8_scratch_bytes;
@@ -399,7 +450,14 @@ void eyas_panel_matmul_q8_0(const float* x, int64_t M, int64_t ldx, const uint8_
                             float* y, int64_t ldy, int64_t num_threads) {
   matmul_q8(x, M, ldx, panels, I, O, y, ldy, num_threads, task_q8);
 }
-/* the same on the portable loop whatever the CPU (tests compare the two bit for bit) */
+#if Q8_AVX2
+/* the same on the AVX2 loop (where it builds: tests compare the loops bit for bit) */
+void eyas_panel_matmul_q8_0_avx2(const float* x, int64_t M, int64_t ldx, const uint8_t* panels, int64_t I, int64_t O,
+                                 float* y, int64_t ldy, int64_t num_threads) {
+  matmul_q8(x, M, ldx, panels, I, O, y, ldy, num_threads, task_q8_avx2);
+}
+#endif
+/* the same on the portable loop whatever the CPU (tests compare the loops bit for bit) */
 void eyas_panel_matmul_q8_0_portable(const float* x, int64_t M, int64_t ldx, const uint8_t* panels, int64_t I,
                                      int64_t O, float* y, int64_t ldy, int64_t num_threads) {
   matmul_q8(x, M, ldx, panels, I, O, y, ldy, num_threads, task_q8_portable);

@@ -25,8 +25,8 @@ the one-thread order: the bits do not depend on the thread count. An idle worker
 **Q8_0** (``pack_q8_0``, ``matmul_q8_0``): the int8 weights of GGUF's Q8_0 (blocks of 32 inputs, one float16
 scale each, quantized with its rounding: ``quantize_q8_0``), in panels of 32 outputs, about 1.06 bytes a weight.
 The float32 rows are quantized per row and block as llama.cpp quantizes them, and each block's integer dot is one
-``vpdpbusd`` where the CPU has AVX512_VNNI (``q8_0_uses_vnni``), a portable C loop elsewhere: the dot is exact, so
-the two give the same bits, and each output's float32 sum runs over the blocks in order at any number of rows and
+``vpdpbusd`` where the CPU has AVX512_VNNI, ``vpmaddubsw`` where it has AVX2, a plain C loop elsewhere
+(``q8_0_loop``): the dot is exact, so all three give the same bits, and each output's float32 sum runs over the blocks in order at any number of rows and
 threads (``Decoder.verify_is_exact`` holds for a Q8_0 target).
 
 Shape legend: O output features, I input features, M rows, P panels; for Q8_0, Q blocks of 32 inputs and Z a
@@ -58,7 +58,7 @@ def _library() -> ctypes.CDLL | None:
     if library is None:
         return None
     for name in ("eyas_panel_matmul", "eyas_panel_matmul_bf16", "eyas_panel_matmul_q8_0",
-                 "eyas_panel_matmul_q8_0_portable"):
+                 "eyas_panel_matmul_q8_0_avx2", "eyas_panel_matmul_q8_0_portable"):
         function = getattr(library, name, None)  # the bfloat16 kernel is built only where the CPU has AVX512_BF16
         if function is not None:
             function.restype = None
@@ -146,17 +146,21 @@ Q8_0_BLOCK_BYTES = 2 * WIDTH + Q8_0_GROUP * WIDTH  # a panel's block: 32 float16
 
 
 def available_q8_0() -> bool:
-    """Whether the Q8_0 kernel built here (it builds wherever the panel kernel does: ``q8_0_uses_vnni`` says which
+    """Whether the Q8_0 kernel built here (it builds wherever the panel kernel does: ``q8_0_loop`` says which
     loop it runs)."""
     library = _library()
     return library is not None and getattr(library, "eyas_panel_matmul_q8_0", None) is not None
 
 
-def q8_0_uses_vnni() -> bool:
-    """Whether Q8_0 products run on AVX512_VNNI here (else on the portable C loop: the same bits, several times
-    slower)."""
+def q8_0_loop() -> str | None:
+    """The loop Q8_0 products run on here: "avx512_vnni" (``vpdpbusd``), "avx2" (``vpmaddubsw``, where AVX2, F16C
+    and FMA are), "portable" (plain C: the same bits, tens of times slower); None where the kernel did not build."""
     library = _library()
-    return library is not None and bool(getattr(library, "eyas_panel_q8_0_vnni", lambda: 0)())
+    if library is None:
+        return None
+    loop = library.eyas_panel_q8_0_loop
+    loop.restype = ctypes.c_char_p
+    return loop().decode()
 
 
 def _roundf(x: torch.Tensor) -> torch.Tensor:
@@ -211,16 +215,18 @@ def pack_q8_0(weight_OI: torch.Tensor) -> torch.Tensor:
     return torch.cat([scales_PQZ, weights_PQZ], dim=-1).contiguous()
 
 
-def matmul_q8_0(x_XI: torch.Tensor, panels_PQZ: torch.Tensor, num_out: int, portable: bool = False) -> torch.Tensor:
+def matmul_q8_0(x_XI: torch.Tensor, panels_PQZ: torch.Tensor, num_out: int, loop: str | None = None
+                ) -> torch.Tensor:
     """``x_XI @ W^T`` in float32 for the Q8_0 ``W`` that ``pack_q8_0`` laid out (``num_out`` = W's O), the rows
-    quantized per block of 32 as llama.cpp quantizes them; ``portable``: on the portable loop whatever the CPU."""
+    quantized per block of 32 as llama.cpp quantizes them; ``loop`` ("avx2", "portable"): that loop whatever the
+    CPU's best (``q8_0_loop``), for tests that compare them."""
     assert x_XI.dtype == torch.float32, f"Q8_0 products take float32 rows, not {x_XI.dtype}"
     num_in, num_in_padded = x_XI.shape[-1], panels_PQZ.shape[1] * Q8_0_GROUP
     x_MI = x_XI.reshape(-1, num_in).contiguous()
     if num_in_padded != num_in:
         x_MI = F.pad(x_MI, (0, num_in_padded - num_in))
     library = _library()
-    kernel = library.eyas_panel_matmul_q8_0_portable if portable else library.eyas_panel_matmul_q8_0
+    kernel = getattr(library, f"eyas_panel_matmul_q8_0_{loop}") if loop else library.eyas_panel_matmul_q8_0
     y_MO = torch.empty(x_MI.shape[0], num_out, dtype=torch.float32)
     kernel(x_MI.data_ptr(), x_MI.shape[0], num_in_padded, panels_PQZ.data_ptr(), num_in_padded, num_out,
            y_MO.data_ptr(), num_out, kernel_threads())

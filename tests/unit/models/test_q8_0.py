@@ -21,6 +21,13 @@ from eyas.models.packing import PackedLinear, fuse_linears
 pytestmark = pytest.mark.skipif(not panels.available_q8_0(), reason="no C compiler here: the fallback test covers it")
 
 
+LOOPS = ["portable"] + (["avx2"] if hasattr(panels._library(), "eyas_panel_matmul_q8_0_avx2") else [])
+
+
+def test_the_best_loop_is_named():
+    assert panels.q8_0_loop() in ("avx512_vnni", "avx2", "portable")
+
+
 @pytest.fixture()
 def threads():
     before = torch.get_num_threads()
@@ -67,7 +74,8 @@ def test_the_q8_0_product_is_the_dequantized_product_of_the_quantized_rows(num_o
     y_MO = panels.matmul_q8_0(x_MI, panels_PQZ, num_out)
     assert y_MO.shape == (rows, num_out) and y_MO.dtype == torch.float32
     torch.testing.assert_close(y_MO, reference_MO, atol=1e-4, rtol=1e-5)  # only the float sums' order differs
-    assert torch.equal(panels.matmul_q8_0(x_MI, panels_PQZ, num_out, portable=True), y_MO)
+    for loop in LOOPS:  # every loop that built here gives the best loop's bits
+        assert torch.equal(panels.matmul_q8_0(x_MI, panels_PQZ, num_out, loop=loop), y_MO), loop
     # and Q8_0 stays near the float product (a guard against a self-consistent but wrong layout)
     torch.testing.assert_close(y_MO, x_MI @ weight_OI.T, atol=0.05 * num_in ** 0.5, rtol=0.05)
 
