@@ -46,7 +46,8 @@ from eyas.config import ConfigError, eyas_home, from_dict, resolve_path
 from eyas.decoding import costs
 from eyas.decoding.tree import MAX_TREE_NODES
 from eyas.methods import HYBRID_PROPOSERS, METHODS, SpecConfig, build_drafter
-from eyas.models import CheckpointError, load_target, load_tokenizer, torch_dtype
+from eyas.models import CheckpointError, load_target, load_tokenizer
+from eyas.models.dtypes import WEIGHT_FORMAT_DTYPES, target_dtype
 from eyas.decoding.generate import generate
 from eyas.decoding.stats import SpecStats
 from eyas.files import writable_path, write_text_atomic
@@ -56,14 +57,9 @@ from eyas.train.config import SHIPPED_DRAFTERS, shipped_drafter
 from jobs.bench_costs import CostMeasurement, finish_costs, measure_costs
 from jobs.bench_inputs import load_prompts, spec_overrides
 from jobs.bench_report import plot, print_table, write_page, write_tables
+from jobs.bench_hf import HF_METHODS, HFRunner
 from jobs.common import git_commit
 
-# transformers' own generate() as a baseline: method -> the extra generate() arguments it runs with
-HF_METHODS = {
-    "hf": lambda runner: {},
-    "hf-assisted": lambda runner: {"assistant_model": runner.draft},
-    "hf-prompt-lookup": lambda runner: {"prompt_lookup_num_tokens": runner.num_lookup},
-}
 SHIPPED = "@shipped"  # eagle3@shipped: the drafter eyas ships (serving/drafters), beside one trained in $EYAS_HOME
 ALL_METHODS = ("vanilla", "hf", "hf-assisted", "hf-prompt-lookup", "ngram", "suffix", "draft-lm", "medusa", "eagle1",
                "eagle2", "eagle3", "dflash", "dflash-ddtree", "dspark", "dflash2", "eagle3.1", "peagle", "hybrid")
@@ -89,27 +85,6 @@ def machine() -> dict:
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 
 
-class HFRunner:
-    """transformers generate() on the same checkpoint: plain, assisted by the draft LM, and prompt lookup."""
-
-    def __init__(self, target_path: str, draft_path: str | None, num_lookup: int,
-                 dtype: torch.dtype = torch.float32) -> None:
-        from transformers import AutoModelForCausalLM
-
-        # the target's own dtype: eyas and transformers are compared on the same arithmetic
-        self.model = AutoModelForCausalLM.from_pretrained(target_path, dtype=dtype).eval()
-        self.draft = (AutoModelForCausalLM.from_pretrained(draft_path, dtype=dtype).eval()
-                      if draft_path else None)
-        self.num_lookup = num_lookup
-
-    @torch.inference_mode()
-    def run(self, method: str, prompt_ids: list[int], max_new_tokens: int, eos: list[int]) -> int:
-        extra = HF_METHODS[method](self)
-        input_ids = torch.tensor([prompt_ids])
-        out = self.model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
-                                  max_new_tokens=max_new_tokens, eos_token_id=eos or None,
-                                  pad_token_id=eos[0] if eos else 0, **extra)
-        return out.shape[1] - input_ids.shape[1]
 
 
 def base_method(label: str) -> str:
@@ -162,6 +137,8 @@ def spec_for(label: str, args: argparse.Namespace, target_name: str, overrides: 
 
 def available(method: str, spec: SpecConfig | None, args: argparse.Namespace) -> str | None:
     """None if the method can run, else why not."""
+    if method in HF_METHODS and args.dtype in WEIGHT_FORMAT_DTYPES:
+        return f"transformers runs float weights: no {args.dtype} target to compare"
     entry = METHODS.get(base_method(method))
     reads_drafter = entry is not None and (entry.trained or spec.drafter is not None)
     if reads_drafter and not str(spec.drafter).startswith(("models:/", "runs:/")) and not Path(spec.drafter).is_dir():
@@ -195,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="samples per t(N) size and of the read bandwidth (0: no cost model)")
     parser.add_argument("--threads", type=int, help="torch threads (default: eyas.threads' policy)")
     parser.add_argument("--dtype", default="float32", help="the target's (and its drafters') dtype: float32, the "
-                        "exact reference, or bfloat16 / float16 (docs/threads-and-dtypes.md); hf runs the same")
+                        "exact reference, or bfloat16 / float16 (docs/threads-and-dtypes.md); hf runs the same; "
+                        "q8_0: the target's linear weights in GGUF's Q8_0 around float32 (no hf rows)")
     parser.add_argument("--strict", action="store_true", help="fail instead of skipping unavailable methods")
     parser.add_argument("--from", dest="sources", metavar="JSON[,JSON...]",
                         help="render these bench.json files (--report, --update-tables) instead of measuring")
@@ -246,7 +224,8 @@ def run_bench(args: argparse.Namespace) -> dict:
     if "vanilla" not in methods:
         methods.insert(0, "vanilla")  # speedup is relative to vanilla measured in the same run
     overrides = spec_overrides(args.spec)
-    target = load_target(target_path, dtype=torch_dtype(args.dtype, "--dtype"))
+    activation_dtype, weight_format = target_dtype(args.dtype, "--dtype")
+    target = load_target(target_path, dtype=activation_dtype, weight_format=weight_format)
     tokenizer = load_tokenizer(target_path)
     eos = sorted(set(target.config.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None
                                                      else set()))

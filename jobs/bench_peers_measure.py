@@ -18,7 +18,8 @@ from typing import Any, ContextManager
 from eyas.config import ConfigError
 from eyas.decoding.generate import generate
 from eyas.methods import SpecConfig, build_drafter
-from eyas.models import CheckpointError, load_target, torch_dtype
+from eyas.models import CheckpointError, load_target
+from eyas.models.dtypes import target_dtype
 from eyas.threads import OPENMP_KNOBS, configure_threads
 from jobs.bench_peers_methods import VANILLA, refusal_reason
 from jobs.bench_peers_report import GGUF_TYPE
@@ -104,7 +105,8 @@ class RunSetup:
 def run_eyas(setup: RunSetup, dtype: str, threads: int | str, methods: list[EyasMethod]) -> list[Measurement]:
     """Every method on one target load: each drafter built, warmed up on the first prompt, then timed."""
     configure_threads(None if threads == EYAS_POLICY else threads)
-    target = load_target(setup.target_path, dtype=torch_dtype(dtype, "--dtypes"))
+    activation_dtype, weight_format = target_dtype(dtype, "--dtypes")
+    target = load_target(setup.target_path, dtype=activation_dtype, weight_format=weight_format)
     first = next(iter(setup.prompts.values()))[0]
     out = []
     for label, spec, why_not in methods:

@@ -18,7 +18,8 @@ import yaml
 
 from eyas.config import ConfigError, eyas_home, from_dict, resolve_path, to_dict
 from eyas.methods import METHODS, TREES, SpecConfig, build_drafter
-from eyas.models import DTYPES, CheckpointError, load_target, load_tokenizer, torch_dtype
+from eyas.models import CheckpointError, load_target, load_tokenizer
+from eyas.models.dtypes import TARGET_DTYPES, target_dtype
 from eyas.threads import configure_threads
 from eyas.decoding.generate import SamplingParams, generate
 
@@ -90,17 +91,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top-k", type=int, default=0, help="sampling top-k (0 = off)")
     parser.add_argument("--seed", type=int)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--dtype", choices=DTYPES, default="float32",
+    parser.add_argument("--dtype", choices=TARGET_DTYPES, default="float32",
                         help="the target's (and drafter's) dtype: float32 or bfloat16 on CPU, float16/bfloat16 on "
-                             "GPU; greedy speculative output is exact against vanilla in float32 "
-                             "(docs/threads-and-dtypes.md)")
+                             "GPU; q8_0 on CPU: the target's linear weights in GGUF's Q8_0 around float32; greedy "
+                             "speculative output is exact against vanilla in float32 (docs/threads-and-dtypes.md)")
     parser.add_argument("--threads", type=int, help="torch threads (default: eyas.threads' policy)")
     args = parser.parse_args(argv)
     try:
         configure_threads(args.threads)
         spec, target_path = spec_from_args(args)
         sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
-        target = load_target(target_path, dtype=torch_dtype(args.dtype, "--dtype"))
+        activation_dtype, weight_format = target_dtype(args.dtype, "--dtype")
+        target = load_target(target_path, dtype=activation_dtype, weight_format=weight_format)
         tokenizer = load_tokenizer(target_path)
         prompt_ids = (parse_prompt_ids(args.prompt_ids) if args.prompt_ids
                       else tokenizer.encode(args.prompt))

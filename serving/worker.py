@@ -26,7 +26,8 @@ import torch
 
 from eyas.drafters.suffix import SuffixIndex
 from eyas.methods import METHODS, SpecConfig, drafter_factory, history_index, resolve_checkpoint
-from eyas.models import load_target, torch_dtype
+from eyas.models import load_target
+from eyas.models.dtypes import target_dtype
 from eyas.decoding.engine import SpecEngine
 from eyas.decoding.requests import SequenceRequest, SpeculationSchedule, StepOutput
 from eyas.decoding.tp import BroadcastChannel, free_port, init_tensor_parallel
@@ -70,8 +71,9 @@ class TPWorker:
         args = self.args
         tp = init_tensor_parallel(self.rank, args.tensor_parallel_size, master_addr, master_port, self.device,
                                   timeout_s=args.collective_timeout_s)
-        target = load_target(resolve_checkpoint(args.target, "target"), dtype=torch_dtype(args.dtype),
-                             device=self.device, tp=tp)
+        activation_dtype, weight_format = target_dtype(args.dtype)
+        target = load_target(resolve_checkpoint(args.target, "target"), dtype=activation_dtype,
+                             device=self.device, tp=tp, weight_format=weight_format)
         if self.rank == 0:  # the leader alone drafts (eyas.decoding.engine); the others only need to know it speculates
             spec = resolved_spec(args.spec)
             history = history_index(spec, args.shared_answer_tokens) if args.share_answers else None

@@ -37,7 +37,7 @@ from eyas.config import ConfigError, from_dict, require, resolve_path
 from eyas.methods import SpecConfig
 from eyas.decoding.requests import SpeculationSchedule
 from eyas.decoding.tree import MAX_TREE_NODES
-from eyas.models import DTYPES
+from eyas.models.dtypes import TARGET_DTYPES, WEIGHT_FORMAT_DTYPES
 
 DEVICES = ("auto", "cpu", "cuda")
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
@@ -63,7 +63,7 @@ class ServeArgs:
     # drafts from its own context and spec.datastore only, so tenants never influence each other's drafts
     share_answers: bool = True
     shared_answer_tokens: int = 200_000
-    dtype: str = "float32"
+    dtype: str = "float32"              # or bfloat16, float16; q8_0 (CPU): the target's linears in GGUF's Q8_0
     device: str = "auto"                # auto: CUDA when the worker was given a GPU, else CPU
     replica_cpus: float = 0.5           # bundle 0: the replica (HTTP, tokenizer, scheduling)
     worker_cpus: float = 1.0            # each TP worker's bundle
@@ -85,7 +85,9 @@ class ServeArgs:
         require(self.default_max_tokens >= 1, "default_max_tokens", self.default_max_tokens, "must be >= 1")
         require(self.max_tree_nodes >= 1, "max_tree_nodes", self.max_tree_nodes, "must be >= 1")
         require(self.shared_answer_tokens >= 1, "shared_answer_tokens", self.shared_answer_tokens, "must be >= 1")
-        require(self.dtype in DTYPES, "dtype", self.dtype, f"must be one of {list(DTYPES)}")
+        require(self.dtype in TARGET_DTYPES, "dtype", self.dtype, f"must be one of {list(TARGET_DTYPES)}")
+        require(self.dtype not in WEIGHT_FORMAT_DTYPES or self.device != "cuda", "dtype", self.dtype,
+                "is a CPU weight format (eyas's panel kernel); use bfloat16 or float16 on cuda")
         require(self.device in DEVICES, "device", self.device, f"must be one of {list(DEVICES)}")
         require(self.placement_strategy in PLACEMENT_STRATEGIES, "placement_strategy", self.placement_strategy,
                 f"must be one of {list(PLACEMENT_STRATEGIES)}")

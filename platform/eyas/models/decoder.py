@@ -13,7 +13,6 @@ and MLP columns; the o_proj and down_proj are row-parallel and their partial out
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -26,6 +25,7 @@ from eyas.models.cache import KVCache
 from eyas.models.config import ModelConfig
 from eyas.models.fused import FusedLayers
 from eyas.models.packing import PackedLinear, fuse_linears
+from eyas.models.rope import apply_rope, rope_inv_freq
 
 
 @dataclass(frozen=True)
@@ -54,47 +54,6 @@ class RMSNorm(nn.Module):
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
-
-
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """RoPE inverse frequencies, with Llama-3 scaling when the checkpoint asks for it."""
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = config.rope_scaling
-    if not scaling:
-        return inv_freq
-    factor = float(scaling["factor"])
-    low_freq_factor = float(scaling.get("low_freq_factor", 1.0))
-    high_freq_factor = float(scaling.get("high_freq_factor", 4.0))
-    old_context = float(scaling.get("original_max_position_embeddings", 8192))
-    low_freq_wavelen = old_context / low_freq_factor
-    high_freq_wavelen = old_context / high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    # long wavelengths are slowed by `factor`, short ones kept; the band between is interpolated smoothly
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """[x1, x2] -> [-x2, x1] over the last dim (Hugging Face's half-split RoPE layout)."""
-    half = x.shape[-1] // 2
-    sign = _HALF_SIGNS.get((x.shape[-1], x.dtype, x.device))
-    if sign is None:  # roll + a cached sign vector: two ops instead of slice, slice, neg, cat
-        with torch.inference_mode(False):  # a normal tensor: also usable by autograd (drafter training)
-            sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(dtype=x.dtype, device=x.device)
-        _HALF_SIGNS[(x.shape[-1], x.dtype, x.device)] = sign
-    return torch.roll(x, half, dims=-1) * sign
-
-
-_HALF_SIGNS: dict[tuple, torch.Tensor] = {}
-
-
-def apply_rope(x_BHTD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor) -> torch.Tensor:
-    cos, sin = cos_BTD.unsqueeze(1), sin_BTD.unsqueeze(1)
-    return x_BHTD * cos + rotate_half(x_BHTD) * sin
 
 
 def attend(q_BHTD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor, mask_B1TS: torch.Tensor | None,
@@ -147,18 +106,20 @@ class Attention(nn.Module):
         self.fused_qkv: PackedLinear | None = None
         self.packed_o: PackedLinear | None = None
 
-    def fuse(self) -> None:
+    def fuse(self, weight_format: str | None = None) -> None:
         """Concatenate q/k/v weights for inference (latency-bound decode pays per matmul call, not per FLOP), and
-        lay them and o_proj out in the device's fast layouts (eyas.models.packing.fuse_linears). The separate
-        modules keep the Hugging Face parameter names; the packed copy is not a parameter."""
-        self.fused_qkv = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
-        self.packed_o = fuse_linears([self.o_proj])
+        lay them and o_proj out in the device's fast layouts (eyas.models.packing.fuse_linears), quantized to
+        ``weight_format`` where given. The separate modules keep the Hugging Face parameter names; the packed copy is
+        not a parameter."""
+        self.weight_format = weight_format
+        self.fused_qkv = fuse_linears([self.q_proj, self.k_proj, self.v_proj], weight_format)
+        self.packed_o = fuse_linears([self.o_proj], weight_format)
 
     def _apply(self, fn, recurse=True):
         # .to(dtype/device) converts parameters and buffers only; the fused copy is rebuilt from the converted ones
         super()._apply(fn, recurse)
         if self.fused_qkv is not None:
-            self.fuse()
+            self.fuse(self.weight_format)
         return self
 
     def forward(self, x_BTE: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor, cache: KVCache,
@@ -207,14 +168,15 @@ class MLP(nn.Module):
             gate_BTI, up_BTI = self.gate_proj(x_BTE), self.up_proj(x_BTE)
         return self.tp.all_reduce((self.packed_down or self.down_proj)(F.silu(gate_BTI) * up_BTI))
 
-    def fuse(self) -> None:  # as Attention.fuse: gate/up as one fused weight, down on its own
-        self.fused_gate_up = fuse_linears([self.gate_proj, self.up_proj])
-        self.packed_down = fuse_linears([self.down_proj])
+    def fuse(self, weight_format: str | None = None) -> None:  # as Attention.fuse: gate/up fused, down on its own
+        self.weight_format = weight_format
+        self.fused_gate_up = fuse_linears([self.gate_proj, self.up_proj], weight_format)
+        self.packed_down = fuse_linears([self.down_proj], weight_format)
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)  # as Attention._apply: rebuild the fused copy from the converted weights
         if self.fused_gate_up is not None:
-            self.fuse()
+            self.fuse(self.weight_format)
         return self
 
 
@@ -251,6 +213,8 @@ class Decoder(nn.Module):
         self._rope_cos: torch.Tensor | None = None
         self._rope_sin: torch.Tensor | None = None
         self._fused: FusedLayers | None = None  # set by fuse() where it serves (eyas.models.fused)
+        self.weight_format: str | None = None  # the linear weights' quantized layout (fuse()), None: the dtype's
+        self.quantized_embedding_VE: torch.Tensor | None = None  # with a weight_format: the table lookups read
 
     @property
     def device(self) -> torch.device:
@@ -278,19 +242,26 @@ class Decoder(nn.Module):
         self.inv_freq = rope_inv_freq(self.config).to(self.inv_freq.device)
         self._rope_cos = self._rope_sin = None
         if self.lm_head.packed is not None:
-            self.lm_head.packed = fuse_linears([self.lm_head])
+            self.lm_head.packed = fuse_linears([self.lm_head], self.weight_format)
+            self.quantized_embedding_VE = panels.q8_0_values(self.embed_tokens.weight) if self.weight_format else None
             self._fused = FusedLayers.build(self)  # its pointers were the old weights'
         return self
 
-    def fuse(self) -> "Decoder":
+    def fuse(self, weight_format: str | None = None) -> "Decoder":
         """Inference-only (after weights are final): fuse q/k/v and gate/up projections into single matmuls, and
         lay every linear weight out in the device's fast layouts (eyas.models.packing.fuse_linears: a packed copy
         for several rows, and in float32 column-major parameters for one). The LM head's ``PackedLinear`` hangs on
-        the module (``lm_head.packed``), where drafters that share the head find it (``frozen_head``)."""
+        the module (``lm_head.packed``), where drafters that share the head find it (``frozen_head``).
+
+        ``weight_format="q8_0"``: every linear weight (the LM head too) in GGUF's Q8_0 on its panel kernel, and the
+        embedding read as its Q8_0 values (``quantized_embedding_VE``), as a Q8_0 GGUF holds them; the parameters
+        keep their float values (docs/threads-and-dtypes.md#q8_0-weights-int8)."""
+        self.weight_format = weight_format
         for layer in self.layers:
-            layer.self_attn.fuse()
-            layer.mlp.fuse()
-        self.lm_head.packed = fuse_linears([self.lm_head])  # tied: the embedding shares its layout
+            layer.self_attn.fuse(weight_format)
+            layer.mlp.fuse(weight_format)
+        self.lm_head.packed = fuse_linears([self.lm_head], weight_format)  # tied: the embedding shares its layout
+        self.quantized_embedding_VE = panels.q8_0_values(self.embed_tokens.weight) if self.weight_format else None
         self._fused = FusedLayers.build(self)
         return self
 
@@ -381,7 +352,8 @@ class Decoder(nn.Module):
         cache.begin(T)
         span = cache.span(T)
         mask_B1TS, causal = self.build_mask(cache, T, span, mask, positions_BT)
-        x_BTE = self.embed_tokens(tokens_BT)
+        x_BTE = (self.embed_tokens(tokens_BT) if self.quantized_embedding_VE is None
+                 else F.embedding(tokens_BT, self.quantized_embedding_VE))
         hidden: dict[int, torch.Tensor] = {0: x_BTE} if 0 in taps else {}
         if self._fused is not None and self._fused.applies(x_BTE):  # every layer in one C call (eyas.models.fused)
             x_BTE, layer_taps = self._fused(x_BTE, positions_BT, cache, span, mask_B1TS, causal, taps)

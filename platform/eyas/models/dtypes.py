@@ -7,6 +7,10 @@ matrix product). On a CPU with AVX512_BF16 (or AVX2), at one torch thread, bfloa
 kernels give a verified token a decode step's bits (``Decoder.verify_is_exact``). Elsewhere in reduced precision a
 verify forward over N tokens and a decode step use differently shaped kernels, so near-ties in the target's argmax
 can flip: docs/threads-and-dtypes.md, and ``jobs.dtype_agreement`` measures how often.
+
+A target (not a drafter, nor training) can also load as ``q8_0`` (``TARGET_DTYPES``, ``target_dtype``): its linear
+weights quantized to GGUF's Q8_0 around float32 everything else (``Decoder.fuse``), for CPUs; speculation is exact
+with respect to that quantized target.
 """
 from __future__ import annotations
 
@@ -22,6 +26,20 @@ def torch_dtype(name: str, field: str = "dtype") -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"{field}={name!r}: must be one of {list(DTYPES)}")
     return DTYPES[name]
+
+
+WEIGHT_FORMAT_DTYPES = {"q8_0": torch.float32}  # a quantized target's name -> the dtype around its weights
+TARGET_DTYPES = (*DTYPES, *WEIGHT_FORMAT_DTYPES)
+
+
+def target_dtype(name: str, field: str = "dtype") -> tuple[torch.dtype, str | None]:
+    """(torch dtype, weight format or None) of a target's dtype name: ``load_target(path, dtype=..,
+    weight_format=..)``; ``field`` names it in the error."""
+    if name in WEIGHT_FORMAT_DTYPES:
+        return WEIGHT_FORMAT_DTYPES[name], name
+    if name not in DTYPES:
+        raise ValueError(f"{field}={name!r}: must be one of {list(TARGET_DTYPES)}")
+    return DTYPES[name], None
 
 
 def fastest_exact() -> str:

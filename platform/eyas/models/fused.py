@@ -1,5 +1,5 @@
 """The target's decoder layers over a few new tokens in one C call (``forward.c``): a decode step and a tree verify
-on CPU, float32 or bfloat16.
+on CPU, float32 or bfloat16 (and float32 around Q8_0 weights: ``Decoder.fuse(weight_format="q8_0")``).
 
 A decode step of a small target made ~50 torch ops per layer around its four products; on smollm2 (30 layers) their
 dispatch cost more than the products themselves. ``forward.c`` runs every layer and the final norm in one call,
@@ -59,9 +59,18 @@ def _address(tensor: torch.Tensor | None) -> int | None:
 
 
 def _in_width(linear) -> int:
-    """The input width a PackedLinear's panels take (bfloat16 panels pad it to a multiple of 32)."""
+    """The input width a PackedLinear's panels take (bfloat16 and Q8_0 panels pad it to a multiple of 32)."""
     panels_PIW = linear.panels_PIW
+    if linear.weight_format == "q8_0":
+        return panels_PIW.shape[1] * panels.Q8_0_GROUP
     return panels_PIW.shape[1] * (2 if panels_PIW.dtype == torch.bfloat16 else 1)
+
+
+def _kernel(decoder) -> str:
+    """The panel kernel the layers' products run on: the weights' quantized format's, else the dtype's."""
+    if decoder.weight_format == "q8_0":
+        return "eyas_panel_matmul_q8_0"  # float32 rows in and out, as the float32 kernel
+    return "eyas_panel_matmul_bf16" if decoder.dtype == torch.bfloat16 else "eyas_panel_matmul"
 
 
 class FusedLayers:
@@ -71,7 +80,7 @@ class FusedLayers:
     def __init__(self, decoder) -> None:
         config = decoder.config
         self.decoder = decoder
-        kernel = "eyas_panel_matmul_bf16" if decoder.dtype == torch.bfloat16 else "eyas_panel_matmul"
+        kernel = _kernel(decoder)
         first = decoder.layers[0]
         self.layers = (_Layer * config.num_layers)()
         for layer, fields in zip(decoder.layers, self.layers):

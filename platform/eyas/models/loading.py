@@ -115,10 +115,14 @@ def checkpoint_dir(path: str | Path) -> Path:
 
 
 def load_target(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                tp: TensorParallel | None = None, fuse: bool = True) -> Decoder:
+                tp: TensorParallel | None = None, fuse: bool = True, weight_format: str | None = None) -> Decoder:
     """Build the native decoder from an HF checkpoint directory or a ``.gguf`` file (converted once, cached);
     one tensor-parallel shard when tp is given. ``fuse=False`` skips laying the weights out for inference
-    (``Decoder.fuse``, seconds on a CPU): for a caller that only reads the weights, e.g. to name the target."""
+    (``Decoder.fuse``, seconds on a CPU): for a caller that only reads the weights, e.g. to name the target.
+    ``weight_format="q8_0"`` quantizes the linear weights (``Decoder.fuse``; ``eyas.models.dtypes.target_dtype``
+    maps a ``q8_0`` dtype name to it)."""
+    if weight_format is not None and not fuse:
+        raise ValueError(f"weight_format={weight_format!r} is applied when the target is fused; pass fuse=True")
     directory = checkpoint_dir(path)
     if not directory.is_dir():
         raise CheckpointError(f"{directory}: checkpoint directory does not exist")
@@ -153,7 +157,7 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.float32, device: st
     model.to(device=device)
     model.eval()
     model.requires_grad_(False)
-    return model.fuse() if fuse else model
+    return model.fuse(weight_format) if fuse else model
 
 
 def load_tokenizer(path: str | Path):

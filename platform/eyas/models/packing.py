@@ -54,6 +54,22 @@ PACK_MIN_ELEMENTS = 512 * 512
 
 _plain = False  # inside plain_layout()
 
+WEIGHT_FORMATS = ("q8_0",)  # quantized layouts a target's linear weights can take (eyas.models.panels)
+
+
+def check_weight_format(weight_format: str, weight_OI: torch.Tensor) -> None:
+    """Raises a clear error where ``weight_OI`` cannot take ``weight_format``: an unknown format, a weight that is
+    not float32 on CPU, or a CPU where eyas's panel kernel did not build (no silent float fallback)."""
+    if weight_format not in WEIGHT_FORMATS:
+        raise ValueError(f"weight_format={weight_format!r}: must be one of {list(WEIGHT_FORMATS)}")
+    if weight_OI.device.type != "cpu" or weight_OI.dtype != torch.float32:
+        raise ValueError(f"weight_format={weight_format!r} runs on CPU around float32 activations; this weight is "
+                         f"{weight_OI.dtype} on {weight_OI.device} (load the target in float32 on CPU)")
+    if not panels.available_q8_0():
+        raise RuntimeError(f"weight_format={weight_format!r} needs eyas's panel kernel (eyas/models/panels.c), which "
+                           "did not build here (see the warning above; EYAS_PANELS=0 or EYAS_KERNELS=0 turn it off); "
+                           "use float32 or bfloat16")
+
 
 @contextlib.contextmanager
 def plain_layout() -> Iterator[None]:
@@ -93,10 +109,18 @@ class PackedLinear:
     and one-row inputs on ``weight_OI`` itself where ``fuse_linears`` laid it out for them (``one_row``). Not a
     parameter: build it after the weights are final, and again after ``.to()``."""
 
-    __slots__ = ("weight", "bias", "packed", "one_row", "panels_PIW", "num_out")
+    __slots__ = ("weight", "bias", "packed", "one_row", "panels_PIW", "num_out", "weight_format")
 
-    def __init__(self, weight_OI: torch.Tensor, bias_O: torch.Tensor | None = None, one_row: bool = False) -> None:
+    def __init__(self, weight_OI: torch.Tensor, bias_O: torch.Tensor | None = None, one_row: bool = False,
+                 weight_format: str | None = None) -> None:
         weight_OI, bias_O = weight_OI.detach(), None if bias_O is None else bias_O.detach()
+        self.weight_format = weight_format
+        self.num_out = weight_OI.shape[0]
+        if weight_format is not None:  # quantized: every product on the Q8_0 panels, whatever the rows
+            check_weight_format(weight_format, weight_OI)
+            self.packed, self.weight, self.bias, self.one_row = False, weight_OI, bias_O, None
+            self.panels_PIW = panels.pack_q8_0(weight_OI)
+            return
         self.packed = packs(weight_OI)
         self.weight = (torch.ops.mkldnn._reorder_linear_weight(weight_OI.contiguous(), PACK_ROWS_HINT)
                        if self.packed else weight_OI)
@@ -104,9 +128,10 @@ class PackedLinear:
         self.one_row = weight_OI if self.packed and one_row else None
         # float32 or bfloat16 on CPU: a few rows go through the panel kernel (eyas.models.panels), fastest at 1-64 rows
         self.panels_PIW = panels.pack(weight_OI) if not _plain and panels.applies(weight_OI) else None
-        self.num_out = weight_OI.shape[0]
 
     def __call__(self, x_XI: torch.Tensor) -> torch.Tensor:
+        if self.weight_format is not None:
+            return self.multi_row(x_XI)
         if self.panels_PIW is not None and panels.uses_panels(x_XI, self.panels_PIW):
             y_XO = panels.matmul(x_XI, self.panels_PIW, self.num_out)
             return y_XO if self.bias is None else y_XO + self.bias
@@ -116,13 +141,19 @@ class PackedLinear:
 
     def multi_row(self, x_XI: torch.Tensor) -> torch.Tensor:
         """The packed product whatever the rows (``jobs.bench_linear`` times it apart from the one-row path)."""
+        if self.weight_format is not None:
+            if torch.is_grad_enabled() and x_XI.requires_grad:
+                raise RuntimeError(f"{self.weight_format} weights are for inference: their product has no backward")
+            y_XO = panels.matmul_q8_0(x_XI, self.panels_PIW, self.num_out)
+            return y_XO if self.bias is None else y_XO + self.bias
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x_XI, self.weight, self.bias, "none", [], "")
         return F.linear(x_XI, self.weight, self.bias)
 
 
-def fuse_linears(linears: Sequence[torch.nn.Linear]) -> PackedLinear:
-    """One ``PackedLinear`` over the linears' weights stacked along O (q/k/v, gate/up, or a single linear).
+def fuse_linears(linears: Sequence[torch.nn.Linear], weight_format: str | None = None) -> PackedLinear:
+    """One ``PackedLinear`` over the linears' weights stacked along O (q/k/v, gate/up, or a single linear), quantized
+    to ``weight_format`` (``WEIGHT_FORMATS``) when one is given.
 
     Where one-row products want it (``one_row_layout``: "column-major"), the parameters become views of one
     contiguous [I, O] buffer holding them all, so the fused weight is that buffer's transpose and costs no copy;
@@ -133,6 +164,9 @@ def fuse_linears(linears: Sequence[torch.nn.Linear]) -> PackedLinear:
     biases = [linear.bias for linear in linears]
     bias_O = torch.cat([b.detach() for b in biases]) if biases[0] is not None else None
     with torch.no_grad():
+        if weight_format is not None:
+            weight_OI = weights[0] if len(weights) == 1 else torch.cat([w.detach() for w in weights])
+            return PackedLinear(weight_OI, bias_O, weight_format=weight_format)
         layout = one_row_layout(weights)
         if layout != "column-major":
             for weight in weights:

@@ -82,6 +82,7 @@ within microseconds in a decode step), then sleeps on a condition variable. */
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <time.h>
 typedef struct job job_t;
@@ -223,6 +224,289 @@ void eyas_panel_matmul(const float* x, int64_t M, int64_t ldx, const float* pane
                        float* y, int64_t ldy, int64_t num_threads) {
   job_t j = {task_f32, x, M, ldx, panels, I, O, y, ldy};
   run_job(&j, (O + W - 1) / W, (int64_t)4 * I * W, num_threads);
+}
+
+/* Q8_0 weights (GGUF's: blocks of 32 inputs, int8 values q in [-127, 127] and one float16 scale each), float32
+activations quantized per row and block of 32 as llama.cpp quantizes them (scale d = max|x| / 127 rounded to
+float16, q = x * 127 / max|x| rounded to nearest even). A panel is nb = I / 32 blocks of Q8_BLOCK bytes: the 32
+outputs' scales (float16), then the weights plus 128 as uint8, laid out for vpdpbusd: group g of 4 inputs, half h
+of 16 outputs, output j, input k at byte 128 g + 64 h + 4 j + k. Output o sums, block by block in input order,
+(float)(integer dot of the block) * (weight scale * row scale) in float32 (one fma a block); the integer dot is
+exact, so the AVX512_VNNI kernel and the portable one below give the same bits, and a row's bits do not depend on
+the other rows or the thread count. The +128 makes the weights unsigned for vpdpbusd (u8 x s8); each row's block
+carries -128 * (sum of its q) to take it back out. */
+#define QK 32
+#define Q8_BLOCK (2 * W + QK * W)
+typedef struct { const int8_t* q; const float* d; const int32_t* c; int64_t nb; } q8_rows_t;
+static inline float half_to_float(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+  uint32_t u;
+  if (e == 0) { const float f = (float)man * 5.9604644775390625e-08f; return sign ? -f : f; }  /* man * 2^-24 */
+  u = sign | (e == 31 ? 0x7f800000u | (man << 13) : ((e + 112) << 23) | (man << 13));
+  float f; memcpy(&f, &u, 4); return f;
+}
+static inline float round_to_half(float f) {  /* f >= 0 to the nearest float16 value, ties to even */
+  if (f >= 65520.0f) return __builtin_inff();
+  if (f < 6.103515625e-05f) return __builtin_nearbyintf(f * 16777216.0f) / 16777216.0f;  /* subnormal: 2^-24 steps */
+  uint32_t u; memcpy(&u, &f, 4);
+  u = (u + 0xfffu + ((u >> 13) & 1u)) & ~0x1fffu;
+  memcpy(&f, &u, 4); return f;
+}
+/* rows x[M, I] (I a multiple of 32) to q[M, I], d[M, nb], c[M, nb] = -128 * sum of the block's q */
+static void quantize_rows(const float* x, int64_t M, int64_t ldx, int64_t I, int8_t* q, float* d, int32_t* c) {
+  const int64_t nb = I / QK;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + m * ldx + b * QK;
+      float amax = 0.0f;
+      for (int k = 0; k < QK; ++k) amax = __builtin_fmaxf(amax, __builtin_fabsf(xb[k]));
+      const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+      int32_t sum = 0;
+      for (int k = 0; k < QK; ++k) {
+        const int32_t v = (int32_t)__builtin_nearbyintf(xb[k] * id);
+        q[m * I + b * QK + k] = (int8_t)v;
+        sum += v;
+      }
+      d[m * nb + b] = round_to_half(amax / 127.0f);
+      c[m * nb + b] = -128 * sum;
+    }
+}
+static inline __attribute__((always_inline)) void chunk_q8_portable(const q8_rows_t* x, int64_t m0, const uint8_t* panel,
+                                                                     float* y, int64_t ldy, int mb, int64_t nvalid) {
+  float acc[4][W];
+  for (int m = 0; m < mb; ++m) for (int o = 0; o < W; ++o) acc[m][o] = 0.0f;
+  for (int64_t b = 0; b < x->nb; ++b) {
+    const uint8_t* block = panel + b * Q8_BLOCK;
+    float scale[W];
+    for (int o = 0; o < W; ++o) { uint16_t h; memcpy(&h, block + 2 * o, 2); scale[o] = half_to_float(h); }
+    for (int m = 0; m < mb; ++m) {
+      const int8_t* q = x->q + (m0 + m) * x->nb * QK + b * QK;
+      const float dx = x->d[(m0 + m) * x->nb + b];
+      for (int o = 0; o < W; ++o) {
+        int32_t dot = x->c[(m0 + m) * x->nb + b];
+        for (int g = 0; g < QK / 4; ++g)
+          for (int k = 0; k < 4; ++k)
+            dot += (int32_t)block[2 * W + 128 * g + 64 * (o / 16) + 4 * (o % 16) + k] * (int32_t)q[4 * g + k];
+        acc[m][o] = __builtin_fmaf((float)dot, scale[o] * dx, acc[m][o]);
+      }
+    }
+  }
+  for (int m = 0; m < mb; ++m) memcpy(y + m * ldy, acc[m], (size_t)nvalid * 4);
+}
+#ifdef __AVX512VNNI__
+#include <immintrin.h>
+static inline __attribute__((always_inline)) void chunk_q8_vnni(const q8_rows_t* x, int64_t m0, const uint8_t* panel,
+                                                                 float* y, int64_t ldy, int mb, int64_t nvalid) {
+  __m512 acc[4][2];
+  for (int m = 0; m < mb; ++m) { acc[m][0] = _mm512_setzero_ps(); acc[m][1] = _mm512_setzero_ps(); }
+  for (int64_t b = 0; b < x->nb; ++b) {
+    const uint8_t* block = panel + b * Q8_BLOCK;
+    const __m512 s0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)block));
+    const __m512 s1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(block + 32)));
+    __m512i dot[4][2];
+    for (int m = 0; m < mb; ++m) dot[m][0] = dot[m][1] = _mm512_set1_epi32(x->c[(m0 + m) * x->nb + b]);
+    if (mb == 1) {  /* one row: its two chains of 8 vpdpbusd split in four (integer sums: the same bits) */
+      __m512i odd0 = _mm512_setzero_si512(), odd1 = _mm512_setzero_si512();
+      const int8_t* q = x->q + m0 * x->nb * QK + b * QK;
+      for (int g = 0; g < QK / 4; g += 2) {
+        int32_t four[2]; memcpy(four, q + 4 * g, 8);
+        const __m512i xe = _mm512_set1_epi32(four[0]), xo = _mm512_set1_epi32(four[1]);
+        const uint8_t* wg = block + 2 * W + 128 * g;
+        dot[0][0] = _mm512_dpbusd_epi32(dot[0][0], _mm512_loadu_si512(wg), xe);
+        dot[0][1] = _mm512_dpbusd_epi32(dot[0][1], _mm512_loadu_si512(wg + 64), xe);
+        odd0 = _mm512_dpbusd_epi32(odd0, _mm512_loadu_si512(wg + 128), xo);
+        odd1 = _mm512_dpbusd_epi32(odd1, _mm512_loadu_si512(wg + 192), xo);
+      }
+      dot[0][0] = _mm512_add_epi32(dot[0][0], odd0); dot[0][1] = _mm512_add_epi32(dot[0][1], odd1);
+    } else {
+      for (int g = 0; g < QK / 4; ++g) {
+        const __m512i w0 = _mm512_loadu_si512(block + 2 * W + 128 * g), w1 = _mm512_loadu_si512(block + 2 * W + 128 * g + 64);
+        for (int m = 0; m < mb; ++m) {
+          int32_t four; memcpy(&four, x->q + (m0 + m) * x->nb * QK + b * QK + 4 * g, 4);
+          const __m512i xv = _mm512_set1_epi32(four);
+          dot[m][0] = _mm512_dpbusd_epi32(dot[m][0], w0, xv); dot[m][1] = _mm512_dpbusd_epi32(dot[m][1], w1, xv);
+        }
+      }
+    }
+    for (int m = 0; m < mb; ++m) {
+      const __m512 dx = _mm512_set1_ps(x->d[(m0 + m) * x->nb + b]);
+      acc[m][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m][0]), _mm512_mul_ps(s0, dx), acc[m][0]);
+      acc[m][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m][1]), _mm512_mul_ps(s1, dx), acc[m][1]);
+    }
+  }
+  for (int m = 0; m < mb; ++m) {
+    float t[W]; _mm512_storeu_ps(t, acc[m][0]); _mm512_storeu_ps(t + 16, acc[m][1]);
+    memcpy(y + m * ldy, t, (size_t)nvalid * 4);
+  }
+}
+/* one row on two panels at once (p and p + 1, np panels apart in memory): twice the independent chains and two
+weight streams in flight; each output's sums run exactly as in chunk_q8_vnni */
+static void pair_q8_vnni(const q8_rows_t* x, int64_t m0, const uint8_t* panel, int64_t panel_bytes, float* y,
+                         int64_t nvalid) {
+  __m512 acc[2][2];
+  for (int p = 0; p < 2; ++p) acc[p][0] = acc[p][1] = _mm512_setzero_ps();
+  const int8_t* q = x->q + m0 * x->nb * QK;
+  for (int64_t b = 0; b < x->nb; ++b) {
+    const __m512i c = _mm512_set1_epi32(x->c[m0 * x->nb + b]);
+    __m512i even[2][2], odd[2][2];
+    for (int p = 0; p < 2; ++p) {
+      even[p][0] = even[p][1] = c; odd[p][0] = odd[p][1] = _mm512_setzero_si512();
+    }
+    for (int g = 0; g < QK / 4; g += 2) {
+      int32_t four[2]; memcpy(four, q + b * QK + 4 * g, 8);
+      const __m512i xe = _mm512_set1_epi32(four[0]), xo = _mm512_set1_epi32(four[1]);
+      for (int p = 0; p < 2; ++p) {
+        const uint8_t* wg = panel + p * panel_bytes + b * Q8_BLOCK + 2 * W + 128 * g;
+        even[p][0] = _mm512_dpbusd_epi32(even[p][0], _mm512_loadu_si512(wg), xe);
+        even[p][1] = _mm512_dpbusd_epi32(even[p][1], _mm512_loadu_si512(wg + 64), xe);
+        odd[p][0] = _mm512_dpbusd_epi32(odd[p][0], _mm512_loadu_si512(wg + 128), xo);
+        odd[p][1] = _mm512_dpbusd_epi32(odd[p][1], _mm512_loadu_si512(wg + 192), xo);
+      }
+    }
+    const __m512 dx = _mm512_set1_ps(x->d[m0 * x->nb + b]);
+    for (int p = 0; p < 2; ++p) {
+      const uint8_t* block = panel + p * panel_bytes + b * Q8_BLOCK;
+      const __m512 s0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)block));
+      const __m512 s1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(block + 32)));
+      acc[p][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(even[p][0], odd[p][0])), _mm512_mul_ps(s0, dx),
+                                  acc[p][0]);
+      acc[p][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(even[p][1], odd[p][1])), _mm512_mul_ps(s1, dx),
+                                  acc[p][1]);
+    }
+  }
+  _mm512_storeu_ps(y, acc[0][0]); _mm512_storeu_ps(y + 16, acc[0][1]);  /* the first panel is whole */
+  float t[W]; _mm512_storeu_ps(t, acc[1][0]); _mm512_storeu_ps(t + 16, acc[1][1]);
+  memcpy(y + W, t, (size_t)nvalid * 4);
+}
+#define Q8_VNNI 1
+#else
+#define Q8_VNNI 0
+#endif
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#include <immintrin.h>
+/* AVX2 without VNNI: the weights back to signed (xor 0x80), each 4-input dot as vpmaddubsw(|x|, sign(w, x)) (at most
+127 * 127 * 2 a pair: no saturation) and vpmaddwd by ones, so the integer dot is exact and the bits are VNNI's */
+static inline __attribute__((always_inline)) void chunk_q8_avx2(const q8_rows_t* x, int64_t m0, const uint8_t* panel,
+                                                                 float* y, int64_t ldy, int mb, int64_t nvalid) {
+  const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+  for (int m = 0; m < mb; ++m) {
+    __m256 acc[4];
+    for (int v = 0; v < 4; ++v) acc[v] = _mm256_setzero_ps();
+    const int8_t* q = x->q + (m0 + m) * x->nb * QK;
+    for (int64_t b = 0; b < x->nb; ++b) {
+      const uint8_t* block = panel + b * Q8_BLOCK;
+      __m256i dot[4];
+      for (int v = 0; v < 4; ++v) dot[v] = _mm256_setzero_si256();
+      for (int g = 0; g < QK / 4; ++g) {
+        int32_t four; memcpy(&four, q + b * QK + 4 * g, 4);
+        const __m256i xv = _mm256_set1_epi32(four), xabs = _mm256_sign_epi8(xv, xv);
+        for (int v = 0; v < 4; ++v) {  /* outputs 8v .. 8v + 7 */
+          const __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(block + 2 * W + 128 * g + 32 * v)),
+                                             flip);
+          dot[v] = _mm256_add_epi32(dot[v], _mm256_madd_epi16(_mm256_maddubs_epi16(xabs, _mm256_sign_epi8(w, xv)),
+                                                              ones));
+        }
+      }
+      const __m256 dx = _mm256_set1_ps(x->d[(m0 + m) * x->nb + b]);
+      for (int v = 0; v < 4; ++v) {
+        const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(block + 16 * v)));
+        acc[v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[v]), _mm256_mul_ps(scale, dx), acc[v]);
+      }
+    }
+    float t[W];
+    for (int v = 0; v < 4; ++v) _mm256_storeu_ps(t + 8 * v, acc[v]);
+    memcpy(y + m * ldy, t, (size_t)nvalid * 4);
+  }
+}
+#define Q8_AVX2 1
+#else
+#define Q8_AVX2 0
+#endif
+#define CHUNK_Q8(KIND, MB) static void chunk_q8_##KIND##_##MB(const q8_rows_t* x, int64_t m0, const uint8_t* p, float* y, int64_t ldy, int64_t nv) { chunk_q8_##KIND(x, m0, p, y, ldy, MB, nv); }
+typedef void (*chunk_q8_fn)(const q8_rows_t*, int64_t, const uint8_t*, float*, int64_t, int64_t);
+CHUNK_Q8(portable, 1) CHUNK_Q8(portable, 2) CHUNK_Q8(portable, 3) CHUNK_Q8(portable, 4)
+static const chunk_q8_fn CHUNKS_Q8_PORTABLE[5] = {0, chunk_q8_portable_1, chunk_q8_portable_2, chunk_q8_portable_3,
+                                                  chunk_q8_portable_4};
+#if Q8_AVX2
+CHUNK_Q8(avx2, 1) CHUNK_Q8(avx2, 2) CHUNK_Q8(avx2, 3) CHUNK_Q8(avx2, 4)
+static const chunk_q8_fn CHUNKS_Q8_AVX2[5] = {0, chunk_q8_avx2_1, chunk_q8_avx2_2, chunk_q8_avx2_3, chunk_q8_avx2_4};
+#endif
+#if Q8_VNNI
+CHUNK_Q8(vnni, 1) CHUNK_Q8(vnni, 2) CHUNK_Q8(vnni, 3) CHUNK_Q8(vnni, 4)
+static const chunk_q8_fn CHUNKS_Q8[5] = {0, chunk_q8_vnni_1, chunk_q8_vnni_2, chunk_q8_vnni_3, chunk_q8_vnni_4};
+#elif Q8_AVX2
+static const chunk_q8_fn* const CHUNKS_Q8 = CHUNKS_Q8_AVX2;
+#else
+static const chunk_q8_fn* const CHUNKS_Q8 = CHUNKS_Q8_PORTABLE;
+#endif
+/* the loop Q8_0 products run on here: "avx512_vnni", "avx2" (vpmaddubsw) or "portable" (plain C, far slower) */
+const char* eyas_panel_q8_0_loop(void) { return Q8_VNNI ? "avx512_vnni" : Q8_AVX2 ? "avx2" : "portable"; }
+static void panels_q8(const q8_rows_t* x, int64_t M, const uint8_t* panels, int64_t O, float* y, int64_t ldy,
+                      int64_t p0, int64_t p1, const chunk_q8_fn* chunks) {
+#if Q8_VNNI
+  if (M == 1 && chunks == CHUNKS_Q8)  /* one row: two panels at a time */
+    for (; p0 + 1 < p1; p0 += 2) {
+      const int64_t nv = (O - (p0 + 1) * W) < W ? (O - (p0 + 1) * W) : W;
+      pair_q8_vnni(x, 0, panels + p0 * x->nb * Q8_BLOCK, x->nb * Q8_BLOCK, y + p0 * W, nv);
+    }
+#endif
+  for (int64_t p = p0; p < p1; ++p) {
+    const uint8_t* panel = panels + p * x->nb * Q8_BLOCK;
+    const int64_t nv = (O - p * W) < W ? (O - p * W) : W;
+    for (int64_t m = 0; m < M; m += 4) {
+      const int mb = (M - m) < 4 ? (int)(M - m) : 4;
+      chunks[mb](x, m, panel, y + m * ldy + p * W, ldy, nv);
+    }
+  }
+}
+static void task_q8(const job_t* j, int64_t p0, int64_t p1) {
+  panels_q8(j->x, j->M, j->panels, j->O, j->y, j->ldy, p0, p1, CHUNKS_Q8);
+}
+static void task_q8_portable(const job_t* j, int64_t p0, int64_t p1) {
+  panels_q8(j->x, j->M, j->panels, j->O, j->y, j->ldy, p0, p1, CHUNKS_Q8_PORTABLE);
+}
+#if Q8_AVX2
+static void task_q8_avx2(const job_t* j, int64_t p0, int64_t p1) {
+  panels_q8(j->x, j->M, j->panels, j->O, j->y, j->ldy, p0, p1, CHUNKS_Q8_AVX2);
+}
+#endif
+/* the caller's quantized rows, kept between products (one buffer per calling thread) */
+static __thread void* q8_scratch;
+static __thread size_t q8_scratch_bytes;
+static void matmul_q8(const float* x, int64_t M, int64_t ldx, const uint8_t* panels, int64_t I, int64_t O, float* y,
+                      int64_t ldy, int64_t num_threads, void (*task)(const job_t*, int64_t, int64_t)) {
+  const int64_t nb = I / QK;
+  const size_t bytes = (size_t)(M * I) + (size_t)(M * nb) * 8 + 64;
+  if (bytes > q8_scratch_bytes) {
+    free(q8_scratch);
+    q8_scratch = malloc(bytes);
+    q8_scratch_bytes = q8_scratch ? bytes : 0;
+    if (!q8_scratch) { fprintf(stderr, "eyas panels.c: out of memory for %zu bytes of Q8_0 rows\n", bytes); abort(); }
+  }
+  float* d = (float*)q8_scratch;
+  int32_t* c = (int32_t*)(d + M * nb);
+  int8_t* q = (int8_t*)(c + M * nb);
+  quantize_rows(x, M, ldx, I, q, d, c);
+  const q8_rows_t rows = {q, d, c, nb};
+  job_t j = {task, &rows, M, 0, panels, I, O, y, ldy};
+  run_job(&j, (O + W - 1) / W, nb * Q8_BLOCK, num_threads);
+}
+/* y[M, O] = x[M, I] @ W^T for Q8_0 panels [ceil(O/32), I/32, Q8_BLOCK] (I a multiple of 32: panels.py pads it) */
+void eyas_panel_matmul_q8_0(const float* x, int64_t M, int64_t ldx, const uint8_t* panels, int64_t I, int64_t O,
+                            float* y, int64_t ldy, int64_t num_threads) {
+  matmul_q8(x, M, ldx, panels, I, O, y, ldy, num_threads, task_q8);
+}
+#if Q8_AVX2
+/* the same on the AVX2 loop (where it builds: tests compare the loops bit for bit) */
+void eyas_panel_matmul_q8_0_avx2(const float* x, int64_t M, int64_t ldx, const uint8_t* panels, int64_t I, int64_t O,
+                                 float* y, int64_t ldy, int64_t num_threads) {
+  matmul_q8(x, M, ldx, panels, I, O, y, ldy, num_threads, task_q8_avx2);
+}
+#endif
+/* the same on the portable loop whatever the CPU (tests compare the loops bit for bit) */
+void eyas_panel_matmul_q8_0_portable(const float* x, int64_t M, int64_t ldx, const uint8_t* panels, int64_t I,
+                                     int64_t O, float* y, int64_t ldy, int64_t num_threads) {
+  matmul_q8(x, M, ldx, panels, I, O, y, ldy, num_threads, task_q8_portable);
 }
 
 /* bfloat16, where the CPU has AVX512_BF16 (elsewhere panels.py keeps torch's kernels): W in panels

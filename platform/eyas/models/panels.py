@@ -26,7 +26,15 @@ quiet 2-core EPYC a bfloat16 decode step is as fast as with 200 us of spinning, 
 a core it loses 11% (B=1) and 15% (B=8) where 200 us of spinning lost 14% and 34% (``jobs.bench_threads`` measures
 the busy case end to end).
 
-Shape legend: O output features, I input features, M rows, P panels.
+**Q8_0** (``pack_q8_0``, ``matmul_q8_0``): the int8 weights of GGUF's Q8_0 (blocks of 32 inputs, one float16
+scale each, quantized with its rounding: ``quantize_q8_0``), in panels of 32 outputs, about 1.06 bytes a weight.
+The float32 rows are quantized per row and block as llama.cpp quantizes them, and each block's integer dot is one
+``vpdpbusd`` where the CPU has AVX512_VNNI, ``vpmaddubsw`` where it has AVX2, a plain C loop elsewhere
+(``q8_0_loop``): the dot is exact, so all three give the same bits, and each output's float32 sum runs over the
+blocks in order at any number of rows and threads (``Decoder.verify_is_exact`` holds for a Q8_0 target).
+
+Shape legend: O output features, I input features, M rows, P panels; for Q8_0, Q blocks of 32 inputs and Z a
+panel block's bytes (``Q8_0_BLOCK_BYTES``).
 """
 from __future__ import annotations
 
@@ -53,7 +61,8 @@ def _library() -> ctypes.CDLL | None:
     library = kernels.library(SOURCE.name, "EYAS_PANELS")
     if library is None:
         return None
-    for name in ("eyas_panel_matmul", "eyas_panel_matmul_bf16"):
+    for name in ("eyas_panel_matmul", "eyas_panel_matmul_bf16", "eyas_panel_matmul_q8_0",
+                 "eyas_panel_matmul_q8_0_avx2", "eyas_panel_matmul_q8_0_portable"):
         function = getattr(library, name, None)  # the bfloat16 kernel: AVX512_BF16 or AVX2
         if function is not None:
             function.restype = None
@@ -130,5 +139,99 @@ def matmul(x_XI: torch.Tensor, panels_PIW: torch.Tensor, num_out: int) -> torch.
         kernel, num_in_padded = _library().eyas_panel_matmul, panels_PIW.shape[1]
     y_MO = torch.empty(x_MI.shape[0], num_out, dtype=panels_PIW.dtype)
     kernel(x_MI.data_ptr(), x_MI.shape[0], num_in_padded, panels_PIW.data_ptr(), num_in_padded, num_out,
+           y_MO.data_ptr(), num_out, kernel_threads())
+    return y_MO.reshape(*x_XI.shape[:-1], num_out)
+
+
+# -- Q8_0 ----------------------------------------------------------------------------------------------------------
+
+Q8_0_GROUP = 32  # inputs per Q8_0 block (GGUF's QK8_0)
+Q8_0_BLOCK_BYTES = 2 * WIDTH + Q8_0_GROUP * WIDTH  # a panel's block: 32 float16 scales, 32 x 32 weights
+
+
+def available_q8_0() -> bool:
+    """Whether the Q8_0 kernel built here (it builds wherever the panel kernel does: ``q8_0_loop`` says which
+    loop it runs)."""
+    library = _library()
+    return library is not None and getattr(library, "eyas_panel_matmul_q8_0", None) is not None
+
+
+def q8_0_loop() -> str | None:
+    """The loop Q8_0 products run on here: "avx512_vnni" (``vpdpbusd``), "avx2" (``vpmaddubsw``, where AVX2, F16C
+    and FMA are), "portable" (plain C: the same bits, tens of times slower); None where the kernel did not build."""
+    library = _library()
+    if library is None:
+        return None
+    loop = library.eyas_panel_q8_0_loop
+    loop.restype = ctypes.c_char_p
+    return loop().decode()
+
+
+def _roundf(x: torch.Tensor) -> torch.Tensor:
+    """C's ``roundf`` (halves away from zero), as GGUF's quantizer rounds: floor(a) + floor(2 (a - floor(a)))."""
+    a = x.abs()
+    floored = a.floor()
+    return x.sign() * (floored + (2 * (a - floored)).floor())
+
+
+def quantize_q8_0(weight_OI: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q_OI int8, scales_OQ float16): GGUF's Q8_0 of ``weight_OI`` (I a multiple of 32), with llama.cpp's rounding
+    (``quantize_row_q8_0_ref``): per block d = max|w| / 127, q = roundf(w / d), d stored as float16."""
+    num_out, num_in = weight_OI.shape
+    if num_in % Q8_0_GROUP:
+        raise ValueError(f"quantize_q8_0: {num_in} inputs is not a multiple of {Q8_0_GROUP}")
+    blocks_OQG = weight_OI.detach().float().reshape(num_out, num_in // Q8_0_GROUP, Q8_0_GROUP)
+    d_OQ1 = blocks_OQG.abs().amax(dim=-1, keepdim=True) / 127
+    inverse_OQ1 = torch.where(d_OQ1 == 0, torch.zeros_like(d_OQ1), 1 / d_OQ1)
+    q_OQG = _roundf(blocks_OQG * inverse_OQ1).to(torch.int8)
+    return q_OQG.reshape(num_out, num_in), d_OQ1.squeeze(-1).to(torch.float16)
+
+
+def dequantize_q8_0(q_OI: torch.Tensor, scales_OQ: torch.Tensor) -> torch.Tensor:
+    """The float32 weight a Q8_0 (q, scales) stands for."""
+    num_out, num_in = q_OI.shape
+    return (q_OI.float().reshape(num_out, -1, Q8_0_GROUP) * scales_OQ.float()[..., None]).reshape(num_out, num_in)
+
+
+def q8_0_values(weight_OI: torch.Tensor) -> torch.Tensor:
+    """The float32 values ``weight_OI`` has in Q8_0 (I zero-padded to whole blocks, as ``pack_q8_0`` pads it): an
+    embedding table read as a Q8_0 GGUF holds it."""
+    num_in = weight_OI.shape[1]
+    padded_OI = F.pad(weight_OI.detach().float(), (0, -num_in % Q8_0_GROUP))
+    return dequantize_q8_0(*quantize_q8_0(padded_OI))[:, :num_in].contiguous()
+
+
+def pack_q8_0(weight_OI: torch.Tensor) -> torch.Tensor:
+    """``weight_OI`` quantized to Q8_0 (``quantize_q8_0``, I zero-padded to a multiple of 32) as uint8 panels
+    [P, Q, Z]: per panel of 32 outputs and block of 32 inputs, the outputs' float16 scales, then the weights + 128
+    with output j's inputs 4g..4g+3 at byte 128 g + 64 (j // 16) + 4 (j % 16) (panels.c, vpdpbusd's order)."""
+    num_out, num_in = weight_OI.shape
+    num_panels, num_blocks = -(-num_out // WIDTH), -(-num_in // Q8_0_GROUP)
+    padded_OI = torch.zeros(num_panels * WIDTH, num_blocks * Q8_0_GROUP, dtype=torch.float32)
+    padded_OI[:num_out, :num_in] = weight_OI.detach()
+    q_OI, scales_OQ = quantize_q8_0(padded_OI)
+    # [P, half h, output j, Q, group g, input k] -> [P, Q, g, h, j, k]
+    weights_PQZ = ((q_OI.to(torch.int16) + 128).to(torch.uint8)
+                   .reshape(num_panels, 2, WIDTH // 2, num_blocks, Q8_0_GROUP // 4, 4).permute(0, 3, 4, 1, 2, 5)
+                   .reshape(num_panels, num_blocks, Q8_0_GROUP * WIDTH))
+    scales_PQZ = (scales_OQ.reshape(num_panels, WIDTH, num_blocks).transpose(1, 2).contiguous()
+                  .view(torch.uint8))  # [P, Q, 2 WIDTH]: 32 little-endian float16
+    return torch.cat([scales_PQZ, weights_PQZ], dim=-1).contiguous()
+
+
+def matmul_q8_0(x_XI: torch.Tensor, panels_PQZ: torch.Tensor, num_out: int, loop: str | None = None
+                ) -> torch.Tensor:
+    """``x_XI @ W^T`` in float32 for the Q8_0 ``W`` that ``pack_q8_0`` laid out (``num_out`` = W's O), the rows
+    quantized per block of 32 as llama.cpp quantizes them; ``loop`` ("avx2", "portable"): that loop whatever the
+    CPU's best (``q8_0_loop``), for tests that compare them."""
+    assert x_XI.dtype == torch.float32, f"Q8_0 products take float32 rows, not {x_XI.dtype}"
+    num_in, num_in_padded = x_XI.shape[-1], panels_PQZ.shape[1] * Q8_0_GROUP
+    x_MI = x_XI.reshape(-1, num_in).contiguous()
+    if num_in_padded != num_in:
+        x_MI = F.pad(x_MI, (0, num_in_padded - num_in))
+    library = _library()
+    kernel = getattr(library, f"eyas_panel_matmul_q8_0_{loop}") if loop else library.eyas_panel_matmul_q8_0
+    y_MO = torch.empty(x_MI.shape[0], num_out, dtype=torch.float32)
+    kernel(x_MI.data_ptr(), x_MI.shape[0], num_in_padded, panels_PQZ.data_ptr(), num_in_padded, num_out,
            y_MO.data_ptr(), num_out, kernel_threads())
     return y_MO.reshape(*x_XI.shape[:-1], num_out)

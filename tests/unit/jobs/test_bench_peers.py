@@ -124,10 +124,11 @@ def test_rows_set_each_method_against_its_own_engines_vanilla_and_eyas_vanilla_a
     assert by[("llamacpp", "ngram-mod", 2)]["same_as_vanilla"] == 0.5
 
 
-def test_plan_runs_engines_side_by_side_and_q8_0_on_llamacpp_only():
-    assert bench_peers.plan(["eyas", "llamacpp"], ["bfloat16", "q8_0"], [1, 2]) == [
-        ("eyas", "bfloat16", 1, "*"), ("llamacpp", "bfloat16", 1, "vanilla"), ("eyas", "bfloat16", 2, "*"),
-        ("llamacpp", "bfloat16", 2, "vanilla"), ("llamacpp", "q8_0", 1, "vanilla"), ("llamacpp", "q8_0", 2, "vanilla")]
+def test_plan_runs_engines_side_by_side_and_q8_0_on_eyas_and_llamacpp_only():
+    assert bench_peers.plan(["eyas", "llamacpp", "vllm"], ["bfloat16", "q8_0"], [1, "auto"]) == [
+        ("eyas", "bfloat16", 1, "*"), ("llamacpp", "bfloat16", 1, "vanilla"), ("vllm", "bfloat16", 1, "vanilla"),
+        ("eyas", "bfloat16", "auto", "*"), ("eyas", "q8_0", 1, "*"), ("llamacpp", "q8_0", 1, "vanilla"),
+        ("eyas", "q8_0", "auto", "*")]
 
 
 def test_plan_runs_each_peer_method_beside_eyas_whose_methods_share_one_load():

@@ -28,6 +28,29 @@ def test_generate_json_matches_across_methods(random_checkpoint, random_draft_ch
     assert outputs["vanilla"]["stats"]["tau"] is None and outputs["vanilla"]["stats"]["cycles"] == 0
 
 
+@pytest.mark.skipif(not panels.available_q8_0() or not attention.available(), reason="no C compiler here")
+def test_generate_and_bench_run_a_q8_0_target(random_checkpoint, tmp_path, capsys):
+    """--dtype q8_0: Q8_0 linear weights; speculation stays lossless on them, and the hf rows (float weights) are
+    skipped with the reason."""
+    outputs = {}
+    for method in ("vanilla", "ngram"):
+        assert generate.main(["--target", str(random_checkpoint), "--method", method, "--dtype", "q8_0",
+                              "--prompt", "def add(a, b):\n    return", "--max-new-tokens", "24", "--json"]) == 0
+        outputs[method] = json.loads(capsys.readouterr().out)["token_ids"]
+    assert outputs["ngram"] == outputs["vanilla"]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ("import os\n", "x = [1, 2,")))
+    out = tmp_path / "bench.json"
+    assert bench.main(["--target", str(random_checkpoint), "--methods", "vanilla,hf,ngram", "--dtype", "q8_0",
+                       "--prompts-file", str(prompts), "--max-new-tokens", "12", "--cost-repeats", "0",
+                       "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    rows = {r["method"]: r for r in report["results"]}
+    assert set(rows) == {"vanilla", "ngram"} and rows["ngram"]["same_as_vanilla"] == 1.0
+    assert "no q8_0 target" in report["config"]["skipped"]["hf"]
+    assert report["config"]["dtype"] == "q8_0"
+
+
 def test_generate_reports_bad_input(random_checkpoint, tmp_path, capsys):
     assert generate.main(["--target", str(tmp_path / "nope"), "--prompt", "x"]) == 2
     assert "does not exist" in capsys.readouterr().err

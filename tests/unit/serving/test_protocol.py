@@ -240,9 +240,11 @@ def test_serve_args_merge_spec_file_and_validate(tmp_path):
     for bad, field in (({"tensor_parallel_size": 0}, "tensor_parallel_size"), ({"spec": {"method": "nope"}},
                        "spec.method"), ({"speculation_by_batch": {2: 0}}, "speculation_by_batch"),
                        ({"bogus": 1}, "bogus"), ({"spec_file": str(tmp_path / "none.yaml")}, "spec_file"),
-                       ({"device": "cuda"}, "device")):
+                       ({"device": "cuda"}, "device"), ({"dtype": "int4"}, "dtype"),
+                       ({"dtype": "q8_0", "device": "cuda", "worker_gpus": 1}, "dtype='q8_0'.*CPU")):
         with pytest.raises(ConfigError, match=field):
             ServeArgs.from_args({"target": "/x", **bad})
+    assert ServeArgs.from_args({"target": "/x", "dtype": "q8_0"}).dtype == "q8_0"  # Q8_0 weights on CPU
 
 
 def test_api_key_comes_from_the_environment(monkeypatch):
