@@ -1,6 +1,6 @@
 """EYAS_ISA=avx2 on a bigger CPU: the kernels are compiled without AVX-512 and every kernel test passes on them, so
-CI covers the AVX2 paths wherever it runs (the bfloat16 panel kernel is AVX2's: widened inputs and FMAs, where
-AVX512_BF16 has vdpbf16ps)."""
+CI covers the AVX2 paths wherever it runs: the bfloat16 panel kernel is AVX2's (widened inputs and FMAs, where
+AVX512_BF16 has vdpbf16ps), and the Q8_0 product runs its AVX2 loop (vpmaddubsw, where AVX512_VNNI has vpdpbusd)."""
 from __future__ import annotations
 
 import os
@@ -25,7 +25,7 @@ def test_kernels_capped_to_avx2_pass_the_kernel_tests():
          "fused._library() is not None)"], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert probe.returncode == 0, probe.stderr[-2000:]
     assert probe.stdout.split() == ["avx2", "True", "True", "True"]
-    tests = [str(HERE / name) for name in ("test_panels.py", "test_attention.py", "test_fused.py")]
+    tests = [str(HERE / name) for name in ("test_panels.py", "test_attention.py", "test_fused.py", "test_q8_0.py")]
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], env=env,
                          capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert run.returncode == 0, run.stdout[-3000:]
