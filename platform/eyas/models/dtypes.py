@@ -3,8 +3,8 @@ configs and command-line flags use.
 
 float32 is the reference: greedy speculative output equals greedy vanilla output token for token. bfloat16 runs on
 CPUs with native bfloat16 matrix units (AVX512-BF16, AMX) and on GPUs; float16 is for GPUs (CPUs have no fast float16
-matrix product). On a CPU with AVX512_BF16 (or AVX2), at one torch thread, bfloat16 is exact too: eyas's panel and attention
-kernels give a verified token a decode step's bits (``Decoder.verify_is_exact``). Elsewhere in reduced precision a
+matrix product). On a CPU with AVX512_BF16 (or AVX2), at one torch thread, bfloat16 is exact too: eyas's panel and
+attention kernels give a verified token a decode step's bits (``Decoder.verify_is_exact``). Elsewhere in reduced precision a
 verify forward over N tokens and a decode step use differently shaped kernels, so near-ties in the target's argmax
 can flip: docs/threads-and-dtypes.md, and ``jobs.dtype_agreement`` measures how often.
 
