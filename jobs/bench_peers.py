@@ -34,7 +34,8 @@ The summary takes each engine's best thread count per dtype and gives eyas's van
 1.0 is parity, above 1 eyas is faster); with methods, eyas's best lossless row over the best peer row of any method,
 per suite and overall, against the 1.3x goal (jobs.bench_peers_report). q8_0 is eyas's and llama.cpp's (vLLM has
 no int8 path here): eyas quantizes the target's float weights with GGUF's Q8_0 rounding, the same weights llama.cpp's
-converter writes. The JSON also records the CPU (``machine.cpu_features``), the commit and the load average before and after each measurement.
+converter writes. The JSON also records the CPU (``machine.cpu_features``), the commit and the load average before
+and after each measurement.
 ``--from a.json,b.json`` renders several runs into one page (docs/bench-peers-smollm2.md: the vanilla run, then
 the speculative one).
 """
