@@ -4,8 +4,9 @@ on CPU, float32 or bfloat16 (and float32 around Q8_0 weights: ``Decoder.fuse(wei
 A decode step of a small target made ~50 torch ops per layer around its four products; on smollm2 (30 layers) their
 dispatch cost more than the products themselves. ``forward.c`` runs every layer and the final norm in one call,
 its products on the panel kernel (``eyas.models.panels``, with its threads) and attention on eyas's kernel
-(``eyas.models.attention``). Each token's outputs are a fixed function of its own row and the keys it sees, so a
-token verified among others gets the bits a decode step gives it, at any thread count (``Decoder.verify_is_exact``).
+(``eyas.models.attention``), split over the panels' thread pool by rows or query chunks. Each token's outputs are a
+fixed function of its own row and the keys it sees, so a token verified among others gets the bits a decode step
+gives it, at any thread count (``Decoder.verify_is_exact``).
 
 It serves a target that ``Decoder.fuse`` laid out on the panel kernel, with no gradient wanted, up to
 ``panels.MAX_ROWS`` rows, no tensor parallelism and no q/k norm (Qwen3 keeps torch's ops); ``EYAS_FUSED=0`` turns it
