@@ -10,33 +10,20 @@ starts, each compiling)."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 
-from eyas.config import ConfigError
 from jobs import bench_peers
 from jobs.bench_peers_report import markdown
 from jobs.peers import llamacpp, vllm
+from peers_testing import PEER_TARGET, tool_missing, write_prompts
 
 pytestmark = pytest.mark.slow
-PEER_TARGET = os.environ.get("EYAS_PEER_TARGET")
-PROMPTS = ["def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return", "import os\nimport sys\nimport os\n"]
-
-
-def tool_missing(find) -> str | None:
-    """Why a peer's rows cannot run here (None: they can)."""
-    try:
-        find()
-    except ConfigError as err:  # the tool is absent: its error says what to build
-        return str(err)
-    return None if PEER_TARGET else "set EYAS_PEER_TARGET to a target the peers read (e.g. smollm2-135m)"
 
 
 def bench(tmp_path: Path, target: Path, engines: str, *extra: str) -> dict:
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    prompts = write_prompts(tmp_path / "prompts.jsonl")
     ngram = tmp_path / "ngram.yaml"  # prompt lookup without a datastore: the random target has none
     ngram.write_text("spec:\n  method: ngram\n  num_draft: 4\n  max_matches: 1\n")
     out, page = tmp_path / "bench_peers.json", tmp_path / "bench_peers.md"

@@ -9,30 +9,18 @@ take about a minute, vLLM's one cell 2-3 minutes (its engine compiles at start-u
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
-from eyas.config import ConfigError
 from eyas.drafters import registry
 from eyas.models import load_target
 from jobs import load_peers
 from jobs.peers import llamacpp, vllm
+from peers_testing import PEER_TARGET, tool_missing, write_prompts
 
 pytestmark = pytest.mark.slow
-PEER_TARGET = os.environ.get("EYAS_PEER_TARGET")
-PROMPTS = ["def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return", "import os\nimport sys\nimport os\n"]
-
-
-def tool_missing(find) -> str | None:
-    """Why a peer's cells cannot run here (None: they can)."""
-    try:
-        find()
-    except ConfigError as err:
-        return str(err)
-    return None if PEER_TARGET else "set EYAS_PEER_TARGET to a target the peers read (e.g. smollm2-135m)"
 
 
 def random_eagle3(target_dir: Path, out: Path) -> Path:
@@ -42,8 +30,7 @@ def random_eagle3(target_dir: Path, out: Path) -> Path:
 
 
 def run_harness(tmp_path: Path, target: Path, engines: str, methods: str, concurrency: str) -> dict:
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    prompts = write_prompts(tmp_path / "prompts.jsonl")
     out, page = tmp_path / "load_peers.json", tmp_path / "load_peers.md"
     drafter = random_eagle3(target, tmp_path / "eagle3")
     code = load_peers.main(["--engines", engines, "--methods", methods, "--concurrency", concurrency,
