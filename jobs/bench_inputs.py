@@ -13,22 +13,26 @@ from eyas import datasets
 from eyas.config import ConfigError, resolve_path
 
 
+def prompts_file(path: Path) -> list[str]:
+    """A --prompts-file's prompts: one {"prompt": ...} JSON object a line (blank lines skipped)."""
+    if not path.is_file():
+        raise ConfigError(f"--prompts-file {path}: file does not exist")
+    prompts = []
+    for n, line in enumerate(path.read_text().splitlines(), start=1):
+        if line.strip():
+            try:
+                prompts.append(str(json.loads(line)["prompt"]))
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise ConfigError(f'{path}:{n}: expected one JSON object {{"prompt": "..."}} per line') from None
+    if not prompts:
+        raise ConfigError(f"--prompts-file {path}: no prompts (one {{\"prompt\": ...}} a line)")
+    return prompts
+
+
 def load_prompts(args: argparse.Namespace, tokenizer=None, max_prompt_tokens: int | None = None
                  ) -> dict[str, list[str]]:
     if args.prompts_file:
-        path = Path(args.prompts_file)
-        if not path.is_file():
-            raise ConfigError(f"--prompts-file {path}: file does not exist")
-        prompts = []
-        for n, line in enumerate(path.read_text().splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                prompts.append(json.loads(line)["prompt"])
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise ConfigError(f'{path}:{n}: expected one JSON object {{"prompt": "..."}} per line') from None
-        if not prompts:
-            raise ConfigError(f"{path}: no prompts")
+        prompts = prompts_file(Path(args.prompts_file))
         return {"custom": prompts[: args.num_prompts] if args.num_prompts else prompts}
     try:
         return {s: datasets.suite_prompts(s, args.num_prompts, tokenizer, max_prompt_tokens)

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import shutil
 import sys
@@ -52,6 +51,7 @@ from eyas.models import load_tokenizer
 from eyas_ray.cluster import init_ray
 from eyas_ray.deploy import run_config
 from jobs.bench import git_commit
+from jobs.bench_inputs import prompts_file
 from jobs.bench_peers_measure import target_gguf, without_openmp_policy
 from jobs.export import export_drafter
 from jobs.load_peers_report import ENGINES, METHODS, markdown
@@ -183,8 +183,7 @@ SETTINGS = {
 def load_prompts(args: argparse.Namespace, target_dir: Path) -> list[str]:
     """--prompts-file's prompts, else the suite's (chat prompts in the target's chat template, as text)."""
     if args.prompts_file:
-        lines = Path(args.prompts_file).read_text().splitlines()
-        prompts = [json.loads(line)["prompt"] for line in lines if line.strip()][:args.num_prompts]
+        prompts = prompts_file(Path(args.prompts_file))[:args.num_prompts]
     else:
         prompts = suite_prompts(args.suite, args.num_prompts, load_tokenizer(target_dir), max_prompt_tokens=512)
     if not prompts:

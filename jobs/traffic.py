@@ -19,13 +19,13 @@ replica, enter the same index); later levels of pass 1 already find the earlier 
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from eyas import corpus, datasets
 from eyas.config import ConfigError
 from eyas.methods import resolve_checkpoint
 from eyas.models import load_tokenizer
+from jobs.bench_inputs import prompts_file
 
 SUITES = ("code", "prose", "all", "chat", "humaneval")
 MODES = ("spec", "vanilla")
@@ -39,21 +39,6 @@ def concurrency_levels(args: argparse.Namespace) -> list[int]:
     if args.passes < 1:
         raise ConfigError(f"--passes {args.passes}: give at least 1")
     return levels
-
-
-def prompts_file(path: Path) -> list[str]:
-    if not path.is_file():
-        raise ConfigError(f"--prompts-file {path}: file does not exist")
-    prompts = []
-    for n, line in enumerate(path.read_text().splitlines(), start=1):
-        if line.strip():
-            try:
-                prompts.append(str(json.loads(line)["prompt"]))
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise ConfigError(f'{path}:{n}: expected one JSON object {{"prompt": "..."}} per line') from None
-    if not prompts:
-        raise ConfigError(f"--prompts-file {path}: no prompts (one {{\"prompt\": ...}} a line)")
-    return prompts
 
 
 def traffic_prompts(args: argparse.Namespace, target: str | None) -> list[str | list[int]]:
