@@ -22,6 +22,10 @@ class ServingMetrics:
         self.requests = Counter("eyas_requests", "HTTP requests by route and status",
                                 tag_keys=("model", "route", "status"))
         self.generated = Counter("eyas_generated_tokens", "Generated (completion) tokens", tag_keys=("model",))
+        self.prompt_tokens = Counter("eyas_prompt_tokens", "Prompt tokens of requests that started generating",
+                                     tag_keys=("model",))
+        self.cached_prompt_tokens = Counter("eyas_cached_prompt_tokens", "Prompt tokens the prefix cache supplied "
+                                            "instead of the prefill", tag_keys=("model",))
         self.accepted = Counter("eyas_accepted_tokens", "Drafted tokens accepted, by depth in the draft tree",
                                 tag_keys=("model", "position"))
         self.tau = Histogram("eyas_tau", "Per request: mean tokens committed per target forward (accepted + 1)",
@@ -57,6 +61,11 @@ class ServingMetrics:
         if tau is not None:
             self.tau.observe(tau, tags=self.tags)
         self.latency.observe(latency_s, tags=self.tags)
+
+    def prompt(self, prompt_tokens: int, cached_tokens: int) -> None:
+        self.prompt_tokens.inc(prompt_tokens, tags=self.tags)
+        if cached_tokens:
+            self.cached_prompt_tokens.inc(cached_tokens, tags=self.tags)
 
     def first_token(self, ttft_s: float) -> None:
         self.ttft.observe(ttft_s, tags=self.tags)

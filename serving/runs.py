@@ -55,6 +55,7 @@ class RequestRun:
         self.start = time.perf_counter()
         self.first_token_s: float | None = None
         self.batch_size_max = 0  # the most sequences this request shared a round with (itself included)
+        self.cached_tokens = 0  # prompt tokens the engine's prefix cache supplied
 
     async def pieces(self) -> AsyncIterator[Piece]:
         """Pieces as tokens arrive; ends at EOS, the budget or a stop string."""
@@ -73,6 +74,9 @@ class RequestRun:
                     raise RequestFailed(out.error)
                 if out.prompt_logprobs is not None:
                     self.prompt_logprobs = out.prompt_logprobs
+                if out.cached_prompt_tokens is not None:
+                    self.cached_tokens = out.cached_prompt_tokens
+                    self.metrics.prompt(len(self.request.prompt_ids), self.cached_tokens)
                 if self.plan.silent:  # its one generated token is dropped
                     if out.finished:
                         self.finish_reason = "length"
@@ -130,10 +134,14 @@ def spec_metrics(runs: list[RequestRun], method: str) -> dict[str, Any]:
             "batch_size_max": max(run.batch_size_max for run in runs)}
 
 
-def total_usage(runs: list[RequestRun]) -> dict[str, int]:
-    """Each prompt's tokens once (not once per choice), as OpenAI; every choice's generated tokens."""
+def total_usage(runs: list[RequestRun]) -> dict[str, Any]:
+    """Each prompt's tokens once (not once per choice), as OpenAI, with the cached ones among them (the most any of
+    its choices found in the prefix cache); every choice's generated tokens."""
     prompt_tokens = {run.plan.prompt_index: len(run.request.prompt_ids) for run in runs}
-    return usage(sum(prompt_tokens.values()), sum(len(run.token_ids) for run in runs))
+    cached: dict[int, int] = {}
+    for run in runs:
+        cached[run.plan.prompt_index] = max(cached.get(run.plan.prompt_index, 0), run.cached_tokens)
+    return usage(sum(prompt_tokens.values()), sum(len(run.token_ids) for run in runs), sum(cached.values()))
 
 
 END = object()  # merged(): a stream ended

@@ -84,7 +84,8 @@ class TPWorker:
         self.engine = SpecEngine(target, capacity=args.max_batch_size, max_len=args.max_len,
                                  drafter_factory=factory, schedule=args.schedule,
                                  eos_token_ids=self.eos_token_ids, max_tree_nodes=args.max_tree_nodes,
-                                 channel=BroadcastChannel(tp, self.device))
+                                 channel=BroadcastChannel(tp, self.device),
+                                 prefix_cache_tokens=args.prefix_cache_tokens)
         return {"vocab_size": target.config.vocab_size, "max_len": self.engine.max_len,
                 "tree_room": self.engine.max_tree_nodes, "device": str(self.device), "pid": os.getpid()}
 

@@ -63,6 +63,10 @@ class ServeArgs:
     # drafts from its own context and spec.datastore only, so tenants never influence each other's drafts
     share_answers: bool = True
     shared_answer_tokens: int = 200_000
+    # prompt tokens whose K/V (eyas.decoding.prefixes) a replica keeps, so a prompt that starts like an earlier one
+    # (the chat template's system turn, a conversation's next turn, a resent prompt) prefills only the rest;
+    # smollm2 float32 K/V take about 46 KB a token. 0: off, e.g. where tenants must not see each other's timings
+    prefix_cache_tokens: int = 8192
     dtype: str = "float32"              # or bfloat16, float16; q8_0 (CPU): the target's linears in GGUF's Q8_0
     device: str = "auto"                # auto: CUDA when the worker was given a GPU, else CPU
     replica_cpus: float = 0.5           # bundle 0: the replica (HTTP, tokenizer, scheduling)
@@ -85,6 +89,7 @@ class ServeArgs:
         require(self.default_max_tokens >= 1, "default_max_tokens", self.default_max_tokens, "must be >= 1")
         require(self.max_tree_nodes >= 1, "max_tree_nodes", self.max_tree_nodes, "must be >= 1")
         require(self.shared_answer_tokens >= 1, "shared_answer_tokens", self.shared_answer_tokens, "must be >= 1")
+        require(self.prefix_cache_tokens >= 0, "prefix_cache_tokens", self.prefix_cache_tokens, "must be >= 0 (0: off)")
         require(self.dtype in TARGET_DTYPES, "dtype", self.dtype, f"must be one of {list(TARGET_DTYPES)}")
         require(self.dtype not in WEIGHT_FORMAT_DTYPES or self.device != "cuda", "dtype", self.dtype,
                 "is a CPU weight format (eyas's panel kernel); use bfloat16 or float16 on cuda")

@@ -19,8 +19,8 @@ run this engine. Each row keeps its own accepted length and its own KV length: r
 A row's drafter runs only in a cycle that drafts: committed tokens wait in the row (``behind``, with the forward's
 taps) until ``_catch_up`` hands them over in ONE begin or commit before propose (a budget-0 cycle is vanilla's).
 
-Requests join at cycle boundaries (each prefilled into the next free cache row) and leave when finished, cancelled
-or failed. Live rows always occupy cache rows [0, B): a leaving row's slot is filled by moving the last row into
+Requests join at cycle boundaries (each prefilled into the next free cache row, after the longest prefix of it the
+prefix cache holds: eyas.decoding.prefixes) and leave when finished, cancelled or failed. Live rows always occupy cache rows [0, B): a leaving row's slot is filled by moving the last row into
 it (``KVCache.move_row``), so a cycle's forward runs on exactly B rows, never on idle capacity.
 
 A failure that belongs to one request (its checks, its sampling, its drafter: anything but the batch's target
@@ -43,6 +43,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 
 from eyas.decoding.logits import TokenLogprob, first_token, verify_tree
+from eyas.decoding.prefixes import PrefixCache
 from eyas.decoding.requests import Channel, LocalChannel, SequenceRequest, SpeculationSchedule, StepOutput
 from eyas.decoding.sampling import make_generator, truncate_at_stop
 from eyas.decoding.stats import SpecStats
@@ -70,6 +71,7 @@ class _Row:
     cycles: list[tuple[int, int, int]] = field(default_factory=list)  # not yet reported
     finish_reason: str | None = None
     error: str | None = None  # why the leader failed this request (finish_reason "error")
+    cached_tokens: int | None = None  # prompt tokens the prefix cache supplied; reported once, in the first output
 
 
 class SpecEngine:
@@ -82,12 +84,14 @@ class SpecEngine:
     drafter_factory: builds one drafter (None: vanilla decoding); the leader builds ``capacity`` of them up front,
     one per row, since drafters hold per-sequence state. max_len: cache slots per row (the context limit).
     max_tree_nodes: the tree cap (root included) whose room every request reserves; at most MAX_TREE_NODES.
+    prefix_cache_tokens: prompt tokens the prefix cache keeps (eyas.decoding.prefixes); 0: none.
     """
 
     def __init__(self, target: Decoder, capacity: int, max_len: int | None = None,
                  drafter_factory: Callable[[], Any] | None = None,
                  schedule: SpeculationSchedule = SpeculationSchedule(), eos_token_ids: Iterable[int] = (),
-                 max_tree_nodes: int = MAX_TREE_NODES, channel: Channel | None = None) -> None:
+                 max_tree_nodes: int = MAX_TREE_NODES, channel: Channel | None = None,
+                 prefix_cache_tokens: int = 0) -> None:
         if capacity < 1:
             raise ValueError(f"capacity={capacity}: need at least one batch row")
         if not 1 <= max_tree_nodes <= MAX_TREE_NODES:
@@ -102,6 +106,7 @@ class SpecEngine:
         self.speculative = drafter_factory is not None
         self.max_tree_nodes = max_tree_nodes if self.speculative else 1
         self.cache = target.new_cache(capacity, self.max_len)
+        self.prefixes = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens else None
         self.rows: list[_Row] = []
         self.free_drafters: list[Any] = []
         self.taps: tuple[int, ...] = ()
@@ -173,7 +178,8 @@ class SpecEngine:
         return outputs
 
     def _admit(self, joins: Sequence[SequenceRequest]) -> None:
-        """Prefill each joining prompt into the next free row; the leader picks (and shares) each first token."""
+        """Prefill each joining prompt into the next free row, after the longest prefix the prefix cache holds of
+        it; the leader picks (and shares) each first token."""
         device = self.target.device
         firsts = []
         new_rows = []
@@ -182,13 +188,22 @@ class SpecEngine:
             b = len(self.rows)
             self.rows.append(row)
             new_rows.append(row)
-            view = self.cache.rows(b, b + 1, [0])
-            prompt_1T = torch.tensor([request.prompt_ids], device=device)
-            positions_1T = torch.arange(len(request.prompt_ids), device=device)[None]
+            prompt = request.prompt_ids
             scored = request.prompt_logprobs is not None  # logits over the whole prompt, not only its last token
+            cached_ok = self.prefixes is not None and self.target.prefill_is_exact(len(prompt), decode_bits=True)
+            reused, key = self.prefixes.longest(prompt, self.taps) if cached_ok and not scored else (0, None)
+            view = self.cache.rows(b, b + 1, [0])
+            cached = self.prefixes.restore(key, reused, view, 0) if key is not None else {}
+            prompt_1T = torch.tensor([prompt[reused:]], device=device)
+            positions_1T = torch.arange(reused, len(prompt), device=device)[None]
             logits_1TV, hidden = self.target(prompt_1T, positions_1T, view, taps=self.taps,
-                                             logits_slice=None if scored else slice(-1, None))
+                                             logits_slice=None if scored else slice(-1, None), decode_bits=cached_ok)
+            if cached:
+                hidden = {layer: torch.cat([cached[layer], hidden[layer]], dim=1) for layer in hidden}
             row.length = view.lengths[0]
+            row.cached_tokens = reused
+            if cached_ok:
+                self.prefixes.store(prompt, view, 0, hidden)
             if self.leader:
                 token = None  # None: the leader failed this request, and every rank drops its row
                 with self._isolated(row, "the first token"):
@@ -198,8 +213,7 @@ class SpecEngine:
                         request.prompt_logprobs, row.generator)
                     if self.speculative:  # its begin waits for the first cycle that drafts (_catch_up)
                         row.drafter = self.free_drafters.pop()
-                        prompt = list(request.prompt_ids)
-                        row.behind.append((prompt, hidden, 0, list(range(len(prompt)))))
+                        row.behind.append((list(prompt), hidden, 0, list(range(len(prompt)))))
                 firsts.append(token)
         firsts = self.channel.share(firsts if self.leader else None)
         for row, token in zip(new_rows, firsts):
@@ -344,13 +358,14 @@ class SpecEngine:
         logprobs, row.new_logprobs = (row.new_logprobs if asked else None), []
         prompt, row.prompt_logprobs = row.prompt_logprobs, None
         cycles, row.cycles = row.cycles, []
+        cached, row.cached_tokens = row.cached_tokens, None
         stats = None
         if row.finish_reason and self.leader:
             stats = row.stats
             stats.new_tokens = len(row.out)
             stats.emitted(len(row.out) - 1)  # the first token came from the prefill; tau counts what was emitted
         return StepOutput(row.request.request_id, new, row.finish_reason is not None, row.finish_reason, stats,
-                          cycles, row.error, logprobs, prompt)
+                          cycles, row.error, logprobs, prompt, cached)
 
     def _collect_finished(self) -> list[StepOutput]:
         outputs = [self._output(row) for row in self.rows if row.finish_reason]

@@ -78,6 +78,8 @@ class StepOutput:
     logprobs: list[TokenLogprob] | None = None
     # one per prompt token (None for the first), in the request's first output, when it asked (leader only)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # in the request's first output: how many prompt tokens came from the prefix cache instead of the prefill
+    cached_prompt_tokens: int | None = None
 
 
 class Channel(Protocol):

@@ -3,7 +3,7 @@
 Shape legend (docs/SHAPES.md): L layers, B batch rows, H kv heads, S cache slots, D head dim, T new tokens.
 
 The cache owns its tensors: appending (begin / write / finish, or ``extend``), rollback (``keep``, ``truncate``),
-row views (``rows``), row moves (``move_row``) and growth (``grow``, ``ensure_room``) are its methods, and nothing
+row views (``rows``), row moves (``move_row``), prefix copies (``row_slots``, ``fill_row``) and growth (``grow``, ``ensure_room``) are its methods, and nothing
 else writes ``k_LBHSD`` / ``v_LBHSD``. The target's cache, the engine's batch rows and the drafters' own caches
 (EAGLE's tree-attention cache, DFlash's context cache) are all this one class.
 
@@ -50,6 +50,21 @@ class KVCache:
         """Copy the first ``length`` slots of row ``src`` into row ``dst`` (a leaving row's slot is refilled)."""
         self.k_LBHSD[:, dst, :, :length] = self.k_LBHSD[:, src, :, :length]
         self.v_LBHSD[:, dst, :, :length] = self.v_LBHSD[:, src, :, :length]
+
+    def row_slots(self, row: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of row ``row``'s first ``length`` slots: (k_LHSD, v_LHSD)."""
+        if not 0 <= length <= self.lengths[row]:
+            raise ValueError(f"row {row} holds {self.lengths[row]} slots, not {length}")
+        return self.k_LBHSD[:, row, :, :length].clone(), self.v_LBHSD[:, row, :, :length].clone()
+
+    def fill_row(self, row: int, k_LHSD: torch.Tensor, v_LHSD: torch.Tensor) -> None:
+        """Row ``row`` becomes the given slots (a prefix cache's): it holds exactly their length."""
+        length = k_LHSD.shape[2]
+        if length > self.max_len:
+            raise ValueError(f"{length} slots do not fit a cache of {self.max_len}")
+        self.k_LBHSD[:, row, :, :length] = k_LHSD
+        self.v_LBHSD[:, row, :, :length] = v_LHSD
+        self.lengths[row] = self.starts[row] = length
 
     def grow(self, max_len: int) -> None:
         """Reallocate to ``max_len`` slots per row, keeping every row's valid slots."""

@@ -281,6 +281,16 @@ class Decoder(nn.Module):
         return self._fused is not None or (torch.get_num_threads() == 1 and attention.supports(self.config.head_dim)
                                            and all(m is not None and m.panels_PIW is not None for m in linears))
 
+    def prefill_is_exact(self, num_new: int, decode_bits: bool = False) -> bool:
+        """Whether a causal prefill of ``num_new`` tokens (``forward(..., decode_bits=decode_bits)``) gives each token
+        the bits a decode step would, so that a prefill split anywhere (after a prefix cache's slots:
+        eyas.decoding.prefixes) gives the bits of the whole one: the fused layers in one pass, or in ``MAX_ROWS``
+        chunks (``FusedLayers.chunk``). torch's prefill blocks its products by the prompt's length: the bits of a
+        token depend on how many came with it."""
+        if self._fused is None or torch.is_grad_enabled():
+            return False
+        return num_new <= panels.MAX_ROWS or self._fused.chunk(1, num_new, None, decode_bits) < num_new
+
     def rope_tables(self, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin tables over positions [0, num_positions), built once and grown on demand."""
         if self._rope_cos is None or self._rope_cos.shape[0] < num_positions:
@@ -323,19 +333,21 @@ class Decoder(nn.Module):
 
     def forward(self, tokens_BT: torch.Tensor, positions_BT: torch.Tensor, cache: KVCache,
                 mask: torch.Tensor | None = None, taps: Iterable[int] = (),
-                logits_slice: slice | None = None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+                logits_slice: slice | None = None, decode_bits: bool = False
+                ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Append ``tokens_BT`` to ``cache`` and return (logits_BTV, {tap: hidden_BTE}).
 
         mask: bool, True = attend. Either [T, T] / [B, T, T] over the new tokens (cached slots always
         visible) or [B, T, S] over cached + new slots. Default: causal over the new tokens.
         logits_slice: compute logits only for these new positions (e.g. ``slice(-1, None)`` in prefill).
-        A longer causal prefill runs through the fused layers in chunks (``FusedLayers.chunk``).
+        A longer causal prefill runs through the fused layers in chunks (``FusedLayers.chunk``) where eyas's kernels'
+        threads adapt, or with ``decode_bits`` (every token then gets a decode step's bits: ``prefill_is_exact``).
         """
         B, T = tokens_BT.shape
         assert positions_BT.shape == (B, T), f"positions_BT {tuple(positions_BT.shape)} != tokens {(B, T)}"
         assert B == cache.batch_size, f"batch {B} != cache batch {cache.batch_size}"
         taps = tuple(taps)
-        step = self._fused.chunk(B, T, mask) if self._fused is not None else T
+        step = self._fused.chunk(B, T, mask, decode_bits) if self._fused is not None else T
         parts = [self._layers(tokens_BT[:, s:s + step], positions_BT[:, s:s + step], cache, mask, taps)
                  for s in range(0, T, step)]
         x_BTE, hidden = parts[0] if len(parts) == 1 else (torch.cat([x for x, _ in parts], dim=1),

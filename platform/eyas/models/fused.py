@@ -119,15 +119,16 @@ class FusedLayers:
         return x_BTE.shape[0] * x_BTE.shape[1] <= panels.MAX_ROWS and not torch.is_grad_enabled()
 
     @staticmethod
-    def chunk(batch_size: int, num_new: int, mask: torch.Tensor | None) -> int:
+    def chunk(batch_size: int, num_new: int, mask: torch.Tensor | None, decode_bits: bool = False) -> int:
         """New tokens per pass through the layers (``Decoder.forward``): all of them, or ``MAX_ROWS`` rows a pass for
         a longer causal prefill (no mask, no grad) where eyas's kernels' thread count adapts (eyas.threads: the
-        policy's own count). torch's count stays at cores - 1 there, while the governor gives the kernels every core
-        of a quiet machine; on the same threads torch's prefill is the faster, so with a fixed count it keeps it. Each
-        chunk attends to the ones before it in the cache, and its bits do not depend on the chunk or the thread
-        count: every prompt token gets the bits a decode step would give it."""
+        policy's own count) or the caller asks for ``decode_bits`` (a prefix cache's prefill). torch's count stays at
+        cores - 1 where the kernels adapt, while the governor gives the kernels every core of a quiet machine; on the
+        same threads torch's prefill is the faster, so with a fixed count it keeps it unless asked. Each chunk attends
+        to the ones before it in the cache, and its bits do not depend on the chunk or the thread count: every prompt
+        token gets the bits a decode step would give it."""
         rows = panels.MAX_ROWS // batch_size
-        if (not kernels_adapt() or mask is not None or rows < 1 or num_new <= rows
+        if (not (decode_bits or kernels_adapt()) or mask is not None or rows < 1 or num_new <= rows
                 or torch.is_grad_enabled()):
             return num_new
         return rows

@@ -83,7 +83,7 @@ def serve_locally(checkpoint: Path, capacity: int = 2, max_waiting: int = 2, pau
     history = history_index(spec, args.shared_answer_tokens) if args.share_answers else None
     factory = drafter_factory(target, spec, history)
     engine = SpecEngine(target, capacity, 512, factory if make_drafter is None else lambda: make_drafter(target),
-                        eos_token_ids=set(target.config.eos_token_ids))
+                        eos_token_ids=set(target.config.eos_token_ids), prefix_cache_tokens=args.prefix_cache_tokens)
     limits = Limits(MODEL, target.config.vocab_size, engine.max_len, engine.max_tree_nodes,
                     max_tokens_limit or engine.max_len, args.default_max_tokens)
     worker = EngineWorker(engine, pause_s, SharedAnswers(history) if history is not None else None)

@@ -16,6 +16,7 @@ import torch
 
 from eyas.decoding.engine import SpecEngine
 from eyas.decoding.logits import adjusted_logits
+from eyas.decoding.prefixes import MIN_REUSE
 from eyas.decoding.requests import SequenceRequest
 from eyas.decoding.sampling import SamplingParams
 from eyas.models import load_target, load_tokenizer
@@ -144,6 +145,8 @@ def prompt_forms(create, param, ref, client):
     assert ids_of(one.choices[0]) == ref.greedy(ref.ids(PROMPT), NEW)
     as_ids = complete(client, prompt=ref.ids(PROMPT), **return_token_ids(True))
     assert ids_of(as_ids.choices[0]) == ids_of(one.choices[0])
+    # the same prompt again: all but its last token from the replica's prefix cache (eyas.decoding.prefixes)
+    assert as_ids.usage.prompt_tokens_details.cached_tokens == len(ref.ids(PROMPT)) - 1 >= MIN_REUSE
     for prompts in ([PROMPT, OTHER], [ref.ids(PROMPT), ref.ids(OTHER)]):
         both = complete(client, prompt=prompts, **return_token_ids(True))
         assert [c.index for c in both.choices] == [0, 1]

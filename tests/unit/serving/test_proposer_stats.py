@@ -1,4 +1,5 @@
-"""A hybrid's acceptance per proposer and depth in the HTTP ``spec`` field and in the Prometheus counters."""
+"""Prometheus and the HTTP ``spec`` field: a hybrid's acceptance per proposer and depth, and the prompt tokens the prefix
+cache supplied."""
 from __future__ import annotations
 
 import httpx
@@ -43,3 +44,12 @@ def test_prometheus_counts_offered_and_accepted_per_proposer_and_depth():
         (1, {"model": "m", "proposer": "eagle3", "position": "1"})]
     metrics.finished(4, [], None, 0.1)  # other methods: nothing
     assert len(metrics.proposer_offered.calls) == 3
+
+
+def test_prometheus_counts_prompt_tokens_and_the_cached_ones():
+    metrics = ServingMetrics("m")
+    metrics.prompt_tokens, metrics.cached_prompt_tokens = Recorder(), Recorder()
+    metrics.prompt(20, 0)
+    metrics.prompt(20, 19)
+    assert metrics.prompt_tokens.calls == [(20, {"model": "m"}), (20, {"model": "m"})]
+    assert metrics.cached_prompt_tokens.calls == [(19, {"model": "m"})]  # zero counts are not sent
