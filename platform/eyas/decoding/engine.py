@@ -20,8 +20,9 @@ A row's drafter runs only in a cycle that drafts: committed tokens wait in the r
 taps) until ``_catch_up`` hands them over in ONE begin or commit before propose (a budget-0 cycle is vanilla's).
 
 Requests join at cycle boundaries (each prefilled into the next free cache row, after the longest prefix of it the
-prefix cache holds: eyas.decoding.prefixes) and leave when finished, cancelled or failed. Live rows always occupy cache rows [0, B): a leaving row's slot is filled by moving the last row into
-it (``KVCache.move_row``), so a cycle's forward runs on exactly B rows, never on idle capacity.
+prefix cache holds: eyas.decoding.prefixes) and leave when finished, cancelled or failed. Live rows always occupy
+cache rows [0, B): a leaving row's slot is filled by moving the last row into it (``KVCache.move_row``), so a
+cycle's forward runs on exactly B rows, never on idle capacity.
 
 A failure that belongs to one request (its checks, its sampling, its drafter: anything but the batch's target
 forward) ends that request alone, with ``finish_reason="error"`` and the error in its StepOutput; the other rows'
