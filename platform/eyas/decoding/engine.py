@@ -73,6 +73,7 @@ class _Row:
     finish_reason: str | None = None
     error: str | None = None  # why the leader failed this request (finish_reason "error")
     cached_tokens: int | None = None  # prompt tokens the prefix cache supplied; reported once, in the first output
+    decode_bits: bool = False  # every forward so far gave its tokens a decode step's bits (its K/V may be kept)
 
 
 class SpecEngine:
@@ -203,6 +204,7 @@ class SpecEngine:
                 hidden = {layer: torch.cat([cached[layer], hidden[layer]], dim=1) for layer in hidden}
             row.length = view.lengths[0]
             row.cached_tokens = reused
+            row.decode_bits = cached_ok
             if cached_ok:
                 self.prefixes.store(prompt, view, 0, hidden)
             if self.leader:
@@ -254,6 +256,9 @@ class SpecEngine:
         if logits_BTV.is_cuda:  # verification's argmax would wait for the forward here anyway; its time is verify's
             torch.cuda.synchronize(logits_BTV.device)
         verify_s = time.perf_counter() - forward_start
+        if self.prefixes is not None and not self.target.verify_is_exact(tokens_BT.numel()):
+            for row in rows:  # this forward's bits depend on the batch: no answer of theirs is kept
+                row.decode_bits = False
         verdicts = None
         logprobs: list[list[TokenLogprob] | None] = [None] * len(rows)  # the leader's, for rows that asked
         if self.leader:
@@ -376,8 +381,10 @@ class SpecEngine:
         return outputs
 
     def _release(self, i: int) -> None:
-        """Free row i: the last row moves into its cache slot, so live rows stay [0, B)."""
+        """Free row i: the last row moves into its cache slot, so live rows stay [0, B). A finished answer goes
+        into the prefix cache first (``_keep_answer``)."""
         row = self.rows[i]
+        self._keep_answer(row, i)
         last = len(self.rows) - 1
         if i != last:
             moved = self.rows[last]
@@ -386,6 +393,16 @@ class SpecEngine:
         self.rows.pop()
         if row.drafter is not None:  # its next row begins it afresh
             self.free_drafters.append(row.drafter)
+
+    def _keep_answer(self, row: _Row, i: int) -> None:
+        """A conversation's next turn repeats this prompt and its answer: keep their K/V (cache row i) in the prefix
+        cache, for a finished answer whose every forward gave decode bits (the bits a prefill with ``decode_bits``
+        would give the same tokens). Not where a drafter reads taps: only the prompt's are kept, not the answer's."""
+        if (self.prefixes is None or self.taps or not row.decode_bits
+                or row.finish_reason not in ("stop", "length")):
+            return
+        tokens = (list(row.request.prompt_ids) + row.out)[:row.length]  # the last token never reached the cache
+        self.prefixes.store(tokens, self.cache.rows(i, i + 1, [row.length]), 0, {})
 
     def active_request_ids(self) -> list[str]:
         return [row.request.request_id for row in self.rows]

@@ -6,8 +6,10 @@ Shape legend (docs/SHAPES.md): L layers, H kv heads, P prompt tokens, D head dim
 Chat traffic shares a lot: every prompt opens with the template's system turn, a conversation's next turn repeats
 the whole earlier one, and clients resend the same prompt. ``SpecEngine`` asks ``longest`` for the stored prompt
 sharing the most leading tokens with a joining one, copies those slots (``restore``), prefills only the rest, and
-``store``s the new prompt. At least the prompt's last token is always prefilled, since its logits give the first
-token. Entries are whole prompts, evicted least recently used first once their tokens pass ``max_tokens``.
+``store``s the new prompt, and, when a request finishes, its prompt and answer (``SpecEngine._keep_answer``: a
+conversation's next turn starts with both). At least the prompt's last token is always prefilled, since its logits
+give the first token. Entries are whole token sequences, evicted least recently used first once their tokens pass
+``max_tokens``.
 
 Exactness: a prefix's K/V are the very values its own prefill wrote, and a token's K/V depend only on the tokens
 before it. The engine reuses and stores only where ``Decoder.prefill_is_exact`` holds (eyas's fused kernels, whose

@@ -60,7 +60,10 @@ def test_prefix_cache_keeps_every_output(request, random_drafters, method, famil
     assert {name: cached for name, (_, cached) in got.items()} == {
         "first": 0, "again": base - 1, "longer": base, "opening": common_length(tuple(named["first"]), named["opening"]),
         "other": 0}
-    assert engine.prefixes.hits == 3 and engine.prefixes.num_tokens == sum(map(len, named.values())) - base
+    assert engine.prefixes.hits == 3
+    kept = engine.prefixes.entries  # every prompt; with no taps to keep, each answer after its prompt too
+    assert all(any(key[:len(ids)] == tuple(ids) for key in kept) for ids in named.values())
+    assert (len(kept) > 4) == (method in ("vanilla", "ngram"))
 
 
 def test_drafter_gets_the_targets_own_taps_after_a_hit(setup, random_drafters):
@@ -166,3 +169,37 @@ def test_long_prompts_prefill_with_decode_bits_and_reuse(setup):
     assert together["b"][1] == len(long)
     assert {r.request_id: together[r.request_id][0] for r in requests} == {
         r.request_id: served([r])[r.request_id][0] for r in requests}
+
+
+@pytest.mark.parametrize("method", ["vanilla", "ngram"])
+def test_a_conversations_next_turn_reuses_the_answer(setup, method):
+    """A finished answer's K/V are kept: the next turn (prompt + answer + a new user turn) prefills only the new
+    turn, and decodes what it decodes with nothing cached."""
+    target, prompts, eos = setup
+    factory = (lambda: build_drafter(target, SpecConfig(method=method))) if method != "vanilla" else None
+
+    def engine() -> SpecEngine:
+        return SpecEngine(target, capacity=2, max_len=256, drafter_factory=factory, eos_token_ids=eos,
+                          prefix_cache_tokens=1000)
+
+    serving = engine()
+    answer = run(serving, [SequenceRequest("turn 1", prompts[0], 12)])["turn 1"][0]
+    second = prompts[0] + answer + prompts[1]
+    tokens, cached = run(serving, [SequenceRequest("turn 2", second, 8)])["turn 2"]
+    assert cached >= len(prompts[0]) + len(answer) - 1  # all but the answer's last token, which no forward saw
+    assert tokens == run(engine(), [SequenceRequest("turn 2", second, 8)])["turn 2"][0]
+
+
+def test_answers_are_kept_only_from_decode_bit_forwards(setup, random_drafters, monkeypatch):
+    """No answer is kept where a drafter reads taps (only the prompt's taps are at hand), nor after a forward whose
+    bits depend on the batch; prompts still are."""
+    target, prompts, eos = setup
+    spec = spec_for("eagle3", None, drafters=random_drafters)
+    tapped = SpecEngine(target, capacity=1, max_len=256, drafter_factory=lambda: build_drafter(target, spec),
+                        eos_token_ids=eos, prefix_cache_tokens=1000)
+    run(tapped, [SequenceRequest("a", prompts[0], 6)])
+    assert list(tapped.prefixes.entries) == [tuple(prompts[0])]
+    monkeypatch.setattr(type(target), "verify_is_exact", lambda self, num_rows: False)
+    plain = SpecEngine(target, capacity=1, max_len=256, eos_token_ids=eos, prefix_cache_tokens=1000)
+    run(plain, [SequenceRequest("a", prompts[0], 6)])
+    assert list(plain.prefixes.entries) == [tuple(prompts[0])]
