@@ -5,7 +5,8 @@
 
 Output: ``$EYAS_HOME/data/<name>/{train,heldout}/shard-NNNNN.parquet`` (prompt_ids, response_ids, loss_mask; see
 eyas/train/data.py) and ``data.json`` (what produced them, counts, timings): written first with ``"complete": false``
-(readers refuse the data set until the build ends), then again at the end.
+(readers refuse the data set until the build ends, but for the splits the build leaves as they are, listed in
+``readable``: a growing train split's held-out one), then again at the end.
 
 source=regenerate: train prompts from ``eyas.corpus`` (held-out prompts for the held-out split) are tokenized on the
 driver (cut to ``max_prompt_tokens``) and continued by the target, ``batch_size`` prompts per batched forward, on
@@ -224,16 +225,15 @@ def link_features(part: Path, mix_features: Path) -> None:
                     shutil.copy2(file, cache / file.name)
 
 
-def count_rows(out: Path) -> dict[str, int]:
+def count_rows(out: Path, splits: tuple[str, ...] | list[str] = ("train", "heldout")) -> dict[str, int]:
     import pyarrow.parquet as pq
 
     return {split: sum(pq.ParquetFile(f).metadata.num_rows for f in (out / split).glob("shard-*.parquet"))
-            for split in ("train", "heldout")}
+            for split in splits}
 
 
-def build_missing_shards(cfg: DataConfig, out: Path, target_dir: Path, covered: dict[str, int],
+def build_missing_shards(cfg: DataConfig, out: Path, target_dir: Path, todo: list[tuple[str, int]],
                          kept: dict[str, Any] | None) -> dict[str, Any]:
-    todo = pending_shards(cfg, out, covered)
     if kept:
         report_unkept(out, kept, todo)
     if not todo:
@@ -252,12 +252,17 @@ def build(cfg: DataConfig, force: bool = False) -> Path:
     earlier = check_stamp(cfg, out, force)
     covered = {} if cfg.source == "mix" else covered_plan(out, earlier)
     out.mkdir(parents=True, exist_ok=True)
-    # pinned before any shard is written: a rerun after a kill checks its settings, and readers refuse the data set
+    todo = [] if cfg.source == "mix" else pending_shards(cfg, out, covered)
+    # pinned before any shard is written: a rerun after a kill checks its settings, and readers refuse the data set,
+    # all but the splits this build leaves as they are (``readable``: a growing train split's held-out one, which a
+    # running sweep may be evaluating on)
+    untouched = [split for split in ("train", "heldout") if all(split != s for s, _ in todo)]
+    readable = {split: n for split, n in count_rows(out, untouched).items() if n} if earlier.get("complete") else {}
     write_meta(out, {"name": cfg.name, "config": to_dict(cfg), "content_key": cfg.content_key(), "complete": False,
-                     **({"covered": covered} if covered else {})})
+                     **({"covered": covered} if covered else {}), **({"readable": readable} if readable else {})})
     kept = plan_kept_features(cfg, out, target_dir)
     start = time.monotonic()
-    totals = mix(cfg, out) if cfg.source == "mix" else build_missing_shards(cfg, out, target_dir, covered, kept)
+    totals = mix(cfg, out) if cfg.source == "mix" else build_missing_shards(cfg, out, target_dir, todo, kept)
     seconds = time.monotonic() - start
     # temp files of a process killed while writing them: a shard's, or a kept feature row's
     for stale in [*out.glob("*/.shard-*.tmp"), *out.glob(f"features/*/.*.{KEPT_TMP_TAG}*.tmp")]:

@@ -14,7 +14,8 @@ the target features computed from them) and each worker takes a deterministic sl
 a resumed run can skip exactly the batches it already trained on (``DataPosition``).
 
 Nothing partial is read as if complete: a shard is written under a temp name and renamed, data.json says
-``"complete": false`` while a build runs, and reading checks every shard and the row counts data.json records; a
+``"complete": false`` while a build runs (readers refuse every split but those it leaves as they are, listed in
+``"readable"`` with their rows), and reading checks every shard and the row counts data.json records; a
 truncated or missing shard is a ShardError naming the file, and a rerun of jobs.generate_data builds it again.
 """
 from __future__ import annotations
@@ -222,10 +223,10 @@ def check_complete(directory: Path, split: str, num_rows: int) -> None:
         meta = json.loads(meta_file.read_text())
     except json.JSONDecodeError as err:
         raise ShardError(f"{meta_file}: not valid JSON ({err}); {REBUILD}") from None
-    if meta.get("complete") is False:
+    if meta.get("complete") is False and split not in (meta.get("readable") or {}):
         raise ShardError(f"{meta_file}: this data set's build has not finished (it is running, or it was killed); "
                          f"{REBUILD}")
-    recorded = (meta.get("rows") or {}).get(split)
+    recorded = (meta.get("rows") or meta.get("readable") or {}).get(split)
     if recorded is not None and recorded != num_rows:
         raise ShardError(f"{directory / split}: its shards hold {num_rows} rows but {meta_file} records {recorded}; "
                          f"shards are missing or were changed since: {REBUILD}")

@@ -58,6 +58,28 @@ def test_a_data_set_grows_whole_past_a_shard_its_last_plan_cut_short_and_keeps_r
                                                                  "train").rows
 
 
+def test_a_growing_data_set_keeps_its_held_out_split_readable(home, monkeypatch):
+    """While a build adds train shards, readers refuse the train split (it is changing) but not the held-out one,
+    which the build leaves as it is: a sweep evaluating on it goes on."""
+    import jobs.generate_data as job
+
+    out = job.build(corpus_config(num_prompts=4))
+    seen = {}
+    corpus_shards = job.corpus_shards
+
+    def checking(cfg, out_dir, target_dir, todo):
+        seen["todo"] = sorted({split for split, _ in todo})
+        seen["heldout"] = len(SequenceDataset(out_dir, "heldout"))
+        with pytest.raises(ShardError, match="has not finished"):
+            SequenceDataset(out_dir, "train")
+        return corpus_shards(cfg, out_dir, target_dir, todo)
+
+    monkeypatch.setattr(job, "corpus_shards", checking)
+    job.build(corpus_config(num_prompts=10))
+    assert seen == {"todo": ["train"], "heldout": 3}
+    assert json.loads((out / "data.json").read_text())["rows"] == {"train": 10, "heldout": 3}
+
+
 def test_changed_settings_need_force(home):
     from jobs.generate_data import build
 
