@@ -129,16 +129,17 @@ class TrialTrainer(Trainer):
     """The library trainer in one process (no DDP, no Ray), an epoch per ``run_epoch`` call.
 
     ``cfg.scaling`` is ignored: the trial's resources decide the device and threads; the strategy is ``ddp`` over
-    one process (the plain module) and a feature cache is kept in memory. The sweep measures speed on prompts of its
-    own (``heldout_prompt_ids``), so ``cfg.measure``'s prompts are not loaded.
+    one process (the plain module). The feature cache is ``cfg.train.feature_cache``'s: ``disk`` shares the data
+    set's feature directory with every trial and training on this target (and holds no row in the trial's memory,
+    where a smollm2 trial's rows grew past 8 GB and two trials at once ran a 24 GB machine out of memory). The sweep
+    measures speed on prompts of its own (``heldout_prompt_ids``), so ``cfg.measure``'s prompts are not loaded.
     """
 
     def __init__(self, cfg: TrainConfig, target_dir: str | Path, data_dir: str | Path, device: str = "cpu") -> None:
         inputs = load_inputs(cfg, target_dir, data_dir, torch.device(device), prompts=False)
         self.tokenizer = inputs.tokenizer
         super().__init__(cfg, inputs.target, inputs.data, inputs.heldout, eos_token_ids=inputs.eos_token_ids,
-                         target_dir=target_dir, strategy="ddp",
-                         feature_cache="memory" if cfg.train.feature_cache != "none" else "none")
+                         target_dir=target_dir, strategy="ddp", feature_dir=Path(data_dir) / "features")
 
     def run_epoch(self, epoch: int, before_step: Callable[[int], None] | None = None) -> dict[str, float]:
         """Train one epoch (or up to the step budget); returns the epoch's mean training metrics. ``before_step``

@@ -245,6 +245,23 @@ def test_eagle3_recipe_sweep_reports_acceptance_per_suite(workspace, local_ray):
         assert client.get_metric_history(child.info.run_id, "heldout_code_sim_tau")
 
 
+def test_a_trial_keeps_features_on_disk_not_in_memory(workspace):
+    """``train.feature_cache: disk`` holds in a trial as in jobs.train_drafter: rows go to the data set's feature
+    directory, none stays in the trial's memory (in memory, a smollm2 trial's rows passed 8 GB)."""
+    from eyas.config import load_config
+    from eyas.train.config import TrainConfig
+    from tune.measure import TrialTrainer
+
+    home = workspace["home"]
+    cfg = load_config(TrainConfig, REPO / "jobs" / "configs" / "eagle3-micro.yaml",
+                      ["train.feature_cache=disk", "name=e3-disk-trial"])
+    trainer = TrialTrainer(cfg, home / "targets" / "micro", home / "data" / "data-micro")
+    trainer.run_epoch(0)
+    assert trainer.features.mode == "disk" and trainer.features.memory == {}
+    assert trainer.features.directory.parent == home / "data" / "data-micro" / "features"
+    assert list(trainer.features.directory.glob("*.safetensors"))
+
+
 def test_ray_train_runner_launches_a_torch_trainer_per_trial(workspace, local_ray):
     """runner: ray-train: each trial launches jobs.train_drafter's TorchTrainer (Ray Train V2 inside Tune); the
     workers' epoch reports reach Tune (renamed to sim_tau) and the best trial's checkpoint becomes best-drafter/."""
