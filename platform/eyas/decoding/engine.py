@@ -38,7 +38,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
@@ -46,34 +45,13 @@ import torch
 from eyas.decoding.logits import TokenLogprob, first_token, verify_tree
 from eyas.decoding.prefixes import PrefixCache
 from eyas.decoding.requests import Channel, LocalChannel, SequenceRequest, SpeculationSchedule, StepOutput
+from eyas.decoding.rows import Row
 from eyas.decoding.sampling import make_generator, truncate_at_stop
-from eyas.decoding.stats import SpecStats
 from eyas.decoding.tree import MAX_TREE_NODES, DraftTree, chain, check_tree_size, pack_trees, prune
 from eyas.decoding.verify import Accepted
 from eyas.models.decoder import Decoder
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _Row:
-    request: SequenceRequest
-    length: int = 0  # cache slots of this row holding committed tokens
-    out: list[int] = field(default_factory=list)  # emitted tokens
-    new: list[int] = field(default_factory=list)  # emitted this step, not yet reported
-    new_logprobs: list[TokenLogprob] = field(default_factory=list)  # theirs, when the request asked (leader only)
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # not yet reported (leader only)
-    drafter: Any = None
-    begun: bool = False  # the drafter's begin ran; until then the prompt waits in ``behind`` like any commit
-    # committed tokens the drafter has not seen, per cycle: (tokens, taps {layer: hidden_BTE}, row b, node indices)
-    behind: list[tuple[list[int], dict[int, torch.Tensor], int, list[int]]] = field(default_factory=list)
-    generator: torch.Generator | None = None
-    stats: SpecStats = field(default_factory=SpecStats)
-    cycles: list[tuple[int, int, int]] = field(default_factory=list)  # not yet reported
-    finish_reason: str | None = None
-    error: str | None = None  # why the leader failed this request (finish_reason "error")
-    cached_tokens: int | None = None  # prompt tokens the prefix cache supplied; reported once, in the first output
-    decode_bits: bool = False  # every forward so far gave its tokens a decode step's bits (its K/V may be kept)
 
 
 class SpecEngine:
@@ -109,7 +87,7 @@ class SpecEngine:
         self.max_tree_nodes = max_tree_nodes if self.speculative else 1
         self.cache = target.new_cache(capacity, self.max_len)
         self.prefixes = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens else None
-        self.rows: list[_Row] = []
+        self.rows: list[Row] = []
         self.free_drafters: list[Any] = []
         self.taps: tuple[int, ...] = ()
         if self.speculative and self.leader:
@@ -124,25 +102,8 @@ class SpecEngine:
     def num_free(self) -> int:
         return self.capacity - len(self.rows)
 
-    def context_room(self, prompt_len: int) -> int:
-        """The most new tokens a prompt of this length may ask for: the tree of the last cycle must fit too."""
-        return self.max_len - prompt_len - self.max_tree_nodes
-
     def check_request(self, request: SequenceRequest) -> None:
-        vocab = self.target.config.vocab_size
-        if not request.prompt_ids:
-            raise ValueError(f"request {request.request_id}: the prompt is empty; give at least one token")
-        if any(not 0 <= t < vocab for t in request.prompt_ids):
-            raise ValueError(f"request {request.request_id}: prompt token ids must lie in [0, {vocab})")
-        if any(not 0 <= t < vocab for t, _ in request.sampling.logit_bias):
-            raise ValueError(f"request {request.request_id}: logit_bias token ids must lie in [0, {vocab})")
-        if request.max_new_tokens <= 0:
-            raise ValueError(f"request {request.request_id}: max_new_tokens={request.max_new_tokens} must be > 0")
-        room = self.context_room(len(request.prompt_ids))
-        if request.max_new_tokens > room:
-            raise ValueError(f"request {request.request_id}: prompt ({len(request.prompt_ids)} tokens) + "
-                             f"max_new_tokens ({request.max_new_tokens}) exceeds the context of "
-                             f"{self.max_len} tokens ({self.max_tree_nodes} reserved for a draft tree)")
+        request.check(self.target.config.vocab_size, self.max_len, self.max_tree_nodes)
 
     # -- one round -------------------------------------------------------
 
@@ -186,7 +147,7 @@ class SpecEngine:
         firsts = []
         new_rows = []
         for request in joins:
-            row = _Row(request)
+            row = Row(request)
             b = len(self.rows)
             self.rows.append(row)
             new_rows.append(row)
@@ -287,7 +248,7 @@ class SpecEngine:
                 row.stats.verify_s += verify_s
                 row.stats.other_s += other_s
 
-    def _draft(self, row: _Row, limit: int | None) -> tuple[DraftTree, float]:
+    def _draft(self, row: Row, limit: int | None) -> tuple[DraftTree, float]:
         """The row's tree and the seconds its drafter's catch-up and propose took. Under a budget of 0 the drafter
         is not called at all (a bare root, as vanilla's)."""
         root = row.out[-1]
@@ -301,7 +262,7 @@ class SpecEngine:
         assert tree.num_nodes <= self.max_tree_nodes, f"{tree.num_nodes} nodes: over the cap the drafter declared"
         return (tree if limit is None else prune(tree, limit)), seconds
 
-    def _commit(self, row: _Row, b: int, tree: DraftTree, accepted: Accepted, hidden: dict[int, torch.Tensor]
+    def _commit(self, row: Row, b: int, tree: DraftTree, accepted: Accepted, hidden: dict[int, torch.Tensor]
                 ) -> None:
         """The leader queues the root and the accepted tokens (row b of this forward) for ``_catch_up`` and records
         the cycle. Cycles whose tree load-adaptation emptied still count (tau is tokens per target forward); a row
@@ -313,7 +274,7 @@ class SpecEngine:
         judged_depth = row.stats.record_verdict(tree, accepted.nodes)
         row.cycles.append((accepted.num_accepted, judged_depth, tree.num_nodes - 1))
 
-    def _catch_up(self, row: _Row) -> None:
+    def _catch_up(self, row: Row) -> None:
         """Hand the row's drafter every token committed since it last ran, with their taps, in one begin (the first
         time) or commit call: the Drafter contract (base.py) makes that equal to one call per cycle."""
         if not row.behind:
@@ -331,7 +292,7 @@ class SpecEngine:
     # -- bookkeeping -----------------------------------------------------
 
     @contextlib.contextmanager
-    def _isolated(self, row: _Row, what: str) -> Iterator[None]:
+    def _isolated(self, row: Row, what: str) -> Iterator[None]:
         """Leader-side work for one row: an exception (a drafter bug, sampling settings that slipped past the
         request checks) fails that request alone, reported in its StepOutput and logged, and the batch goes on."""
         try:
@@ -340,11 +301,11 @@ class SpecEngine:
             row.error = f"{what} failed ({type(err).__name__}: {err})"
             logger.warning("eyas engine: request %s: %s", row.request.request_id, row.error, exc_info=True)
 
-    def _fail(self, row: _Row) -> None:
+    def _fail(self, row: Row) -> None:
         row.finish_reason = "error"
         row.error = row.error or "failed on the leader rank"  # only the leader knows why; its output is reported
 
-    def _emit(self, row: _Row, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> None:
+    def _emit(self, row: Row, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> None:
         """Append a cycle's tokens (and their logprobs), cut at a stop or the budget. Only the new tokens are
         scanned: a row whose output held a stop would have finished."""
         budget = row.request.max_new_tokens
@@ -358,7 +319,7 @@ class SpecEngine:
         elif len(row.out) >= budget:
             row.finish_reason = "length"
 
-    def _output(self, row: _Row) -> StepOutput:
+    def _output(self, row: Row) -> StepOutput:
         new, row.new = row.new, []
         asked = self.leader and row.request.logprobs is not None
         logprobs, row.new_logprobs = (row.new_logprobs if asked else None), []
@@ -394,7 +355,7 @@ class SpecEngine:
         if row.drafter is not None:  # its next row begins it afresh
             self.free_drafters.append(row.drafter)
 
-    def _keep_answer(self, row: _Row, i: int) -> None:
+    def _keep_answer(self, row: Row, i: int) -> None:
         """A conversation's next turn repeats this prompt and its answer: keep their K/V (cache row i) in the prefix
         cache, for a finished answer whose every forward gave decode bits (the bits a prefill with ``decode_bits``
         would give the same tokens). Not where a drafter reads taps: only the prompt's are kept, not the answer's."""

@@ -61,6 +61,22 @@ class SequenceRequest:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
 
+    def check(self, vocab_size: int, max_len: int, tree_room: int) -> None:
+        """A ValueError naming what is wrong: an empty prompt, token ids outside the vocabulary, no new tokens, or a
+        prompt and max_new_tokens past a context of ``max_len`` slots less the ``tree_room`` a draft tree reserves."""
+        name = f"request {self.request_id}"
+        if not self.prompt_ids:
+            raise ValueError(f"{name}: the prompt is empty; give at least one token")
+        if any(not 0 <= t < vocab_size for t in self.prompt_ids):
+            raise ValueError(f"{name}: prompt token ids must lie in [0, {vocab_size})")
+        if any(not 0 <= t < vocab_size for t, _ in self.sampling.logit_bias):
+            raise ValueError(f"{name}: logit_bias token ids must lie in [0, {vocab_size})")
+        if self.max_new_tokens <= 0:
+            raise ValueError(f"{name}: max_new_tokens={self.max_new_tokens} must be > 0")
+        if self.max_new_tokens > max_len - len(self.prompt_ids) - tree_room:
+            raise ValueError(f"{name}: prompt ({len(self.prompt_ids)} tokens) + max_new_tokens ({self.max_new_tokens}) "
+                             f"exceeds the context of {max_len} tokens ({tree_room} reserved for a draft tree)")
+
 
 @dataclass
 class StepOutput:
