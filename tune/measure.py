@@ -130,8 +130,8 @@ class TrialTrainer(Trainer):
 
     ``cfg.scaling`` is ignored: the trial's resources decide the device and threads; the strategy is ``ddp`` over
     one process (the plain module). The feature cache is ``cfg.train.feature_cache``'s: ``disk`` shares the data
-    set's feature directory with every trial and training on this target (and holds no row in the trial's memory,
-    where a smollm2 trial's rows grew past 8 GB and two trials at once ran a 24 GB machine out of memory). The sweep
+    set's feature directory with every trial and training on this target and holds no row in the trial's memory
+    (``memory`` keeps every sequence the trial has seen, about 4 MB each for smollm2's taps). The sweep
     measures speed on prompts of its own (``heldout_prompt_ids``), so ``cfg.measure``'s prompts are not loaded.
     """
 

@@ -247,7 +247,7 @@ def test_eagle3_recipe_sweep_reports_acceptance_per_suite(workspace, local_ray):
 
 def test_a_trial_keeps_features_on_disk_not_in_memory(workspace):
     """``train.feature_cache: disk`` holds in a trial as in jobs.train_drafter: rows go to the data set's feature
-    directory, none stays in the trial's memory (in memory, a smollm2 trial's rows passed 8 GB)."""
+    directory, none stays in the trial's memory (kept there, they grow with every sequence the trial sees)."""
     from eyas.config import load_config
     from eyas.train.config import TrainConfig
     from tune.measure import TrialTrainer
