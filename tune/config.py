@@ -124,6 +124,9 @@ class ResourcesConfig:
     cpus_per_trial: float = 1.0   # tune.with_resources; a trial loads its own target copy
     gpus_per_trial: float = 0.0   # > 0: the trial runs on CUDA (0.5: two trials share a GPU)
     max_concurrent_trials: int | None = None  # a cap below what the cluster fits (null: no cap)
+    # memory one trial reserves in Ray's accounting (its "memory" resource), so Tune starts no more trials than a
+    # node's memory holds (null: none reserved; a smollm2 EAGLE-3 training trial peaked at 12.6 GB)
+    memory_gb_per_trial: float | None = None
     torch_threads: int | None = None          # per trial; default: its whole CPUs (at least 1)
     # a trial whose process dies (killed, out of memory, its node lost); past the retries it is reported failed
     max_failures: int = 1                     # retries of a dead trial from its last checkpoint (-1: forever)
@@ -138,9 +141,16 @@ class ResourcesConfig:
         require(self.torch_threads is None or self.torch_threads >= 1, "resources.torch_threads",
                 self.torch_threads, "must be >= 1 or null")
         require(self.max_failures >= -1, "resources.max_failures", self.max_failures, "must be >= -1 (-1 = forever)")
+        require(self.memory_gb_per_trial is None or self.memory_gb_per_trial > 0, "resources.memory_gb_per_trial",
+                self.memory_gb_per_trial, "must be > 0 or null")
+
+    @property
+    def memory_bytes(self) -> float:
+        return (self.memory_gb_per_trial or 0.0) * 1e9
 
     def tune_resources(self) -> dict[str, float]:
-        return {"cpu": self.cpus_per_trial, **({"gpu": self.gpus_per_trial} if self.gpus_per_trial else {})}
+        return {"cpu": self.cpus_per_trial, **({"gpu": self.gpus_per_trial} if self.gpus_per_trial else {}),
+                **({"memory": self.memory_bytes} if self.memory_bytes else {})}
 
 
 @dataclass(frozen=True)

@@ -141,7 +141,8 @@ def trial_needs(sweep: SweepConfig) -> dict[str, float]:
         cpus = DRIVER_CPUS + scaling.num_workers * scaling.cpus_per_worker
         return {"CPU": cpus, **({"GPU": float(scaling.num_workers)} if scaling.use_gpu else {})}
     resources = sweep.resources
-    return {k: v for k, v in (("CPU", resources.cpus_per_trial), ("GPU", resources.gpus_per_trial)) if v}
+    return {k: v for k, v in (("CPU", resources.cpus_per_trial), ("GPU", resources.gpus_per_trial),
+                              ("memory", resources.memory_bytes)) if v}
 
 
 def concurrency(sweep: SweepConfig, cluster: dict[str, float]) -> int | None:
@@ -150,8 +151,9 @@ def concurrency(sweep: SweepConfig, cluster: dict[str, float]) -> int | None:
     for resource, amount in needs.items():
         if cluster.get(resource, 0.0) < amount:
             where = "training.scaling" if sweep.runner == "ray-train" else "resources"
-            raise ConfigError(f"{where}: a trial needs {amount:g} {resource} but the Ray cluster has "
-                              f"{cluster.get(resource, 0.0):g}; lower it or add nodes")
+            need, have = ((f"{amount / 1e9:g} GB of memory", f"{cluster.get(resource, 0.0) / 1e9:.1f} GB")
+                          if resource == "memory" else (f"{amount:g} {resource}", f"{cluster.get(resource, 0.0):g}"))
+            raise ConfigError(f"{where}: a trial needs {need} but the Ray cluster has {have}; lower it or add nodes")
     cap = sweep.resources.max_concurrent_trials
     if sweep.runner == "ray-train":  # Tune cannot see the workers' needs: cap by what the cluster fits
         fits = min(int(cluster.get(r, 0.0) // a) for r, a in needs.items())

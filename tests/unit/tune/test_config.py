@@ -238,3 +238,19 @@ def test_a_bare_drafter_name_reaches_the_trials_as_its_directory(tmp_path, monke
     monkeypatch.chdir(tmp_path)
     spec = SpecConfig(method="eagle3", drafter="eagle3-t")
     assert absolute_spec(spec)["drafter"] == str((shipped / "eagle3-t").resolve())
+
+
+def test_a_trial_can_reserve_memory_and_a_cluster_too_small_is_named(tmp_path):
+    """resources.memory_gb_per_trial goes into Tune's resources (Ray's "memory"), so no more trials start than a node's
+    memory holds; a cluster with less than one trial's share is refused before any trial, in GB."""
+    from tune.sweep import concurrency, trial_needs
+
+    sweep = load(tmp_path, {**TRAINING, "resources": {"cpus_per_trial": 2, "memory_gb_per_trial": 12}})
+    assert sweep.resources.tune_resources() == {"cpu": 2, "memory": 12e9}
+    assert trial_needs(sweep) == {"CPU": 2, "memory": 12e9}
+    assert concurrency(sweep, {"CPU": 2.0, "memory": 17.5e9}) is None  # Tune's accounting: one at a time here
+    with pytest.raises(ConfigError, match="a trial needs 12 GB of memory but the Ray cluster has 8.0 GB"):
+        concurrency(sweep, {"CPU": 2.0, "memory": 8e9})
+    with pytest.raises(ConfigError, match="memory_gb_per_trial"):
+        load(tmp_path, {**TRAINING, "resources": {"memory_gb_per_trial": 0}})
+    assert load(tmp_path, TRAINING).resources.tune_resources() == {"cpu": 1.0}
