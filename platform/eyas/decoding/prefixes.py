@@ -53,7 +53,6 @@ class PrefixCache:
         self.entries: OrderedDict[tuple[int, ...], Prefix] = OrderedDict()  # least recently used first
         self.num_tokens = 0
         self.hits = 0
-        self.reused_tokens = 0
 
     def longest(self, prompt: list[int], taps: tuple[int, ...]) -> tuple[int, tuple[int, ...] | None]:
         """(tokens to reuse, the entry's key) for ``prompt``: at most len(prompt) - 1, 0 and None below MIN_REUSE.
@@ -74,7 +73,6 @@ class PrefixCache:
         self.entries.move_to_end(key)
         cache.fill_row(row, entry.k_LHPD[:, :, :length], entry.v_LHPD[:, :, :length])
         self.hits += 1
-        self.reused_tokens += length
         return {layer: hidden_1PE[:, :length] for layer, hidden_1PE in entry.taps.items()}
 
     def store(self, prompt: list[int], cache: KVCache, row: int, taps: dict[int, torch.Tensor]) -> None:

@@ -3,9 +3,10 @@
 Shape legend (docs/SHAPES.md): L layers, B batch rows, H kv heads, S cache slots, D head dim, T new tokens.
 
 The cache owns its tensors: appending (begin / write / finish, or ``extend``), rollback (``keep``, ``truncate``),
-row views (``rows``), row moves (``move_row``), prefix copies (``row_slots``, ``fill_row``) and growth (``grow``, ``ensure_room``) are its methods, and nothing
-else writes ``k_LBHSD`` / ``v_LBHSD``. The target's cache, the engine's batch rows and the drafters' own caches
-(EAGLE's tree-attention cache, DFlash's context cache) are all this one class.
+row views (``rows``), row moves (``move_row``), prefix copies (``row_slots``, ``fill_row``) and growth (``grow``,
+``ensure_room``) are its methods, and nothing else writes ``k_LBHSD`` / ``v_LBHSD``. The target's cache, the
+engine's batch rows and the drafters' own caches (EAGLE's tree-attention cache, DFlash's context cache) are all this
+one class.
 
 Every forward appends its T new tokens at slots ``[start_b, start_b + T)`` of each row b. After a tree
 verification only the accepted path survives: ``keep(nodes)`` copies the K/V of the kept new slots to

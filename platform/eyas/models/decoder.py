@@ -276,10 +276,12 @@ class Decoder(nn.Module):
         head = self.lm_head.packed
         if self.device.type != "cpu" or num_rows > panels.MAX_ROWS or head is None or head.panels_PIW is None:
             return False
+        if self._fused is not None:  # checked first: the engine asks every cycle when it keeps answers' K/V
+            return True
         linears = [m for layer in self.layers for m in (layer.self_attn.fused_qkv, layer.self_attn.packed_o,
                                                          layer.mlp.fused_gate_up, layer.mlp.packed_down)]
-        return self._fused is not None or (torch.get_num_threads() == 1 and attention.supports(self.config.head_dim)
-                                           and all(m is not None and m.panels_PIW is not None for m in linears))
+        return (torch.get_num_threads() == 1 and attention.supports(self.config.head_dim)
+                and all(m is not None and m.panels_PIW is not None for m in linears))
 
     def prefill_is_exact(self, num_new: int, decode_bits: bool = False) -> bool:
         """Whether a causal prefill of ``num_new`` tokens (``forward(..., decode_bits=decode_bits)``) gives each token

@@ -57,9 +57,9 @@ def test_prefix_cache_keeps_every_output(request, random_drafters, method, famil
     got = run(engine, [SequenceRequest(name, ids, NUM_NEW) for name, ids in named.items()])
     assert {name: tokens for name, (tokens, _) in got.items()} == expected
     base = len(named["first"])
+    opening = common_length(tuple(named["first"]), named["opening"])
     assert {name: cached for name, (_, cached) in got.items()} == {
-        "first": 0, "again": base - 1, "longer": base, "opening": common_length(tuple(named["first"]), named["opening"]),
-        "other": 0}
+        "first": 0, "again": base - 1, "longer": base, "opening": opening, "other": 0}
     assert engine.prefixes.hits == 3
     kept = engine.prefixes.entries  # every prompt; with no taps to keep, each answer after its prompt too
     assert all(any(key[:len(ids)] == tuple(ids) for key in kept) for ids in named.values())
