@@ -166,7 +166,7 @@ def publish(cfg: TrainConfig, result, run_dir: Path) -> tuple[Path, dict[str, An
 def train(cfg: TrainConfig) -> Path:
     target_dir, data_dir = check_inputs(cfg)
     cfg = local_init(cfg)
-    init_ray()
+    init_ray(preload_allocator=True)
     start = time.monotonic()
     tracking = cfg.tracking
     run = ResumableRun.for_config("train_drafter", cfg.name, to_dict(cfg), resolve_path(cfg.scaling.storage_path))

@@ -208,7 +208,7 @@ def build(cfg: TargetJobConfig, force: bool = False) -> Path:
     tokenizer_dir = prepare_tokenizer(cfg)
     tokenizer = load_tokenizer(tokenizer_dir)
     vocab = tokenizer_vocab(tokenizer_dir)
-    init_ray()
+    init_ray(preload_allocator=True)
     with track.start_run(cfg.experiment, run_name=cfg.name, params=flatten(cfg),
                          tags={"eyas.kind": "draft" if cfg.tokenizer_from else "target"}) as run:
         track.log_params_flat({"vocab_size": vocab.size, "tokenizer_dir": str(tokenizer_dir)})

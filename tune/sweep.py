@@ -203,7 +203,7 @@ def run_sweep(sweep: SweepConfig, command: str, points: list[dict[str, Any]]) ->
     # a trial checkpoints every epoch; Tune's warning about frequent experiment snapshots is noise here
     os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "0")
     context = build_context(sweep)
-    init_ray()
+    init_ray(preload_allocator=True)
     max_concurrent = concurrency(sweep, ray.cluster_resources())
     start = time.monotonic()
     parent = (track.start_run(sweep.tracking.experiment, run_name=sweep.name, params=flatten(to_dict(sweep)),

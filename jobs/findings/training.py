@@ -163,7 +163,7 @@ def _train_job(config: dict[str, Any]) -> float:
 def train_ray(variants: Sequence[Variant]) -> list[Trained]:
     import ray
 
-    init_ray()
+    init_ray(preload_allocator=True)
     env = {k: v for k, v in {"EYAS_HOME": os.environ.get("EYAS_HOME"), "MLFLOW_TRACKING_URI": track.tracking_uri(),
                              "EYAS_MLFLOW_ARTIFACTS": str(track.artifact_root() or "")}.items() if v}
     task = ray.remote(num_cpus=0)(_train_job).options(runtime_env={"env_vars": env})  # the workers hold the CPUs

@@ -5,11 +5,12 @@ import logging
 import os
 from typing import Any
 
+from eyas.allocator import preload_env
 from eyas_ray import auth
-from eyas_ray.threads import with_openmp_env
+from eyas_ray.threads import with_env_vars, with_openmp_env
 
 
-def init_ray(**kwargs: Any) -> None:
+def init_ray(preload_allocator: bool = False, **kwargs: Any) -> None:
     """``ray.init()``: a fresh local Ray of its own unless ``RAY_ADDRESS`` names a cluster (``ray job submit`` sets it).
 
     Token auth stays on without eyas setting ``RAY_AUTH_MODE``: Ray 2.60 turns it on by itself for a new local
@@ -18,6 +19,9 @@ def init_ray(**kwargs: Any) -> None:
     does is make sure the token exists. Joining a cluster needs its token (``RAY_AUTH_TOKEN``,
     ``RAY_AUTH_TOKEN_PATH`` or ``~/.ray/auth_token``; a job submitted to a cluster inherits the head's). A fresh
     local Ray is the user's own cluster: its token is ``~/.ray/auth_token``, created when missing. Idempotent.
+
+    ``preload_allocator``: the job's workers start on tcmalloc or jemalloc (``eyas.allocator``), where a training
+    step's varied tensor sizes fragment glibc's heap.
     """
     import ray
 
@@ -26,6 +30,8 @@ def init_ray(**kwargs: Any) -> None:
     kwargs.setdefault("log_to_driver", True)
     # every worker starts with eyas's OpenMP wait policy (torch reads it on import; eyas.threads)
     runtime_env = with_openmp_env(kwargs.get("runtime_env"))
+    if preload_allocator:
+        runtime_env = with_env_vars(runtime_env, preload_env())
     if runtime_env:
         kwargs["runtime_env"] = runtime_env
     address = os.environ.get("RAY_ADDRESS")

@@ -14,8 +14,13 @@ from eyas.threads import openmp_env
 
 def with_openmp_env(runtime_env: dict[str, Any] | None = None) -> dict[str, Any]:
     """``runtime_env`` with the policy's OpenMP variables added to its env_vars (its own values win)."""
+    return with_env_vars(runtime_env, openmp_env())
+
+
+def with_env_vars(runtime_env: dict[str, Any] | None, env_vars: dict[str, str]) -> dict[str, Any]:
+    """``runtime_env`` with ``env_vars`` added to its env_vars (its own values win)."""
     runtime_env = dict(runtime_env or {})
-    env_vars = {**openmp_env(), **(runtime_env.get("env_vars") or {})}
-    if env_vars:
-        runtime_env["env_vars"] = env_vars
+    merged = {**env_vars, **(runtime_env.get("env_vars") or {})}
+    if merged:
+        runtime_env["env_vars"] = merged
     return runtime_env
