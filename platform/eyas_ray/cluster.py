@@ -5,7 +5,7 @@ import logging
 import os
 from typing import Any
 
-from eyas.allocator import preload_env
+from eyas_ray.allocator import preload_env
 from eyas_ray import auth
 from eyas_ray.threads import with_env_vars, with_openmp_env
 
@@ -20,8 +20,8 @@ def init_ray(preload_allocator: bool = False, **kwargs: Any) -> None:
     ``RAY_AUTH_TOKEN_PATH`` or ``~/.ray/auth_token``; a job submitted to a cluster inherits the head's). A fresh
     local Ray is the user's own cluster: its token is ``~/.ray/auth_token``, created when missing. Idempotent.
 
-    ``preload_allocator``: the job's workers start on tcmalloc or jemalloc (``eyas.allocator``), where a training
-    step's varied tensor sizes fragment glibc's heap.
+    ``preload_allocator``: the job's workers start on tcmalloc or jemalloc (``eyas_ray.allocator``), where a
+    training step's varied tensor sizes fragment glibc's heap.
     """
     import ray
 

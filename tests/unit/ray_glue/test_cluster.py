@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from eyas.allocator import ALLOCATOR_VAR, allocator_library
+from eyas_ray.allocator import ALLOCATOR_VAR, allocator_library
 from eyas_ray import auth
 from eyas_ray.cluster import PG_CLEANER_LOGGER, init_ray, with_quiet_state_api
 
@@ -43,7 +43,7 @@ def test_a_setup_hook_of_the_callers_own_is_kept():
 
 def test_training_workers_start_on_the_preloaded_allocator(local_ray):
     """init_ray(preload_allocator=True): every worker of the job runs with tcmalloc or jemalloc mapped (a training
-    step's varied tensor sizes fragment glibc's heap: eyas.allocator). Ray's own wheel ships jemalloc, so one is
+    step's varied tensor sizes fragment glibc's heap: eyas_ray.allocator). Ray's own wheel ships jemalloc, so one is
     always there."""
     library = allocator_library("auto")
     assert library is not None

@@ -1,9 +1,9 @@
-"""eyas.allocator: which allocator a training process preloads, and that a user's own choice is kept."""
+"""eyas_ray.allocator: which allocator a training process preloads, and that a user's own choice is kept."""
 from __future__ import annotations
 
 import pytest
 
-from eyas import allocator
+from eyas_ray import allocator
 from eyas_ray.threads import with_env_vars
 
 
