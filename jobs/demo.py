@@ -74,8 +74,8 @@ PROFILES = {
         # 8 prompts a suite (fewer move a speedup by ~0.1x between runs), 64 new tokens, and EAGLE-3 as the chain
         # of 1 that measures fastest on a 2-core CPU (jobs/configs/bench-smollm2/eagle3.yaml), for the demo's
         # drafter and the shipped one alike: through the default 24-node tree the shipped drafter benched at
-        # 0.52x / 0.47x vanilla (1 prompt a suite, 3d0e614), through the chain at 1.22x / 1.10x (8 prompts, 128
-        # tokens). The bench step takes ~6 minutes of a fresh demo's 15 (AVX-512 EPYC, 2 cores, 977bee9)
+        # 0.52x / 0.47x vanilla (1 prompt a suite), through the chain at 1.22x / 1.10x (8 prompts, 128
+        # tokens). The bench step takes ~6 minutes of a fresh demo's 15 (AVX-512 EPYC, 2 cores)
         bench_args=("--suite", "humaneval,chat", "--num-prompts", "8", "--max-new-tokens", "64",
                     "--spec", "jobs/configs/bench-smollm2/eagle3.yaml"),
         prompt="Write a Python function that returns the n-th Fibonacci number.", chat=True, max_tokens=48,

@@ -54,10 +54,9 @@ def allocator_library(choice: str | None = None) -> str | None:
     choice = choice or allocator_choice()
     if choice == "system":
         return None
-    found = {"tcmalloc": tcmalloc_library, "jemalloc": jemalloc_library}
     if choice == "auto":
         return tcmalloc_library() or jemalloc_library()
-    library = found[choice]()
+    library = tcmalloc_library() if choice == "tcmalloc" else jemalloc_library()
     if library is None:
         raise ValueError(f"{ALLOCATOR_VAR}={choice}: no {choice} library found (tcmalloc: the system package "
                          "libtcmalloc-minimal4 or gperftools; jemalloc: Ray's wheel); set it to auto or system")
@@ -67,7 +66,7 @@ def allocator_library(choice: str | None = None) -> str | None:
 def preload_env() -> dict[str, str]:
     """``{"LD_PRELOAD": library}`` for a new training process, or {} (``system``, nothing installed, a user's own
     LD_PRELOAD, or not Linux)."""
-    if not os.uname().sysname == "Linux" or "LD_PRELOAD" in os.environ:
+    if os.uname().sysname != "Linux" or "LD_PRELOAD" in os.environ:
         return {}
     library = allocator_library()
     return {"LD_PRELOAD": library} if library else {}
